@@ -1,0 +1,29 @@
+"""`dflashpipe`: the project's own commands beside `dvc`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import typer
+
+from dflashpipe.errors import DflashpipeError
+from dflashpipe.params import load_params, load_stage_params
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+
+
+@app.callback()
+def main() -> None:
+    """dflashpipe: train and measure a DFlash drafter as a DVC pipeline."""
+
+
+@app.command()
+def params(stage: str = typer.Option(None, help="Show only what this dvc.yaml stage may read.")) -> None:
+    """Validate params.yaml (and its match with dvc.yaml) and print the typed values."""
+    try:
+        sections = load_stage_params(stage).sections if stage else load_params()
+    except DflashpipeError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(json.dumps({k: dataclasses.asdict(v) for k, v in sections.items()}, indent=2))

