@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from dflashpipe.errors import SourceError
 from dflashpipe.params import SourceSpec
 
@@ -66,13 +68,14 @@ def to_conversation(value: Any) -> Conversation:
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise BadRecord("bad_turn", f"turn {i} is not an object")
-        role = turn.get("role", turn.get("from"))
+        role = turn.get("role") or turn.get("from")
         content = turn.get("content", turn.get("value"))
-        if not isinstance(role, str) or role.lower() not in ROLES:
+        normalised = ROLES.get(role) or (ROLES.get(role.lower()) if isinstance(role, str) else None)
+        if normalised is None:
             raise BadRecord("unknown_role", f"turn {i} has role {role!r}; known roles: {sorted(ROLES)}")
         if not isinstance(content, str):
             raise BadRecord("bad_turn", f"turn {i} content is {type(content).__name__}, not a string")
-        conversation.append({"role": ROLES[role.lower()], "content": content})
+        conversation.append({"role": normalised, "content": content})
     if not any(t["content"].strip() for t in conversation):
         raise BadRecord("empty_content", "every turn is empty")
     return conversation
@@ -88,20 +91,19 @@ def _record(locator: str, native_id: str, value: Any) -> Record:
 def read_jsonl(path: Path, label: str) -> Iterator[Record]:
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
-            locator = f"{label}:{lineno}"
             try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield Record(locator, str(lineno), bad="invalid_utf8", detail=str(exc))
+                value = orjson.loads(raw)  # validates UTF-8 too; the common case costs one call
+            except orjson.JSONDecodeError as exc:
+                if not raw.strip():
+                    continue
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError as bad:
+                    yield Record(f"{label}:{lineno}", str(lineno), bad="invalid_utf8", detail=str(bad))
+                else:
+                    yield Record(f"{label}:{lineno}", str(lineno), bad="malformed_json", detail=str(exc))
                 continue
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as exc:
-                yield Record(locator, str(lineno), bad="malformed_json", detail=exc.msg)
-                continue
-            yield _record(locator, str(lineno), value)
+            yield _record(f"{label}:{lineno}", str(lineno), value)
 
 
 def _decode_text(path: Path, label: str) -> str:

