@@ -8,6 +8,7 @@ import json
 import typer
 
 from dflashpipe.errors import DflashpipeError
+from dflashpipe import explain as explaining
 from dflashpipe.params import load_params, load_stage_params
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
@@ -27,3 +28,27 @@ def params(stage: str = typer.Option(None, help="Show only what this dvc.yaml st
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     typer.echo(json.dumps({k: dataclasses.asdict(v) for k, v in sections.items()}, indent=2))
+
+
+@app.command()
+def explain(
+    a: str = typer.Argument("HEAD", help="The earlier state: a git revision, a DVC experiment, or 'workspace'."),
+    b: str = typer.Argument(explaining.WORKSPACE, help="The later state (default: the workspace)."),
+    since: str = typer.Option(None, help="Compare this revision against the workspace."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    as_md: bool = typer.Option(False, "--md", help="Markdown, for pasting into an issue or PR."),
+) -> None:
+    """What changed between two states, what it invalidated (and what not), what it cost."""
+    if since:
+        a, b = since, explaining.WORKSPACE
+    try:
+        report = explaining.explain(a, b)
+    except DflashpipeError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        typer.echo(explaining.to_json(report))
+    elif as_md:
+        typer.echo(explaining.to_markdown(report), nl=False)
+    else:
+        explaining.print_text(report)

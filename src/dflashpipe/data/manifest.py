@@ -159,6 +159,19 @@ class WeightedMix:
         heapq.heappop(self.heap)
 
 
+def manifest_metrics(summary: dict) -> dict:
+    """The headline numbers of a manifest, for `dvc metrics diff`."""
+    sources = summary["sources"].values()
+    return {
+        "train_samples": summary["num_samples"],
+        "eval_samples": summary["eval"]["samples"],
+        "shards": len(summary["shards"]),
+        "train_characters": summary["characters"]["train"],
+        "records_read": sum(s["read"] for s in sources),
+        "records_skipped": sum(sum(s["skipped"].values()) for s in sources),
+    }
+
+
 def build_manifest(params: DataParams, out: Path | str, root: Path | str = ".") -> dict:
     """Write the training shards, the eval split and summary.json into `out`; return the summary."""
     root = Path(root)
