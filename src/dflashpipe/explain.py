@@ -456,10 +456,16 @@ def to_markdown(report: Report) -> str:
     if not report.metrics:
         lines.append("- no metric differs")
     for m in report.metrics:
-        pct = f" ({m.change:+.0%})" if m.change is not None else ""
-        lines.append(f"- `{m.key}` {m.old} -> {m.new}{pct} ({m.file}, stage {m.stage}); "
-                     f"changed inputs: {', '.join(m.causes) or 'none recorded'}")
+        change, source = metric_line(m)
+        lines.append(f"- `{m.key}` {change} ({source})")
     return "\n".join(lines) + "\n"
+
+
+def metric_line(m: MetricDelta) -> tuple[str, str]:
+    """'old -> new (+x%)' and where it came from, with the changed inputs behind it."""
+    pct = f" ({m.change:+.0%})" if m.change is not None else ""
+    return (f"{m.old} -> {m.new}{pct}",
+            f"{m.file}, stage {m.stage}; changed inputs: {', '.join(m.causes) or 'none recorded'}")
 
 
 def _no_causes(report: Report) -> str:
@@ -502,6 +508,5 @@ def print_text(report: Report) -> None:
     if not report.metrics:
         console.print("  no metric differs")
     for m in report.metrics:
-        pct = f" ({m.change:+.0%})" if m.change is not None else ""
-        console.print(f"  • {escape(m.key)} {m.old} -> {m.new}{pct}  [dim]{m.file}, stage {m.stage}; "
-                      f"changed inputs: {escape(', '.join(m.causes) or 'none recorded')}[/dim]")
+        change, source = metric_line(m)
+        console.print(f"  • {escape(m.key)} {change}  [dim]{escape(source)}[/dim]")
