@@ -1,0 +1,105 @@
+"""Compile-guard scenarios, one per process (dynamo's state is per process and sticky).
+
+    python tests/scenarios/compile_guard.py SCENARIO ARTIFACT_DIR
+
+Prints one JSON line with what happened; tests/test_compile.py asserts on it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+
+from dflashpipe.compile.artifact import load_artifact, point_inductor_at, write_artifact  # noqa: E402
+from dflashpipe.compile.guard import CompileGuard, CompileGuardError, dynamo_counters, COUNTER  # noqa: E402
+
+SEQ = 256
+
+
+def causal(b, h, q, kv):
+    return q >= kv
+
+
+def setup():
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flex = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    q = torch.randn(1, 2, SEQ, 16)
+    mask = create_block_mask(causal, None, None, SEQ, SEQ, device="cpu")
+    return torch, flex, flex_attention, create_block_mask, q, mask
+
+
+def in_threads(n, fn):
+    errors = []
+
+    def run(i):
+        try:
+            fn(i)
+        except Exception as exc:  # reported, asserted by the test
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"drafter-{i}") for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+def main(scenario: str, artifact: Path) -> dict:
+    if scenario == "warm":
+        load_artifact(artifact, Path(tempfile.mkdtemp()) / "cache", {})
+    else:
+        cache = point_inductor_at(Path(tempfile.mkdtemp()))
+    COUNTER.install()
+    torch, flex, eager_flex, create_block_mask, q, mask = setup()
+    flex(q, q, q, block_mask=mask)  # the main thread compiles once
+    from torch._dynamo.utils import counters
+
+    result = {"fxgraph_cache_hit": int(counters["inductor"]["fxgraph_cache_hit"])}
+    if scenario == "cold":
+        write_artifact(artifact, cache, {"environment": {}}, with_mega_cache=False)
+        return result
+    guard = CompileGuard(strict=True)
+    guard.arm()
+    before = dynamo_counters()
+    if scenario in ("warm", "threads"):
+        result["errors"] = in_threads(3, lambda i: [guard.call("flex", flex, q, q, q, block_mask=mask) for _ in range(20)])
+    elif scenario == "new_shape":
+        bigger = torch.randn(1, 2, SEQ * 2, 16)
+        big_mask = create_block_mask(causal, None, None, SEQ * 2, SEQ * 2, device="cpu")
+        result["errors"] = in_threads(1, lambda i: guard.call("flex", flex, bigger, bigger, bigger, block_mask=big_mask))
+    elif scenario == "eager_flex":
+        result["errors"] = in_threads(1, lambda i: guard.call("flex", eager_flex, q, q, q, block_mask=mask))
+    elif scenario == "fx_race":
+        stop = threading.Event()
+
+        class Chain(torch.nn.Module):
+            def forward(self, x):
+                for _ in range(100):
+                    x = x * 1.0001 + 0.1
+                return x
+
+        def trace(_):
+            while not stop.is_set():
+                torch.fx.symbolic_trace(Chain())
+
+        tracer = threading.Thread(target=trace, args=(0,))
+        tracer.start()
+        result["errors"] = in_threads(1, lambda i: [guard.call("flex", flex, q, q, q, block_mask=mask) for _ in range(500)])
+        stop.set()
+        tracer.join()
+    after = dynamo_counters()
+    result["new_graphs"] = after["unique_graphs"] - before["unique_graphs"]
+    result["compiles_outside_main_thread"] = after["compiles_outside_main_thread"]
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1], Path(sys.argv[2]))))
