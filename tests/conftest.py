@@ -39,6 +39,18 @@ def set_params(project: Path, **changes) -> None:
     path.write_text(yaml.safe_dump(params, sort_keys=False))
 
 
+TINY_PROFILE = {
+    "tokenize__max_length": 256, "tokenize__min_supervised_tokens": 8, "tokenize__num_proc": 1,
+    "model__layers": 1, "model__block_size": 4, "model__target_layers": 2, "model__num_anchors": 4,
+    "model__seq_len": 64,
+    # Eager: the compiled path has its own tests (test_compile, test_train); here it would only cost minutes.
+    "compile__enabled": False,
+    "train__max_steps": 3, "train__warmup_steps": 1, "train__checkpoint_every": 0,
+    "evaluate__num_prompts": 1, "evaluate__max_new_tokens": 12, "evaluate__max_prompt_tokens": 512,
+}
+"""Every stage runs for real, in seconds: a tiny drafter on a tiny target, three steps."""
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer_dir(tmp_path_factory) -> Path:
     """The real SmolLM2 tokenizer (with its chat template), read once from the shipped GGUF."""
@@ -83,7 +95,7 @@ def dvc_project(tmp_path, tiny_target_dir) -> Path:
             shutil.copy2(src, dst)
     shutil.copytree(tiny_target_dir, project / "models" / "tiny")
     set_params(project, target__source="models/tiny", target__dtype="float32", data__num_samples=60,
-               data__shard_size=20)
+               data__shard_size=20, **TINY_PROFILE)
     params = yaml.safe_load((project / "params.yaml").read_text())
     for source in params["data"]["sources"]:
         source["eval"] = min(source["eval"], 4)

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from dflashpipe.explain import ALWAYS, DIRECT, OUTPUTS, UNCHANGED, explain, to_markdown
+from dflashpipe.explain import ALWAYS, DIRECT, DOWNSTREAM, OUTPUTS, UNCHANGED, explain, to_markdown
 from tests.conftest import run, set_params
 
 
@@ -29,14 +29,15 @@ def committed(dvc_project):
 
 def test_nothing_changed_says_so(committed):
     report = explain("HEAD", "workspace", committed)
-    assert verdicts(report) == {"fingerprint": ALWAYS, "target": UNCHANGED, "manifest": UNCHANGED}
+    assert set(verdicts(report).values()) == {ALWAYS, UNCHANGED} and verdicts(report)["fingerprint"] == ALWAYS
     assert report.root_causes == [] and report.metrics == []
 
 
 def test_growing_the_data_hits_manifest_only_and_costs_are_attributed(committed):
     set_params(committed, data__num_samples=80)
     report = explain("HEAD", "workspace", committed)
-    assert verdicts(report) == {"fingerprint": ALWAYS, "target": UNCHANGED, "manifest": DIRECT}
+    assert verdicts(report) == {"fingerprint": ALWAYS, "target": UNCHANGED, "manifest": DIRECT, "tokenize": DOWNSTREAM,
+                                "warmup": UNCHANGED, "train": DOWNSTREAM}
     assert roots(report) == [("param", "params.yaml:data.num_samples", 60, 80, ("manifest",))]
     assert report.root_causes[0].evidence == (
         "dvc.lock@HEAD stages.manifest.params['params.yaml']['data.num_samples'] vs params.yaml (workspace) data.num_samples")
@@ -68,10 +69,30 @@ def test_an_edited_source_file_hits_the_stages_that_list_it(committed):
     with open(committed / "src/dflashpipe/target.py", "a") as fh:
         fh.write("\n# an edit\n")
     report = explain("HEAD", "workspace", committed)
-    assert verdicts(report) == {"fingerprint": ALWAYS, "target": DIRECT, "manifest": UNCHANGED}
+    assert verdicts(report) == {"fingerprint": ALWAYS, "target": DIRECT, "manifest": UNCHANGED,
+                                "tokenize": DOWNSTREAM, "warmup": DOWNSTREAM, "train": DOWNSTREAM}
     ((kind, what, old, new, stages),) = roots(report)
     assert (kind, what, stages) == ("dep", "src/dflashpipe/target.py", ("target",)) and old != new
     assert "dvc.lock@HEAD stages.target.deps[" in report.root_causes[0].evidence
+
+
+def test_a_compile_env_var_names_the_fingerprint_key_and_hits_warmup_not_data(committed):
+    run(["dvc", "repro", "fingerprint"], committed, env={"TORCHINDUCTOR_MAX_AUTOTUNE": "1"})
+    report = explain("HEAD", "workspace", committed)
+    assert verdicts(report) == {"fingerprint": ALWAYS, "target": UNCHANGED, "manifest": UNCHANGED,
+                                "tokenize": UNCHANGED, "warmup": DIRECT, "train": DIRECT}
+    (cause,) = report.root_causes
+    assert (cause.kind, cause.what, cause.new) == ("param", "data/env/fingerprint.json:env", {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"})
+    assert cause.stages == ["warmup", "train"]
+
+
+def test_an_edited_model_file_hits_warmup_and_train(committed):
+    with open(committed / "src/dflashpipe/model/layers.py", "a") as fh:
+        fh.write("\n# an edit\n")
+    report = explain("HEAD", "workspace", committed)
+    assert {s: v for s, v in verdicts(report).items() if v != UNCHANGED} == {
+        "fingerprint": ALWAYS, "warmup": DIRECT, "train": DIRECT}
+    assert [(c.what, c.stages) for c in report.root_causes] == [("src/dflashpipe/model", ["warmup", "train"])]
 
 
 def test_two_experiments_compare_by_name_and_json_is_complete(committed):

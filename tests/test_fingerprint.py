@@ -29,10 +29,11 @@ def test_the_stage_writes_the_same_bytes_twice_and_records_compile_env_vars(dvc_
 
 
 def test_compile_environment_keeps_only_compile_relevant_variables():
-    env = {"TORCHINDUCTOR_CACHE_DIR": "/c", "TORCH_COMPILE_DEBUG": "1", "TORCHDYNAMO_VERBOSE": "1",
-           "CUDA_VISIBLE_DEVICES": "0,1", "HOME": "/root", "PATH": "/bin"}
+    env = {"TORCHINDUCTOR_MAX_AUTOTUNE": "1", "TORCH_COMPILE_DEBUG": "1", "TORCHDYNAMO_VERBOSE": "1",
+           "CUDA_VISIBLE_DEVICES": "0,1", "HOME": "/root", "PATH": "/bin",
+           "TORCHINDUCTOR_CACHE_DIR": "/c", "TRITON_CACHE_DIR": "/t"}  # where, not what: left out
     assert compile_environment(env) == {"CUDA_VISIBLE_DEVICES": "0,1", "TORCHDYNAMO_VERBOSE": "1",
-                                        "TORCHINDUCTOR_CACHE_DIR": "/c", "TORCH_COMPILE_DEBUG": "1"}
+                                        "TORCHINDUCTOR_MAX_AUTOTUNE": "1", "TORCH_COMPILE_DEBUG": "1"}
 
 
 def _record_line(root, rel: str) -> str:

@@ -18,9 +18,10 @@ def file_bytes(directory) -> dict[str, bytes]:
 def test_a_local_hf_directory_materialises_identically_and_reloads(tmp_path, tiny_target_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    params = TargetParams(source=str(tiny_target_dir), dtype="float32")
-    summary = materialise_target(params, tmp_path / "a")
-    materialise_target(params, tmp_path / "b")
+    # A local source lies inside the project (paths outside are refused, tests/reliability/test_untrusted.py).
+    params = TargetParams(source=tiny_target_dir.name, dtype="float32")
+    summary = materialise_target(params, tmp_path / "a", root=tiny_target_dir.parent)
+    materialise_target(params, tmp_path / "b", root=tiny_target_dir.parent)
     assert file_bytes(tmp_path / "a") == file_bytes(tmp_path / "b")
     assert {"model.safetensors", "config.json", "tokenizer.json", "source.json"} <= set(file_bytes(tmp_path / "a"))
     assert summary["num_hidden_layers"] == 6 and summary["model_type"] == "llama"

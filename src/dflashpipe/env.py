@@ -25,13 +25,17 @@ VERSIONED_PACKAGES = ("transformers", "tokenizers", "datasets", "pyarrow", "dvc"
 NONE = "none"
 
 
+CACHE_LOCATION_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+"""Where compiled code is stored, not what it is: left out (dflashpipe and torch set them themselves)."""
+
+
 def compile_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
     """The environment variables that change what torch.compile produces."""
     environ = os.environ if environ is None else environ
     return {
         k: v
         for k, v in sorted(environ.items())
-        if k.startswith(COMPILE_ENV_PREFIXES) or k in COMPILE_ENV_NAMES
+        if (k.startswith(COMPILE_ENV_PREFIXES) or k in COMPILE_ENV_NAMES) and k not in CACHE_LOCATION_VARS
     }
 
 
@@ -119,6 +123,25 @@ def _gpu_facts() -> dict[str, Any]:
     except Exception:  # pynvml missing or no NVML on this machine: say so, do not guess
         driver = "unknown"
     return {"count": count, "names": names, "capabilities": caps, "driver": driver}
+
+
+def kernel_environment() -> dict[str, Any]:
+    """The facts a compiled kernel is valid for, observed now (cheap: no file hashing).
+
+    The warmup artifact records them; a loader compares, so an artifact from another torch
+    build, GPU or set of compile variables is never used."""
+    import torch
+
+    gpu = _gpu_facts()
+    return {
+        "torch.version": torch.__version__,
+        "torch.cuda": torch.version.cuda or NONE,
+        "torch.cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "triton.version": _version("triton"),
+        "gpu.names": gpu["names"],
+        "gpu.capabilities": gpu["capabilities"],
+        "env": compile_environment(),
+    }
 
 
 def fingerprint() -> dict[str, Any]:

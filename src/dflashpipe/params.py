@@ -104,9 +104,214 @@ class DataParams:
             raise ParamsError("params.yaml: data.sources: every weight is 0, so no source feeds training")
 
 
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ModelParams:
+    """The DFlash drafter: its architecture, its training shapes and its attention backend.
+
+    The shapes are static on purpose: every sequence is padded to `seq_len` and every
+    sequence gets `num_anchors` blocks (unused ones masked out), so one compiled
+    flex_attention serves a whole run.
+    """
+
+    layers: int
+    """Drafter decoder layers (Qwen3-style, non-causal)."""
+    block_size: int
+    """Tokens per draft block: the anchor plus block_size - 1 masked slots to predict."""
+    target_layers: int
+    """How many target layers feed the drafter (spaced evenly from layer 1 to L-3; one layer: L//2)."""
+    target_layer_ids: tuple[int, ...] = ()
+    """Explicit target layer ids (0-based decoder layers) instead of the even spacing; empty = spaced.
+    When set, it must list `target_layers` ids in increasing order."""
+    num_anchors: int
+    """Blocks per training sequence (anchors sampled among supervised positions, resampled each step)."""
+    seq_len: int
+    """Training sequence length: every sequence is padded (or must fit) to exactly this many tokens."""
+    gamma: float
+    """Loss decay: slot k weighs exp(-(k-1)/gamma) (published: 7 for block 16, 5 for 10, 4 for 8)."""
+    attention: Literal["auto", "flex", "sdpa"]
+    """`flex`: compiled FlexAttention with a BlockMask; `sdpa`: the same mask as a dense boolean tensor;
+    `auto`: flex on CUDA, sdpa on the CPU (FlexAttention has no backward on the CPU)."""
+    mask_token: str
+    """The MASK token's text. The tokenizer's own mask token wins; otherwise this token is used if the
+    vocabulary has it, else it is added (which needs a spare row in the target's embedding)."""
+
+    def __post_init__(self) -> None:
+        for key, value, low, high in (
+            ("layers", self.layers, 1, 64),
+            ("block_size", self.block_size, 2, 128),
+            ("target_layers", self.target_layers, 1, 64),
+            ("num_anchors", self.num_anchors, 1, 4096),
+            ("seq_len", self.seq_len, 2, 1_048_576),
+        ):
+            if not (low <= value <= high):
+                raise ParamsError(f"params.yaml: model.{key} = {value}: must be between {low} and {high}")
+        ids = list(self.target_layer_ids)
+        if ids and (len(ids) != self.target_layers or ids != sorted(set(ids)) or ids[0] < 0):
+            raise ParamsError(
+                f"params.yaml: model.target_layer_ids = {ids}: list model.target_layers = {self.target_layers} "
+                f"distinct non-negative layer ids in increasing order, or [] for the even spacing"
+            )
+        if self.seq_len <= self.block_size:
+            raise ParamsError(
+                f"params.yaml: model.seq_len = {self.seq_len}: must be longer than model.block_size = {self.block_size}"
+            )
+        if not (0 < self.gamma < 1e6):
+            raise ParamsError(f"params.yaml: model.gamma = {self.gamma}: must be a positive number (e.g. 4 for block 8)")
+        if not self.mask_token.strip():
+            raise ParamsError("params.yaml: model.mask_token is empty: name a token such as '<|MASK|>'")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class TokenizeParams:
+    """Rendering manifest samples with the target's chat template into input_ids + loss_mask."""
+
+    max_length: int
+    """Most tokens in one sample, template markup included."""
+    truncation: Literal["drop", "turn"]
+    """A longer sample: `drop` skips it (counted as too_long); `turn` keeps its longest prefix that
+    ends with an assistant reply's end-of-turn token (skipped only if even the first reply does not fit)."""
+    assistant_turns: Literal["all", "last"]
+    """Which assistant replies are supervised: every one, or only the last one kept."""
+    min_supervised_tokens: int
+    """Samples with fewer supervised tokens are skipped (counted). DFlash drops those under 2 x block size."""
+    num_proc: int
+    """Worker processes; 0 = every core this process may use. Never changes the output bytes."""
+
+    def __post_init__(self) -> None:
+        if not (8 <= self.max_length <= 1_048_576):
+            raise ParamsError(f"params.yaml: tokenize.max_length = {self.max_length}: must be between 8 and 1048576")
+        if not (0 <= self.min_supervised_tokens <= self.max_length):
+            raise ParamsError(
+                f"params.yaml: tokenize.min_supervised_tokens = {self.min_supervised_tokens}: must be between 0 "
+                f"and tokenize.max_length = {self.max_length}"
+            )
+        if not (0 <= self.num_proc <= 1024):
+            raise ParamsError(
+                f"params.yaml: tokenize.num_proc = {self.num_proc}: must be between 0 (every core) and 1024"
+            )
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class CompileParams:
+    """What `warmup` compiles once, in one thread, and how `train` guards it afterwards."""
+
+    enabled: bool
+    """Compile the drafter's training step (inductor). false runs it eagerly: the baseline for benchmarks."""
+    micro_batch: int
+    """Sequences per drafter replica per step: with model.seq_len, the one shape that is compiled."""
+    guard: Literal["error", "warn"]
+    """After warmup, a new compile, an eager fallback or an FX-tracing race is an `error` (or a `warn`ing)."""
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.micro_batch <= 4096):
+            raise ParamsError(f"params.yaml: compile.micro_batch = {self.micro_batch}: must be between 1 and 4096")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class TopologyParams:
+    """Which devices run the frozen target and which train drafter replicas (one thread each)."""
+
+    target_devices: tuple[str, ...]
+    """Devices holding a copy of the target, e.g. [cuda:0, cuda:1, cuda:2, cuda:3, cuda:4] (or [cpu])."""
+    drafter_devices: tuple[str, ...]
+    """One drafter replica per entry, e.g. [cuda:5, cuda:6, cuda:7]; gradients are averaged every step."""
+    allow_shared_devices: bool
+    """Allow a device to be both a target and a drafter device (the CPU default needs it; on GPUs it halves memory)."""
+
+    def __post_init__(self) -> None:
+        for key, devices in (("target_devices", self.target_devices), ("drafter_devices", self.drafter_devices)):
+            if not devices:
+                raise ParamsError(f"params.yaml: topology.{key} is empty: name at least one device")
+            for d in devices:
+                kind, _, index = d.partition(":")
+                if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
+                    raise ParamsError(f"params.yaml: topology.{key} has {d!r}: use 'cpu' or 'cuda:N'")
+        shared = sorted(set(self.target_devices) & set(self.drafter_devices))
+        if shared and not self.allow_shared_devices:
+            raise ParamsError(
+                f"params.yaml: topology: {shared} are both target and drafter devices; "
+                f"set topology.allow_shared_devices: true to allow it")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class TrainParams:
+    """The drafter's training recipe (DFlash defaults: AdamW, warmup + cosine, clip 1.0)."""
+
+    max_steps: int
+    """Optimizer steps; each consumes compile.micro_batch sequences per drafter replica (and per process)."""
+    lr: float
+    """Peak learning rate."""
+    warmup_steps: int
+    """Linear warmup from 0 to lr, then cosine decay to lr * min_lr_ratio at max_steps."""
+    min_lr_ratio: float
+    """Floor of the cosine schedule, as a fraction of lr."""
+    weight_decay: float
+    """AdamW weight decay."""
+    grad_clip: float
+    """Clip the averaged gradient's global norm to this (0 = no clipping)."""
+    seed: int
+    """Seeds the drafter's initialisation, the data order and every step's anchors."""
+    checkpoint_every: int
+    """Save a resumable checkpoint every this many steps (0 = only at the end)."""
+    prefetch: int
+    """Batches of target features a target worker may run ahead of the drafters (bounded queues)."""
+
+    def __post_init__(self) -> None:
+        checks = (("max_steps", self.max_steps, 1, 10**9), ("warmup_steps", self.warmup_steps, 0, 10**9),
+                  ("checkpoint_every", self.checkpoint_every, 0, 10**9), ("prefetch", self.prefetch, 1, 1024),
+                  ("seed", self.seed, 0, 2**63 - 1))
+        for key, value, low, high in checks:
+            if not (low <= value <= high):
+                raise ParamsError(f"params.yaml: train.{key} = {value}: must be between {low} and {high}")
+        for key, value, low, high in (("lr", self.lr, 0.0, 1.0), ("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0),
+                                      ("weight_decay", self.weight_decay, 0.0, 10.0),
+                                      ("grad_clip", self.grad_clip, 0.0, 1e6)):
+            if not (low <= value <= high) or (key == "lr" and value == 0):
+                raise ParamsError(f"params.yaml: train.{key} = {value}: must be in ({low}, {high}]" if key == "lr"
+                                  else f"params.yaml: train.{key} = {value}: must be between {low} and {high}")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class EvaluateParams:
+    """Speculative decoding with the trained drafter on the eval split, and the regression check."""
+
+    num_prompts: int
+    """Prompts per eval source, the first usable ones in eval-file order."""
+    max_new_tokens: int
+    """New tokens per prompt (the prefill's first token included); decoding also stops at end of turn."""
+    max_prompt_tokens: int
+    """Prompts longer than this many tokens are skipped (counted): prefill time is not what is measured."""
+    baseline: str = "HEAD"
+    """Git revision or DVC experiment whose metrics/eval.json is the baseline ("" or none: no baseline)."""
+    max_regression: float
+    """A headline metric more than this fraction below the baseline is reported as a regression."""
+    fail_on_regression: bool = False
+    """Fail the stage when a throughput metric (speedup, decode or train tokens/s) regressed."""
+
+    def __post_init__(self) -> None:
+        for key, value, low, high in (("num_prompts", self.num_prompts, 1, 100_000),
+                                      ("max_new_tokens", self.max_new_tokens, 1, 1_048_576),
+                                      ("max_prompt_tokens", self.max_prompt_tokens, 1, 1_048_576)):
+            if not (low <= value <= high):
+                raise ParamsError(f"params.yaml: evaluate.{key} = {value}: must be between {low} and {high}")
+        if not (0.0 <= self.max_regression <= 1.0):
+            raise ParamsError(
+                f"params.yaml: evaluate.max_regression = {self.max_regression}: must be a fraction between 0 and 1 "
+                f"(e.g. 0.2 for a 20% drop)")
+        if self.baseline != self.baseline.strip() or any(c in self.baseline for c in "\n:"):
+            raise ParamsError(
+                f"params.yaml: evaluate.baseline = {self.baseline!r}: name a git revision or experiment "
+                f"(e.g. HEAD, main, a tag), or none")
+
+
 SECTIONS: dict[str, type] = {
     "target": TargetParams,
     "data": DataParams,
+    "model": ModelParams,
+    "tokenize": TokenizeParams,
+    "compile": CompileParams,
+    "topology": TopologyParams,
+    "train": TrainParams,
 }
 """params.yaml's top-level sections and the dataclass that each one must fit."""
 

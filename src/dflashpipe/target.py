@@ -14,12 +14,15 @@ import importlib.metadata as metadata
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dflashpipe.artifacts import atomic_directory, file_sha256, write_json_atomic
+from dflashpipe.data.sources import project_path
 from dflashpipe.errors import SourceError
 from dflashpipe.params import TargetParams
 
 PYPI_PREFIX = "pypi:"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 @dataclass(frozen=True)
@@ -57,12 +60,20 @@ def resolve_source(source: str, root: Path) -> TargetSource:
             raise SourceError(f"params.yaml: target.source = {source!r}: expected pypi:<distribution>/<file.gguf>")
         path = installed_package_file(distribution, filename)
         return TargetSource(path.parent, path.name, file_sha256(path))
-    path = (root / source).resolve()
+    path = project_path(root, source, "target.source")
     if path.is_file() and path.suffix == ".gguf":
         return TargetSource(path.parent, path.name, file_sha256(path))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise SourceError(f"{path}: a model directory needs a config.json (target.source in params.yaml)")
+        if not any(path.glob("*.safetensors")):
+            # Unpickling a checkpoint runs whatever code it names, so only safetensors are ever loaded.
+            found = sorted(f.name for f in path.iterdir() if f.suffix in PICKLE_SUFFIXES) or ["no weight files"]
+            raise SourceError(
+                f"{path}: the target ships no safetensors weights ({', '.join(found)}); pickle checkpoints are "
+                f"refused because loading one can run code: convert it where you trust it with "
+                f"`AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)`"
+            )
         import hashlib
 
         h = hashlib.sha256()
@@ -78,12 +89,15 @@ def resolve_source(source: str, root: Path) -> TargetSource:
 def materialise_target(params: TargetParams, out: Path | str, root: Path | str = ".") -> dict:
     """Write the target's safetensors, config and tokenizer into `out`; return its summary."""
     import torch
+    from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     src = resolve_source(params.source, Path(root))
     dtype = getattr(torch, params.dtype)
-    kwargs = {"gguf_file": src.gguf_file} if src.gguf_file else {}
+    # local_files_only: never a hub, and the saved tokenizer_config.json records this flag, so passing it
+    # keeps the bytes the same whether or not the calling process set HF_HUB_OFFLINE before importing.
+    kwargs = {"local_files_only": True, **({"gguf_file": src.gguf_file} if src.gguf_file else {})}
     try:
         tokenizer = AutoTokenizer.from_pretrained(src.directory, **kwargs)
         if src.gguf_file:
@@ -95,8 +109,8 @@ def materialise_target(params: TargetParams, out: Path | str, root: Path | str =
             model.load_state_dict(loaded.state_dict())
             del loaded
         else:
-            model = AutoModelForCausalLM.from_pretrained(src.directory, dtype=dtype)
-    except (OSError, ValueError, KeyError) as exc:
+            model = AutoModelForCausalLM.from_pretrained(src.directory, dtype=dtype, use_safetensors=True)
+    except (OSError, ValueError, KeyError, SafetensorError) as exc:
         raise SourceError(f"cannot load the target from {params.source!r}: {exc}") from None
     if tokenizer.chat_template is None:
         raise SourceError(
@@ -119,3 +133,16 @@ def materialise_target(params: TargetParams, out: Path | str, root: Path | str =
         tokenizer.save_pretrained(tmp)
         write_json_atomic(tmp / "source.json", summary)
     return summary
+
+
+def load_materialised_target(target_dir: Path | str, device: Any):
+    """The frozen target from data/target/ (safetensors only): bf16 on CUDA, float32 on the CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    target_dir = Path(target_dir)
+    if not (target_dir / "config.json").is_file():
+        raise SourceError(f"{target_dir}: no materialised target: run `dvc repro target` (or `dvc checkout {target_dir}`)")
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, use_safetensors=True).to(device)
+    return model.eval().requires_grad_(False)

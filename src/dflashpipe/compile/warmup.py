@@ -1,0 +1,100 @@
+"""The one compiled graph of training, built and run once: by `warmup` to fill the cache,
+by `train` (main thread, per replica) to load it before any worker starts."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflashpipe.model import DFlashDrafter, sample_anchor_positions
+from dflashpipe.model.attention import resolve_backend
+from dflashpipe.params import CompileParams, ModelParams
+
+
+def compiled_step(drafter: DFlashDrafter):
+    """The training forward, compiled whole (fullgraph: a graph break is an error, never a silent eager frame)."""
+    return torch.compile(drafter, dynamic=False, fullgraph=True)
+
+
+def feature_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def autocast(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+def step_inputs(drafter: DFlashDrafter, model: ModelParams, micro_batch: int, device: torch.device) -> tuple:
+    """Inputs of the training step's exact static shapes and dtypes (values do not matter to a compile)."""
+    shape = (micro_batch, model.seq_len)
+    ids = torch.zeros(shape, dtype=torch.long, device=device)
+    mask = torch.ones(shape, dtype=torch.long, device=device)
+    anchors, valid = sample_anchor_positions(mask, model.num_anchors, torch.Generator().manual_seed(0))
+    features = torch.zeros((*shape, drafter.config.feature_size), device=device, dtype=feature_dtype(device))
+    return features, ids, mask, anchors.to(device), valid.to(device)
+
+
+def run_step_once(step_fn: Any, drafter: DFlashDrafter, model: ModelParams, micro_batch: int,
+                  device: torch.device) -> dict:
+    """Forward and backward once; leaves no gradient behind. Returns what ran and how long it took."""
+    inputs = step_inputs(drafter, model, micro_batch, device)
+    began = time.perf_counter()
+    with autocast(device):
+        out = step_fn(*inputs)
+    out.loss.backward()
+    seconds = time.perf_counter() - began
+    drafter.zero_grad(set_to_none=True)
+    return {
+        "name": "drafter_train_step",
+        "shapes": {"features": list(inputs[0].shape), "input_ids": list(inputs[1].shape),
+                   "anchors": list(inputs[3].shape)},
+        "dtype": str(inputs[0].dtype).removeprefix("torch."),
+        "device": device.type,
+        "backend": resolve_backend(drafter.attention, device),
+        "seconds": round(seconds, 3),
+    }
+
+
+def build_warmup_artifact(model: ModelParams, compile: CompileParams, target_dir: Path | str,
+                          out: Path | str, device: str | None = None) -> dict:
+    """Compile the training step in this (main) thread only, cold, and write data/compile/.
+
+    Single-threaded by construction: nothing here starts a thread, so no two compiles
+    can race, and the cache it leaves is exactly what one process compiled.
+    """
+    import tempfile
+
+    from transformers import AutoTokenizer
+    from torch._dynamo.utils import counters
+
+    from dflashpipe.artifacts import atomic_directory
+    from dflashpipe.compile.artifact import point_inductor_at, write_artifact
+    from dflashpipe.compile.guard import dynamo_counters
+    from dflashpipe.env import kernel_environment
+    from dflashpipe.target import load_materialised_target
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    with tempfile.TemporaryDirectory(prefix="dflashpipe-inductor-") as cache_root:
+        cache = point_inductor_at(cache_root)
+        target = load_materialised_target(target_dir, device)
+        drafter = DFlashDrafter.for_target(target, AutoTokenizer.from_pretrained(target_dir), model,
+                                           generator=torch.Generator().manual_seed(0)).to(device)
+        graphs = []
+        if compile.enabled:
+            graphs.append(run_step_once(compiled_step(drafter), drafter, model, compile.micro_batch, device))
+        report = {
+            "graphs": graphs,
+            "counters": {**dynamo_counters(),
+                         "fxgraph_cache_miss": int(counters["inductor"]["fxgraph_cache_miss"]),
+                         "fxgraph_cache_hit": int(counters["inductor"]["fxgraph_cache_hit"])},
+            "environment": kernel_environment(),
+            "cache": "inductor cache directory" + (" + mega-cache" if device.type == "cuda" else ""),
+        }
+        with atomic_directory(out) as tmp:
+            write_artifact(tmp, cache, report, with_mega_cache=device.type == "cuda")
+    return report

@@ -1,0 +1,11 @@
+"""The DFlash drafter: architecture, mask, attention backends, loss, anchors, checkpoint format."""
+
+from dflashpipe.model.anchors import sample_anchor_positions
+from dflashpipe.model.config import DFlashConfig
+from dflashpipe.model.drafter import DFlashDrafter, DraftContext, TargetHead
+from dflashpipe.model.features import spaced_target_layer_ids, target_features
+from dflashpipe.model.loss import DraftLoss
+from dflashpipe.model.mask import dflash_mask_mod
+
+__all__ = ["DFlashConfig", "DFlashDrafter", "DraftContext", "DraftLoss", "TargetHead", "dflash_mask_mod",
+           "sample_anchor_positions", "spaced_target_layer_ids", "target_features"]

@@ -1,0 +1,256 @@
+"""The DFlash drafter: a few non-causal Qwen3 layers that draft a whole block at once.
+
+It owns no embedding and no LM head: block tokens go in through the target's frozen
+embedding table and come out through the target's frozen final norm (copied: the
+checkpoint format carries it as `norm.weight`) and LM head. What it learns is how to
+read the target's fused hidden states (`fc`, `hidden_norm`), which every layer sees as
+extra keys and values in front of the block.
+
+Two ways in:
+  - training: `drafter(features, input_ids, loss_mask, anchors, anchor_valid)` drafts
+    A blocks per sequence in one pass (the DFlash mask keeps them apart) and returns
+    the decay-weighted loss with per-slot accuracy;
+  - speculative decoding: `encode_context` turns verified target features into cached
+    keys/values (extend it as tokens are accepted), `draft_logits` drafts one block.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
+
+from dflashpipe.artifacts import canonical_json, write_bytes_atomic
+from dflashpipe.errors import SourceError
+from dflashpipe.model.attention import Backend, build_mask, resolve_backend
+from dflashpipe.model.config import DFlashConfig
+from dflashpipe.model.layers import DFlashDecoderLayer, RMSNorm, Rotary
+from dflashpipe.model.loss import DraftLoss, block_labels, decay_weighted_loss
+from dflashpipe.model.mask import dflash_mask_mod
+from dflashpipe.model.mask_token import resolve_mask_token_id
+from dflashpipe.params import ModelParams
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class TargetHead:
+    """The target's modules that the drafter borrows. Held by reference, never saved with the drafter."""
+
+    embed_tokens: nn.Embedding
+    final_norm: nn.Module
+    lm_head: nn.Module
+
+    @classmethod
+    def of(cls, target: nn.Module) -> TargetHead:
+        """Borrow from a Hugging Face causal LM, freezing what is borrowed (the drafter never trains it)."""
+        decoder = target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, "model", None)
+        final_norm = getattr(decoder, "norm", None)
+        lm_head = target.get_output_embeddings()
+        if final_norm is None or lm_head is None:
+            raise SourceError(f"{type(target).__name__}: the target needs a final `norm` and an LM head to draft with")
+        head = cls(target.get_input_embeddings(), final_norm, lm_head)
+        for module in (head.embed_tokens, head.final_norm, head.lm_head):
+            module.requires_grad_(False)
+        return head
+
+
+@dataclass
+class DraftContext:
+    """Keys and values of the verified context, per drafter layer: [B, Hkv, C, D] each.
+
+    Context keys depend only on the fused target features (not on the block), so they
+    are computed once per verified token and reused by every later block.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2]
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: DFlashConfig, target: TargetHead, *,
+                 attention: Literal["auto", "flex", "sdpa"] = "auto", gamma: float | None = None,
+                 compile_flex: bool = True, generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.target = target  # a plain attribute, not a submodule: no weights of the target in our state dict
+        self.attention = attention
+        self.gamma = gamma
+        self.compile_flex = compile_flex
+        self.fc = nn.Linear(config.feature_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = Rotary(config.head_dim, config.rope_theta)
+        self._init_weights(generator)
+        self._copy_final_norm(target.final_norm)
+
+    def _init_weights(self, generator: torch.Generator | None) -> None:
+        # Qwen3's initialiser (normal, std 0.02; norms at 1), reproducible from the caller's generator.
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, nn.Linear):
+                    nn.init.normal_(module.weight, 0.0, 0.02, generator=generator)
+                elif isinstance(module, RMSNorm):
+                    module.weight.fill_(1.0)
+
+    def _copy_final_norm(self, final_norm: nn.Module) -> None:
+        """Start `norm` as the target's final norm and keep it frozen, after checking it is a plain RMSNorm."""
+        weight = getattr(final_norm, "weight", None)
+        if weight is None or weight.shape != (self.config.hidden_size,):
+            raise SourceError(f"the target's final norm ({type(final_norm).__name__}) is not an RMSNorm of the hidden size")
+        with torch.no_grad():
+            self.norm.weight.copy_(weight.to(self.norm.weight.dtype))
+            # A Gemma-style (1 + w) norm or a LayerNorm would pass the shape test and still differ.
+            probe = torch.randn(4, self.config.hidden_size, generator=torch.Generator().manual_seed(0))
+            theirs = final_norm(probe.to(device=weight.device, dtype=weight.dtype)).float().cpu()
+            ours = self.norm(probe.to(self.norm.weight)).float().cpu()
+            if not torch.allclose(theirs, ours, rtol=1e-2, atol=1e-3):
+                raise SourceError(
+                    f"the target's final norm ({type(final_norm).__name__}) is not weight * x / rms(x) with "
+                    f"eps {self.config.rms_norm_eps}: DFlash drafters cannot reproduce it"
+                )
+        self.norm.weight.requires_grad_(False)
+
+    # -- shared pieces ---------------------------------------------------------------------------
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Concatenated target hidden states [B, S, n*H] -> the drafter's context stream [B, S, H]."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        # The raw table, no embedding scale: what DFlash servers feed the drafter.
+        return F.embedding(token_ids, self.target.embed_tokens.weight).to(self.fc.weight.dtype)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.target.lm_head
+        return head(hidden.to(head.weight.dtype))
+
+    def _block_ids(self, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """[..., bs]: the anchor token, then MASK in every slot still to draft."""
+        block = anchor_ids.new_full((*anchor_ids.shape, self.config.block_size), self.config.mask_token_id)
+        return torch.cat([anchor_ids[..., None], block[..., 1:]], dim=-1)
+
+    def _run_layers(self, x: torch.Tensor, context: torch.Tensor | DraftContext, block_positions: torch.Tensor,
+                    mask: BlockMask | torch.Tensor | None, backend: Backend) -> torch.Tensor:
+        cos, sin = self.rotary(block_positions, x.dtype)
+        if isinstance(context, torch.Tensor):
+            ctx_positions = torch.arange(context.shape[1], device=x.device).expand(context.shape[0], -1)
+            ctx_cos, ctx_sin = self.rotary(ctx_positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            if isinstance(context, torch.Tensor):
+                ctx_k, ctx_v = layer.self_attn.keys_values(context, ctx_cos, ctx_sin)
+            else:
+                ctx_k, ctx_v = context.keys[i], context.values[i]
+            x = layer(x, ctx_k, ctx_v, cos, sin, mask, backend, self.compile_flex)
+        return self.norm(x)
+
+    # -- training ------------------------------------------------------------------------------
+
+    def block_hidden(self, features: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [B, A, bs, H] of the A blocks of each sequence, drafted in one pass."""
+        batch, seq_len = input_ids.shape
+        num_anchors, bs = anchors.shape[1], self.config.block_size
+        if features.shape != (batch, seq_len, self.config.feature_size) or anchors.shape[0] != batch:
+            raise ValueError(
+                f"features {tuple(features.shape)}, input_ids {tuple(input_ids.shape)}, anchors {tuple(anchors.shape)}: "
+                f"expected [B, S, {self.config.feature_size}], [B, S], [B, A]"
+            )
+        x = self.embed(self._block_ids(input_ids.gather(1, anchors)).flatten(1))  # [B, A*bs, H]
+        block_positions = (anchors[:, :, None] + torch.arange(bs, device=anchors.device)).flatten(1)
+        backend = resolve_backend(self.attention, x.device)
+        q_len = num_anchors * bs
+        mask = build_mask(dflash_mask_mod(anchors, seq_len, bs), backend, batch, q_len, seq_len + q_len, x.device)
+        hidden = self._run_layers(x, self.fuse(features), block_positions, mask, backend)
+        return hidden.view(batch, num_anchors, bs, -1)
+
+    def forward(self, features: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                anchors: torch.Tensor, anchor_valid: torch.Tensor) -> DraftLoss:
+        """Training step's forward: features [B, S, n*H], ids and loss_mask [B, S], anchors and valid [B, A]."""
+        if self.gamma is None:
+            raise ValueError("this drafter was built without gamma: pass gamma=params.model.gamma to train it")
+        hidden = self.block_hidden(features, input_ids, anchors)
+        # Slot 0 is the given anchor: no loss, so its logits are never computed.
+        logits = self.logits(hidden[:, :, 1:])
+        labels, weights = block_labels(input_ids, loss_mask, anchors, anchor_valid, self.config.block_size, self.gamma)
+        return decay_weighted_loss(logits, labels, weights)
+
+    # -- speculative decoding ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def encode_context(self, features: torch.Tensor, past: DraftContext | None = None) -> DraftContext:
+        """Append verified target features [B, N, n*H] (positions past.length ..) to the context."""
+        start = past.length if past is not None else 0
+        context = self.fuse(features)
+        positions = torch.arange(start, start + features.shape[1], device=features.device).expand(features.shape[0], -1)
+        cos, sin = self.rotary(positions, context.dtype)
+        keys, values = [], []
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.keys_values(context, cos, sin)
+            if past is not None:
+                k, v = torch.cat([past.keys[i], k], dim=2), torch.cat([past.values[i], v], dim=2)
+            keys.append(k)
+            values.append(v)
+        return DraftContext(keys, values)
+
+    @torch.no_grad()
+    def draft_logits(self, context: DraftContext, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, bs-1, V] for the tokens after `anchor_ids` [B], which sit at position context.length."""
+        bs = self.config.block_size
+        x = self.embed(self._block_ids(anchor_ids))
+        positions = (context.length + torch.arange(bs, device=x.device)).expand(x.shape[0], -1)
+        # One block sees all the context and all of itself: no mask needed.
+        hidden = self._run_layers(x, context, positions, None, resolve_backend(self.attention, x.device))
+        return self.logits(hidden[:, 1:])
+
+    # -- checkpoint (the published DFlash format) ------------------------------------------------
+
+    def save_pretrained(self, directory: Path | str) -> None:
+        """config.json + model.safetensors, the layout DFlash loaders read (no target weights)."""
+        from safetensors.torch import save
+
+        directory = Path(directory)
+        dtype = str(self.fc.weight.dtype).removeprefix("torch.")
+        tensors = {name: t.detach().contiguous().cpu() for name, t in self.state_dict().items()}
+        write_bytes_atomic(directory / WEIGHTS_FILE, save(tensors, metadata={"format": "pt"}))
+        write_bytes_atomic(directory / CONFIG_FILE, canonical_json(self.config.to_checkpoint_dict(dtype)))
+
+    @classmethod
+    def from_pretrained(cls, directory: Path | str, target: TargetHead, **kwargs: Any) -> DFlashDrafter:
+        """Load a DFlash checkpoint (ours or published) onto the target's borrowed modules."""
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        try:
+            raw = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
+            tensors = load_file(directory / WEIGHTS_FILE)
+        except (OSError, ValueError) as exc:
+            raise SourceError(f"{directory}: cannot read a DFlash checkpoint: {exc}") from None
+        config = DFlashConfig.from_checkpoint_dict(raw, str(directory / CONFIG_FILE))
+        dtype = getattr(torch, raw.get("dtype") or "float32")
+        drafter = cls(config, target, **kwargs).to(dtype=dtype, device=target.embed_tokens.weight.device)
+        missing, unexpected = drafter.load_state_dict(tensors, strict=False)
+        if missing or unexpected:
+            raise SourceError(f"{directory / WEIGHTS_FILE}: missing weights {missing}, unexpected weights {unexpected}")
+        return drafter
+
+    @classmethod
+    def for_target(cls, target_model: nn.Module, tokenizer: Any, params: ModelParams,
+                   generator: torch.Generator | None = None) -> DFlashDrafter:
+        """A freshly initialised drafter sized for a Hugging Face target, configured by params.yaml's model."""
+        embed = target_model.get_input_embeddings()
+        mask_token_id = resolve_mask_token_id(tokenizer, embed.num_embeddings, params.mask_token)
+        config = DFlashConfig.for_target(target_model.config, params, mask_token_id)
+        return cls(config, TargetHead.of(target_model), attention=params.attention, gamma=params.gamma,
+                   generator=generator)

@@ -1,0 +1,1 @@
+"""Drafter training: data order, topology, the threaded loop."""
