@@ -85,7 +85,10 @@ def tiny_target_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
 @pytest.fixture
 def dvc_project(tmp_path, tiny_target_dir) -> Path:
     """This project's pipeline in a fresh git + DVC repo, on a tiny target and a small manifest."""
-    project = tmp_path / "project"
+    return make_project(tmp_path / "project", tiny_target_dir)
+
+
+def make_project(project: Path, tiny_target_dir: Path) -> Path:
     for rel in PROJECT_FILES:
         src, dst = ROOT / rel, project / rel
         dst.parent.mkdir(parents=True, exist_ok=True)

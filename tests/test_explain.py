@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
 from dflashpipe.explain import ALWAYS, DIRECT, DOWNSTREAM, OUTPUTS, UNCHANGED, explain, to_markdown
-from tests.conftest import run, set_params
+from tests.conftest import make_project, run, set_params
 
 
 def verdicts(report) -> dict[str, str]:
@@ -19,12 +20,20 @@ def roots(report) -> list[tuple]:
     return [(c.kind, c.what, c.old, c.new, tuple(c.stages)) for c in report.root_causes]
 
 
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, tiny_target_dir):
+    """The tiny pipeline, reproduced and committed once for the module."""
+    project = make_project(tmp_path_factory.mktemp("explain") / "project", tiny_target_dir)
+    run(["dvc", "repro"], project)
+    run(["git", "add", "-A"], project)
+    run(["git", "commit", "-qm", "baseline"], project)
+    return project
+
+
 @pytest.fixture
-def committed(dvc_project):
-    run(["dvc", "repro"], dvc_project)
-    run(["git", "add", "-A"], dvc_project)
-    run(["git", "commit", "-qm", "baseline"], dvc_project)
-    return dvc_project
+def committed(baseline, tmp_path):
+    """A private copy of the baseline (git, DVC cache and workspace move with it)."""
+    return Path(shutil.copytree(baseline, tmp_path / "project", symlinks=True))
 
 
 def test_nothing_changed_says_so(committed):

@@ -10,6 +10,7 @@ that DVC does not watch (a change would go unseen) nor declare one it never read
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -441,7 +442,13 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ParamsError(f"params.yaml: {key} = {value!r}: expected a number")
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:
+            number = float("inf")
+        if not math.isfinite(number):
+            raise ParamsError(f"params.yaml: {key} = {value!r}: expected a finite number")
+        return number
     if hint is str:
         if not isinstance(value, str):
             raise ParamsError(f"params.yaml: {key} = {value!r}: expected a string")

@@ -41,9 +41,9 @@ from dflashpipe.compile.guard import COUNTER, CompileGuard, dynamo_counters
 from dflashpipe.compile.warmup import autocast, compiled_step, feature_dtype, run_step_once
 from dflashpipe.errors import DflashpipeError
 from dflashpipe.model import DFlashDrafter, TargetHead, sample_anchor_positions, target_features
-from dflashpipe.target import load_materialised_target
 from dflashpipe.params import CompileParams, ModelParams, TopologyParams, TrainParams
-from dflashpipe.train.data import Batch, BatchPlan, TokenData, collate, load_tokens
+from dflashpipe.target import load_materialised_target
+from dflashpipe.train.data import BatchPlan, TokenData, collate, load_tokens
 from dflashpipe.train.topology import Topology, check_topology
 
 CHECKPOINT = "checkpoint"

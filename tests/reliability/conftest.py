@@ -1,0 +1,24 @@
+"""Fixtures of the reliability tests: a project whose fingerprint is already observed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dflashpipe.artifacts import canonical_json, write_bytes_atomic
+
+
+@pytest.fixture(scope="session")
+def fingerprint_bytes() -> bytes:
+    """This machine's fingerprint, observed once: what `stages/fingerprint.py` writes here."""
+    from dflashpipe.env import fingerprint
+
+    return canonical_json(fingerprint())
+
+
+@pytest.fixture
+def fingerprinted_project(dvc_project: Path, fingerprint_bytes: bytes) -> Path:
+    """`dvc_project` with data/env/fingerprint.json in place, so `dvc repro -s STAGE` can run one stage."""
+    write_bytes_atomic(dvc_project / "data/env/fingerprint.json", fingerprint_bytes)
+    return dvc_project

@@ -1,0 +1,95 @@
+"""Concurrency: two `dvc repro` at once on one project, and two queued experiments run by two workers."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from dvc.lock import FAILED_TO_LOCK_MESSAGE
+
+from dflashpipe.data.manifest import build_manifest, verify_manifest
+from dflashpipe.params import load_params
+from dflashpipe.target import materialise_target
+from tests.conftest import run
+from tests.reliability.harness import group_process, kill_group, start, status, tree_bytes
+
+STAGES = ["target", "manifest"]
+
+
+def test_a_second_repro_fails_fast_on_the_lock_and_the_first_completes_intact(dvc_project, tmp_path):
+    project = dvc_project
+    first = start(["dvc", "repro", *STAGES], project, tmp_path / "first.log")
+    try:
+        deadline = time.monotonic() + 60
+        while group_process(first.pid, "stages/") is None:  # DVC holds the repo lock while a stage runs
+            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
+            time.sleep(0.01)
+        began = time.monotonic()
+        second = run(["dvc", "repro", *STAGES], project, check=False)
+        waited = time.monotonic() - began
+        # DVC 3 holds the repo lock only while it reads or writes its own state; while a stage's command
+        # runs, that stage's deps and outputs are held in .dvc/tmp/rwlock. Either refusal is DVC's lock.
+        repo_lock = FAILED_TO_LOCK_MESSAGE.split(".")[0] in second.stderr
+        rw_lock = "is busy, it is being blocked by" in second.stderr and f"(PID {first.pid})" in second.stderr
+        assert second.returncode != 0 and (repo_lock or rw_lock), second.stderr
+        assert waited < 20 and first.poll() is None, f"the second run took {waited:.1f}s, or outlived the first"
+        assert first.wait(timeout=300) == 0, (tmp_path / "first.log").read_text()
+    finally:
+        kill_group(first)
+
+    assert not set(status(project, *STAGES)) - {"fingerprint"}, "the first run left a stage out of date"
+    params = load_params(project)
+    materialise_target(params["target"], tmp_path / "target", root=project)
+    build_manifest(params["data"], tmp_path / "manifest", root=project)
+    assert tree_bytes(project / "data/target") == tree_bytes(tmp_path / "target")
+    assert tree_bytes(project / "data/manifest") == tree_bytes(tmp_path / "manifest")
+    verify_manifest(project / "data/manifest")
+
+
+def experiment_metrics(project) -> dict[str, dict]:
+    """Experiment name -> its metrics/manifest.json, from `dvc exp show --json`."""
+    found: dict[str, dict] = {}
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            data = node.get("data")
+            if isinstance(node.get("name"), str) and isinstance(data, dict):
+                metrics = (data.get("metrics") or {}).get("metrics/manifest.json", {}).get("data")
+                if metrics:
+                    found[node["name"]] = metrics
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(json.loads(run(["dvc", "exp", "show", "--json"], project).stdout))
+    return found
+
+
+def test_two_queued_experiments_run_at_once_with_correct_distinct_metrics(dvc_project, tmp_path):
+    project, sizes = dvc_project, {"n30": 30, "n45": 45}
+    for name, n in sizes.items():
+        run(["dvc", "exp", "run", "--queue", "manifest", "-n", name, "-S", f"data.num_samples={n}"], project)
+    # Not `run`: the detached workers inherit its pipes, so it would wait for them to finish.
+    start(["dvc", "queue", "start", "-j", "2"], project, tmp_path / "queue.log").wait(timeout=60)
+    most_running, deadline, table = 0, time.monotonic() + 240, ""
+    while time.monotonic() < deadline:
+        table = run(["dvc", "queue", "status"], project).stdout
+        rows = {line.split()[1]: line.split()[-1] for line in table.splitlines()
+                if len(line.split()) >= 4 and line.split()[1] in sizes}
+        most_running = max(most_running, sum(state == "Running" for state in rows.values()))
+        if len(rows) == 2 and all(state in ("Success", "Failed") for state in rows.values()):
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"the queued experiments did not finish:\n{table}")
+    assert set(rows.values()) == {"Success"}, table
+    assert most_running == 2, f"the two experiments never ran at the same time:\n{table}"
+
+    metrics = experiment_metrics(project)
+    for name, n in sizes.items():
+        assert metrics[name]["train_samples"] == n
+        assert metrics[name]["shards"] == -(-n // 20)
+        assert metrics[name]["records_read"] == n + metrics[name]["eval_samples"] + metrics[name]["records_skipped"]
+    assert not (project / "data/manifest").exists(), "a queued experiment wrote into the workspace"
