@@ -46,7 +46,7 @@ def test_growing_the_data_hits_manifest_only_and_costs_are_attributed(committed)
     set_params(committed, data__num_samples=80)
     report = explain("HEAD", "workspace", committed)
     assert verdicts(report) == {"fingerprint": ALWAYS, "target": UNCHANGED, "manifest": DIRECT, "tokenize": DOWNSTREAM,
-                                "warmup": UNCHANGED, "train": DOWNSTREAM}
+                                "warmup": UNCHANGED, "train": DOWNSTREAM, "evaluate": DOWNSTREAM}
     assert roots(report) == [("param", "params.yaml:data.num_samples", 60, 80, ("manifest",))]
     assert report.root_causes[0].evidence == (
         "dvc.lock@HEAD stages.manifest.params['params.yaml']['data.num_samples'] vs params.yaml (workspace) data.num_samples")
@@ -74,12 +74,25 @@ def test_a_deleted_output_is_missing_and_restorable(committed):
     assert verdicts(explain("HEAD", "workspace", committed))["manifest"] == UNCHANGED
 
 
+def test_a_deleted_compile_cache_is_restored_by_checkout_without_recompiling(committed):
+    shutil.rmtree(committed / "data/compile")
+    report = explain("HEAD", "workspace", committed)
+    assert verdicts(report)["warmup"] == OUTPUTS
+    assert "restorable" in report.stages[[v.stage for v in report.stages].index("warmup")].causes[0].evidence
+    run(["dvc", "checkout", "data/compile"], committed)
+    assert "warmup" not in json.loads(run(["dvc", "status", "--json"], committed).stdout or "{}")
+    set_params(committed, model__block_size=8)
+    changed = json.loads(run(["dvc", "status", "--json"], committed).stdout)
+    assert {"changed deps": {"params.yaml": {"model.block_size": "modified"}}} in changed["warmup"]
+
+
 def test_an_edited_source_file_hits_the_stages_that_list_it(committed):
     with open(committed / "src/dflashpipe/target.py", "a") as fh:
         fh.write("\n# an edit\n")
     report = explain("HEAD", "workspace", committed)
     assert verdicts(report) == {"fingerprint": ALWAYS, "target": DIRECT, "manifest": UNCHANGED,
-                                "tokenize": DOWNSTREAM, "warmup": DOWNSTREAM, "train": DOWNSTREAM}
+                                "tokenize": DOWNSTREAM, "warmup": DOWNSTREAM, "train": DOWNSTREAM,
+                                "evaluate": DOWNSTREAM}
     ((kind, what, old, new, stages),) = roots(report)
     assert (kind, what, stages) == ("dep", "src/dflashpipe/target.py", ("target",)) and old != new
     assert "dvc.lock@HEAD stages.target.deps[" in report.root_causes[0].evidence
@@ -89,7 +102,8 @@ def test_a_compile_env_var_names_the_fingerprint_key_and_hits_warmup_not_data(co
     run(["dvc", "repro", "fingerprint"], committed, env={"TORCHINDUCTOR_MAX_AUTOTUNE": "1"})
     report = explain("HEAD", "workspace", committed)
     assert verdicts(report) == {"fingerprint": ALWAYS, "target": UNCHANGED, "manifest": UNCHANGED,
-                                "tokenize": UNCHANGED, "warmup": DIRECT, "train": DIRECT}
+                                "tokenize": UNCHANGED, "warmup": DIRECT, "train": DIRECT,
+                                "evaluate": DOWNSTREAM}
     (cause,) = report.root_causes
     assert (cause.kind, cause.what, cause.new) == ("param", "data/env/fingerprint.json:env", {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"})
     assert cause.stages == ["warmup", "train"]
@@ -100,8 +114,9 @@ def test_an_edited_model_file_hits_warmup_and_train(committed):
         fh.write("\n# an edit\n")
     report = explain("HEAD", "workspace", committed)
     assert {s: v for s, v in verdicts(report).items() if v != UNCHANGED} == {
-        "fingerprint": ALWAYS, "warmup": DIRECT, "train": DIRECT}
-    assert [(c.what, c.stages) for c in report.root_causes] == [("src/dflashpipe/model", ["warmup", "train"])]
+        "fingerprint": ALWAYS, "warmup": DIRECT, "train": DIRECT, "evaluate": DIRECT}
+    assert [(c.what, c.stages) for c in report.root_causes] == [
+        ("src/dflashpipe/model", ["warmup", "train", "evaluate"])]
 
 
 def test_two_experiments_compare_by_name_and_json_is_complete(committed):

@@ -15,14 +15,14 @@ def status(project) -> dict:
 
 def test_repro_runs_the_stages_then_reruns_only_what_changed(dvc_project):
     first = run(["dvc", "repro"], dvc_project).stdout
-    for stage in ("fingerprint", "target", "manifest", "tokenize", "warmup", "train"):
+    for stage in ("fingerprint", "target", "manifest", "tokenize", "warmup", "train", "evaluate"):
         assert f"Running stage '{stage}'" in first
     assert (dvc_project / "data/target/model.safetensors").is_file()
     assert json.loads((dvc_project / "data/manifest/summary.json").read_text())["num_samples"] == 60
 
     again = run(["dvc", "repro"], dvc_project).stdout
     assert "Stage 'target' didn't change, skipping" in again
-    for stage in ("target", "manifest", "tokenize", "warmup", "train"):
+    for stage in ("target", "manifest", "tokenize", "warmup", "train", "evaluate"):
         assert f"Stage '{stage}' didn't change, skipping" in again
     assert status(dvc_project) == {"fingerprint": ["always changed"]}
 

@@ -313,6 +313,7 @@ SECTIONS: dict[str, type] = {
     "compile": CompileParams,
     "topology": TopologyParams,
     "train": TrainParams,
+    "evaluate": EvaluateParams,
 }
 """params.yaml's top-level sections and the dataclass that each one must fit."""
 

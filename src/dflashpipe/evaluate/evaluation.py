@@ -1,0 +1,134 @@
+"""The whole evaluate stage: decode the eval prompts both ways, time a training step, compare a baseline."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflashpipe.artifacts import write_json_atomic
+from dflashpipe.errors import SourceError
+from dflashpipe.evaluate import regression
+from dflashpipe.evaluate.metrics import PromptResult, eval_metrics, write_plot_tables
+from dflashpipe.evaluate.prompts import EvalPrompt, eval_prompts
+from dflashpipe.evaluate.speculative import DFlashProposer, prefill, speculative_generate, target_generate
+from dflashpipe.model import DFlashDrafter, TargetHead
+from dflashpipe.params import CompileParams, EvaluateParams, ModelParams
+
+TRAIN_STEP_REPEATS = 3
+"""Timed training steps after one untimed one; the median is reported."""
+
+
+@dataclass(frozen=True)
+class EvaluateInputs:
+    evaluate: EvaluateParams
+    model: ModelParams
+    compile: CompileParams
+
+
+def stop_token_ids(target, tokenizer) -> list[int]:
+    """End of turn: the generation config's eos ids and the tokenizer's eos token."""
+    ids = target.generation_config.eos_token_id if target.generation_config is not None else None
+    ids = list(ids) if isinstance(ids, (list, tuple)) else [ids]
+    return sorted({i for i in [*ids, tokenizer.eos_token_id] if i is not None})
+
+
+def decode_prompts(target, drafter: DFlashDrafter, prompts: list[EvalPrompt], max_new_tokens: int,
+                   stop: list[int]) -> list[PromptResult]:
+    """Each prompt: one prefill, then target-only greedy and speculative decoding from copies of it."""
+    proposer = DFlashProposer(drafter)
+    if prompts:  # one untimed run, so that first-call costs (allocator, kernels) land in no measurement
+        warm = prefill(target, prompts[0].prompt_ids)
+        target_generate(target, warm.fork(), min(max_new_tokens, 8), stop)
+        speculative_generate(target, proposer, warm, min(max_new_tokens, 8), stop)
+    results = []
+    for prompt in prompts:
+        start = prefill(target, prompt.prompt_ids)
+        baseline = target_generate(target, start.fork(), max_new_tokens, stop)
+        results.append(PromptResult(prompt, baseline, speculative_generate(target, proposer, start, max_new_tokens, stop)))
+    return results
+
+
+def measure_train_step(drafter_dir: Path, target, model: ModelParams, micro_batch: int) -> dict:
+    """One drafter training step (forward + backward, not torch.compile'd), timed on its own: no target
+    forward, no data loading, no threads, so only the drafter's kernels are in the figure."""
+    from dflashpipe.compile.warmup import run_step_once
+
+    device = target.device
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, TargetHead.of(target), attention=model.attention,
+                                            gamma=model.gamma)
+    drafter.train()
+    run_step_once(drafter, drafter, model, micro_batch, device)
+    runs = [run_step_once(drafter, drafter, model, micro_batch, device) for _ in range(TRAIN_STEP_REPEATS)]
+    seconds = statistics.median(r["seconds"] for r in runs)
+    positions = micro_batch * model.seq_len
+    return {
+        "what": f"eager drafter forward+backward, {runs[0]['backend']} attention, median of {TRAIN_STEP_REPEATS} "
+                f"after 1 warm step; tokens = micro_batch x seq_len positions",
+        "device": device.type,
+        "shapes": runs[0]["shapes"],
+        "seconds": round(seconds, 4),
+        "tokens_per_s": round(positions / seconds, 2) if seconds > 0 else 0.0,
+    }
+
+
+def read_train_metrics(path: Path) -> dict:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        return {"tokens_per_s": raw["tokens_per_s"], "compile": raw["compile"]}
+    except FileNotFoundError:
+        raise SourceError(f"{path} not found: run `dvc repro train` first") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SourceError(f"{path}: not the train stage's metrics ({exc}): run `dvc repro train`") from None
+
+
+def evaluate_drafter(inputs: EvaluateInputs, drafter_dir: Path | str, target_dir: Path | str,
+                     manifest_dir: Path | str, train_metrics: Path | str, metrics_dir: Path | str,
+                     root: Path | str = ".", device: str | None = None) -> dict:
+    """Write metrics/eval.json, metrics/eval_regression.json and the plot tables; return the eval metrics."""
+    from dflashpipe.target import load_materialised_target
+    from dflashpipe.tokens import load_chat_tokenizer
+
+    p = inputs.evaluate
+    drafter_dir, metrics_dir = Path(drafter_dir), Path(metrics_dir)
+    train = read_train_metrics(Path(train_metrics))
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    target = load_materialised_target(target_dir, device)
+    chat = load_chat_tokenizer(target_dir)
+    # sdpa for decoding: every step has a new context length, which a compiled flex kernel would recompile for.
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, TargetHead.of(target), attention="sdpa").eval()
+    prompts, skipped = eval_prompts(manifest_dir, chat, p.num_prompts, p.max_prompt_tokens)
+    if not prompts:
+        raise SourceError(f"{Path(manifest_dir) / 'eval.parquet'}: no usable eval prompt (skipped: {skipped}); "
+                          f"raise evaluate.max_prompt_tokens or give the sources an eval count (data.sources[*].eval)")
+    results = decode_prompts(target, drafter, prompts, p.max_new_tokens, stop_token_ids(target, chat.tokenizer))
+    decoding, tables = eval_metrics(results, drafter.config.block_size)
+    metrics = {
+        **decoding,
+        "skipped_prompts": skipped,
+        "train": train,
+        "train_step": measure_train_step(drafter_dir, target, inputs.model, inputs.compile.micro_batch),
+        "setup": {"block_size": drafter.config.block_size, "max_new_tokens": p.max_new_tokens,
+                  "num_prompts_per_source": p.num_prompts, "device": device.type,
+                  "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+                  "temperature": 0},
+    }
+    baseline, commit, note = regression.read_baseline(p.baseline, root)
+    report = regression.compare(metrics, baseline, p.baseline, commit, note, p.max_regression)
+    write_plot_tables(tables, metrics_dir)
+    write_json_atomic(metrics_dir / "eval.json", metrics)
+    write_json_atomic(metrics_dir / "eval_regression.json", report)
+    print(f"evaluate: {len(results)} prompts, tau {metrics['tau']:.3f}, speedup {metrics['speedup']:.3f}x, "
+          f"decode {metrics['decode_tokens_per_s']['speculative']:.1f} tok/s (target alone "
+          f"{metrics['decode_tokens_per_s']['target']:.1f}), lossless: {metrics['lossless']}; baseline: {note}",
+          flush=True)
+    for line in regression.regression_lines(report):
+        print(line, flush=True)
+    if not metrics["lossless"]:
+        print(f"!!! NOT LOSSLESS: speculative output differs from target greedy on {metrics['mismatched_prompts']}",
+              flush=True)
+    regression.check(report, p.fail_on_regression)
+    return metrics

@@ -1,0 +1,90 @@
+"""From decoded prompts to metrics/eval.json and the plot tables under metrics/eval/."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflashpipe.artifacts import write_json_atomic
+from dflashpipe.evaluate.prompts import EvalPrompt
+from dflashpipe.evaluate.speculative import Decoded
+
+PLOTS_DIR = "eval"
+PLOT_TABLES = ("tau_per_source", "slot_acceptance", "speedup_per_prompt")
+"""metrics/eval/<name>.json, each declared under the evaluate stage's `plots:` in dvc.yaml."""
+
+
+@dataclass
+class PromptResult:
+    prompt: EvalPrompt
+    target: Decoded
+    """Target-only greedy decoding: the tokens every speculative run must reproduce."""
+    speculative: Decoded
+
+    @property
+    def first_divergence(self) -> int | None:
+        a, b = self.target.tokens, self.speculative.tokens
+        index = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        return index if index is not None or len(a) == len(b) else min(len(a), len(b))
+
+
+def _per_token(decoded: list[Decoded]) -> float:
+    tokens = sum(d.decode_tokens for d in decoded)
+    return sum(d.decode_s for d in decoded) / tokens if tokens else 0.0
+
+
+def _summary(results: list[PromptResult]) -> dict:
+    spec = [r.speculative for r in results]
+    steps = sum(len(d.produced) for d in spec)
+    base, ours = _per_token([r.target for r in results]), _per_token(spec)
+    return {
+        "prompts": len(results),
+        "new_tokens": sum(len(d.tokens) for d in spec),
+        "verify_steps": steps,
+        "tau": round(sum(sum(d.produced) for d in spec) / steps, 4) if steps else 0.0,
+        "speedup": round(base / ours, 4) if ours else 0.0,
+    }
+
+
+def slot_acceptance(decoded: list[Decoded], block_size: int) -> dict[str, float]:
+    """Per block slot k (1 .. bs-1): the share of steps that verified slot k in which it was accepted."""
+    rates = {}
+    for k in range(1, block_size):
+        verified = sum(1 for d in decoded for size in d.sizes if size > k)
+        accepted = sum(1 for d in decoded for a in d.accepted if a >= k)
+        rates[str(k)] = round(accepted / verified, 4) if verified else 0.0
+    return rates
+
+
+def eval_metrics(results: list[PromptResult], block_size: int) -> tuple[dict, dict[str, list[dict]]]:
+    """metrics/eval.json's decoding part, and the plot tables."""
+    spec = [r.speculative for r in results]
+    base_s, ours_s = _per_token([r.target for r in results]), _per_token(spec)
+    mismatched = [r for r in results if r.first_divergence is not None]
+    sources = sorted({r.prompt.source for r in results})
+    per_source = {s: _summary([r for r in results if r.prompt.source == s]) for s in sources}
+    histogram = {str(a): sum(d.accepted.count(a) for d in spec) for a in range(block_size)}
+    metrics = {
+        **_summary(results),
+        "decode_tokens_per_s": {"target": round(1 / base_s, 2) if base_s else 0.0,
+                                "speculative": round(1 / ours_s, 2) if ours_s else 0.0},
+        "lossless": not mismatched,
+        "mismatched_prompts": [{"id": r.prompt.sample_id, "first_divergence": r.first_divergence} for r in mismatched],
+        "per_source": per_source,
+        "slot_acceptance": slot_acceptance(spec, block_size),
+        "accepted_histogram": histogram,
+    }
+    tables = {
+        "tau_per_source": [{"source": s, "tau": v["tau"]} for s, v in per_source.items()],
+        "slot_acceptance": [{"slot": int(k), "acceptance": v} for k, v in metrics["slot_acceptance"].items()],
+        "speedup_per_prompt": [
+            {"prompt": i, "id": r.prompt.sample_id, "source": r.prompt.source, **_summary([r])}
+            for i, r in enumerate(results)
+        ],
+    }
+    return metrics, tables
+
+
+def write_plot_tables(tables: dict[str, list[dict]], metrics_dir: Path | str) -> None:
+    for name in PLOT_TABLES:
+        write_json_atomic(Path(metrics_dir) / PLOTS_DIR / f"{name}.json", tables[name])

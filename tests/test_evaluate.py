@@ -1,0 +1,223 @@
+"""Speculative decoding: lossless on every prompt, equal to the reference, exact tau at both extremes."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from dflashpipe.errors import DflashpipeError
+from dflashpipe.evaluate import regression
+from dflashpipe.evaluate.evaluation import stop_token_ids
+from dflashpipe.evaluate.metrics import slot_acceptance
+from dflashpipe.evaluate.prompts import eval_prompts
+from dflashpipe.evaluate.speculative import DFlashProposer, prefill, speculative_generate, target_generate
+from dflashpipe.model import DFlashDrafter, TargetHead, sample_anchor_positions, target_features
+from dflashpipe.params import DataParams, ModelParams, SourceSpec
+from tests.conftest import run, set_params
+
+MODEL = ModelParams(layers=1, block_size=4, target_layers=2, num_anchors=4, seq_len=64, gamma=4.0,
+                    attention="sdpa", mask_token="<empty_output>")
+MAX_NEW = 24
+
+
+def fit_to_target(drafter: DFlashDrafter, target, sequences: list[list[int]], prompt_lens: list[int]) -> None:
+    """A few hundred steps on the target's own greedy continuations, so that drafts are often right
+    and the tests below see partial acceptance, not only the bonus token."""
+    data = []
+    with torch.no_grad():
+        for seq, plen in zip(sequences, prompt_lens):
+            ids = torch.tensor([seq])
+            hidden = target(ids, output_hidden_states=True).hidden_states
+            mask = torch.zeros_like(ids)
+            mask[:, plen:] = 1
+            data.append((target_features(hidden, drafter.config.target_layer_ids), ids, mask))
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(60):
+        features, ids, mask = data[step % len(data)]
+        anchors, valid = sample_anchor_positions(mask, MODEL.num_anchors, gen)
+        drafter(features, ids, mask, anchors, valid).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, tiny_target_dir):
+    from dflashpipe.data.manifest import build_manifest
+    from dflashpipe.params import TargetParams
+    from dflashpipe.target import load_materialised_target, materialise_target
+    from dflashpipe.tokens import load_chat_tokenizer
+
+    work = tmp_path_factory.mktemp("evaluate")
+    materialise_target(TargetParams(source=tiny_target_dir.name, dtype="float32"), work / "target",
+                       root=tiny_target_dir.parent)
+    build_manifest(DataParams(num_samples=8, shard_size=8, on_bad_record="skip", sources=(
+        SourceSpec(name="chitchat", kind="chitchat", weight=1.0, eval=6),
+        SourceSpec(name="humaneval", kind="humaneval", weight=0.0, eval=3))), work / "manifest")
+    target = load_materialised_target(work / "target", "cpu")
+    chat = load_chat_tokenizer(work / "target")
+    prompts, _ = eval_prompts(work / "manifest", chat, num_prompts=2, max_prompt_tokens=400)
+    assert {p.source for p in prompts} == {"chitchat", "humaneval"} and len(prompts) >= 3
+    stop = stop_token_ids(target, chat.tokenizer)
+    greedy = [target_generate(target, prefill(target, p.prompt_ids), MAX_NEW, ()).tokens for p in prompts]
+    drafter = DFlashDrafter.for_target(target, chat.tokenizer, MODEL, torch.Generator().manual_seed(0))
+    fit_to_target(drafter, target, [p.prompt_ids + g for p, g in zip(prompts, greedy)],
+                  [len(p.prompt_ids) for p in prompts])
+    drafter.save_pretrained(work / "drafter")
+    drafter = DFlashDrafter.from_pretrained(work / "drafter", TargetHead.of(target), attention="sdpa").eval()
+    return {"work": work, "target": target, "chat": chat, "prompts": prompts, "stop": stop, "drafter": drafter}
+
+
+class ScriptedDrafter:
+    """Proposes from a known continuation: the target's own greedy tokens, corrupted where `wrong(slot)` says."""
+
+    def __init__(self, sequence: list[int], block_size: int, vocab: int, wrong=lambda slot: False) -> None:
+        self.sequence, self.block_size, self.vocab, self.wrong = sequence, block_size, vocab, wrong
+        self.target_layer_ids = (0,)
+        self.length = 0
+
+    def begin(self, features: torch.Tensor) -> None:
+        self.length = features.shape[1]
+
+    def draft(self, anchor: torch.Tensor) -> torch.Tensor:
+        pos = self.length
+        assert int(anchor) == self.sequence[pos], "the anchor must sit at position = the context length"
+        wanted = (self.sequence[pos + 1:pos + self.block_size] + [0] * self.block_size)[:self.block_size - 1]
+        return torch.tensor([(t + 1) % self.vocab if self.wrong(k) else t for k, t in enumerate(wanted, start=1)])
+
+    def extend(self, features: torch.Tensor) -> None:
+        self.length += features.shape[1]
+
+
+def test_speculative_output_is_the_target_greedy_output_on_every_prompt(tiny):
+    target, stop = tiny["target"], tiny["stop"]
+    proposer, accepted = DFlashProposer(tiny["drafter"]), []
+    for prompt in tiny["prompts"]:
+        start = prefill(target, prompt.prompt_ids)
+        greedy = target_generate(target, start.fork(), MAX_NEW, stop)
+        ids = torch.tensor([prompt.prompt_ids])
+        hf = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
+                             eos_token_id=stop, pad_token_id=stop[0])
+        assert greedy.tokens == hf[0, ids.shape[1]:].tolist()  # our baseline is HF's greedy decoding
+        ours = speculative_generate(target, proposer, start, MAX_NEW, stop)
+        assert ours.tokens == greedy.tokens, prompt.sample_id
+        accepted += ours.accepted
+        # A half-right drafter exercises every partial acceptance length.
+        sequence = prompt.prompt_ids + target_generate(target, prefill(target, prompt.prompt_ids), MAX_NEW, ()).tokens
+        half = ScriptedDrafter(sequence, 4, target.config.vocab_size, wrong=lambda slot: slot == 2)
+        assert speculative_generate(target, half, prefill(target, prompt.prompt_ids), MAX_NEW, stop).tokens == greedy.tokens
+    assert sum(accepted) > 0, "the fitted drafter should get some drafts accepted"
+    print(f"fitted drafter: accepted per step {accepted}")
+
+
+def test_our_tokens_equal_the_reference_dflash_generate(tiny, monkeypatch):
+    import dflash.model
+    from dflash.model import DFlashDraftModel, dflash_generate
+
+    # return_stats times with torch.cuda.synchronize(), which a CPU-only torch refuses: give the oracle a CPU clock.
+    monkeypatch.setattr(dflash.model, "_cuda_time", time.perf_counter)
+
+    target, stop = tiny["target"], tiny["stop"]
+    reference = DFlashDraftModel.from_pretrained(tiny["work"] / "drafter").eval()
+    proposer = DFlashProposer(tiny["drafter"])
+    for prompt in tiny["prompts"]:
+        ids = torch.tensor([prompt.prompt_ids])
+        theirs = dflash_generate(reference, target, ids, MAX_NEW, stop, temperature=0.0, return_stats=True)
+        ours = speculative_generate(target, proposer, prefill(target, prompt.prompt_ids), MAX_NEW, stop)
+        assert ours.tokens == theirs.output_ids[0, ids.shape[1]:].tolist(), prompt.sample_id
+        # Same drafts too: the committed count of every step agrees, except a last partial block, which the
+        # reference drafts shorter (fewer MASK slots) and we draft at full size and cut.
+        full = [i for i, size in enumerate(ours.sizes) if size == 4]
+        assert [ours.produced[i] for i in full] == [theirs.acceptance_lengths[i] for i in full]
+        assert len(ours.produced) == len(theirs.acceptance_lengths)
+
+
+@pytest.mark.parametrize("left_over", [0, 2])
+def test_tau_is_exactly_1_for_a_wrong_drafter_and_the_block_size_for_an_oracle(tiny, left_over):
+    target, bs, steps = tiny["target"], 4, 5
+    max_new = 1 + steps * bs + left_over  # the prefill's token, then full blocks, then what is left
+    prompt = tiny["prompts"][0].prompt_ids
+    greedy = target_generate(target, prefill(target, prompt), max_new, ()).tokens
+    vocab = target.config.vocab_size
+
+    oracle = speculative_generate(target, ScriptedDrafter(prompt + greedy, bs, vocab), prefill(target, prompt),
+                                  max_new, ())
+    assert oracle.tokens == greedy
+    # The last block verifies only the tokens left: both proposals accepted, no room for the bonus.
+    assert oracle.accepted == [bs - 1] * steps + ([left_over] if left_over else [])
+    assert oracle.tau == (steps * bs + left_over) / (steps + bool(left_over))
+    assert slot_acceptance([oracle], bs) == {"1": 1.0, "2": 1.0, "3": 1.0}
+
+    wrong = speculative_generate(target, ScriptedDrafter(prompt + greedy, bs, vocab, wrong=lambda slot: True),
+                                 prefill(target, prompt), max_new, ())
+    assert wrong.tokens == greedy
+    assert wrong.tau == 1.0 and set(wrong.accepted) == {0} and len(wrong.produced) == max_new - 1
+    assert slot_acceptance([wrong], bs) == {"1": 0.0, "2": 0.0, "3": 0.0}
+
+
+def test_growing_the_training_set_leaves_the_eval_split_as_it_was(tmp_path):
+    from dflashpipe.data.manifest import build_manifest
+
+    sources = (SourceSpec(name="chitchat", kind="chitchat", weight=1.0, eval=5),
+               SourceSpec(name="humaneval", kind="humaneval", weight=0.0, eval=3))
+    small = build_manifest(DataParams(num_samples=20, shard_size=10, on_bad_record="skip", sources=sources),
+                           tmp_path / "small")
+    big = build_manifest(DataParams(num_samples=40, shard_size=10, on_bad_record="skip", sources=sources),
+                         tmp_path / "big")
+    assert small["eval"] == big["eval"]  # file name, row count and sha256
+    assert (tmp_path / "small/eval.parquet").read_bytes() == (tmp_path / "big/eval.parquet").read_bytes()
+
+
+def test_the_regression_check_reads_the_baseline_through_git(tmp_path):
+    assert regression.read_baseline("HEAD", tmp_path)[2].endswith("is not a git repository")
+    run(["git", "init", "-q"], tmp_path)
+    assert regression.read_baseline("HEAD", tmp_path) == (None, None, "no baseline: the repository has no commit yet")
+    (tmp_path / "README").write_text("x")
+    run(["git", "add", "-A"], tmp_path)
+    run(["git", "-c", "user.email=t@e", "-c", "user.name=t", "commit", "-qm", "one"], tmp_path)
+    assert "has no metrics/eval.json" in regression.read_baseline("HEAD", tmp_path)[2]
+    old = {"tau": 2.0, "speedup": 1.5, "decode_tokens_per_s": {"speculative": 100.0},
+           "train": {"tokens_per_s": 50.0}, "train_step": {"tokens_per_s": 1000.0}}
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics/eval.json").write_text(json.dumps(old))
+    run(["git", "add", "-A"], tmp_path)
+    run(["git", "-c", "user.email=t@e", "-c", "user.name=t", "commit", "-qm", "two"], tmp_path)
+    (tmp_path / "metrics/eval.json").write_text("{}")  # the workspace's copy is not what is read
+    baseline, commit, _ = regression.read_baseline("HEAD", tmp_path)
+    assert baseline == old and len(commit) == 40
+    with pytest.raises(DflashpipeError, match="evaluate.baseline = 'no-such-rev'.*neither a git revision"):
+        regression.read_baseline("no-such-rev", tmp_path)
+
+    new = {**old, "tau": 1.9, "decode_tokens_per_s": {"speculative": 70.0}}
+    report = regression.compare(new, baseline, "HEAD", commit, "", max_regression=0.2)
+    assert report["metrics"]["decode_tokens_per_s"] == {"old": 100.0, "new": 70.0, "change": -0.3}
+    assert report["metrics"]["tau"]["change"] == -0.05
+    assert report["regressions"] == report["throughput_regressions"] == ["decode_tokens_per_s"]
+    assert "THROUGHPUT REGRESSION: decode_tokens_per_s 100 -> 70 (-30.0%)" in regression.regression_lines(report)[0]
+    regression.check(report, fail=False)
+    with pytest.raises(regression.RegressionError, match="decode_tokens_per_s fell more than evaluate.max_regression"):
+        regression.check(report, fail=True)
+
+
+def test_dvc_repro_evaluate_writes_metrics_that_dvc_shows(dvc_project):
+    out = run(["dvc", "repro", "evaluate"], dvc_project).stdout
+    assert "Running stage 'evaluate'" in out and "baseline: no baseline" in out
+    metrics = json.loads((dvc_project / "metrics/eval.json").read_text())
+    assert metrics["lossless"] is True and metrics["tau"] >= 1.0 and metrics["train"]["tokens_per_s"] > 0
+    assert {p["source"] for p in metrics["mismatched_prompts"]} == set()
+    shown = json.loads(run(["dvc", "metrics", "show", "--json"], dvc_project).stdout)
+    assert "tau" in json.dumps(shown) and "metrics/eval.json" in json.dumps(shown)
+    for table in ("tau_per_source", "slot_acceptance", "speedup_per_prompt"):
+        assert json.loads((dvc_project / f"metrics/eval/{table}.json").read_text())
+
+    run(["git", "add", "-A"], dvc_project)
+    run(["git", "commit", "-qm", "evaluated"], dvc_project)
+    set_params(dvc_project, evaluate__max_new_tokens=10)
+    again = run(["dvc", "repro", "evaluate"], dvc_project).stdout
+    assert "Stage 'train' didn't change, skipping" in again and "Running stage 'evaluate'" in again
+    report = json.loads((dvc_project / "metrics/eval_regression.json").read_text())
+    assert report["baseline"] == "HEAD" and len(report["commit"]) == 40
+    assert set(report["metrics"]) == set(regression.HEADLINE) and report["metrics"]["tau"]["old"] == metrics["tau"]
