@@ -226,7 +226,7 @@ def test_a_manifest_shard_that_does_not_match_its_summary_is_refused(project, sm
 
     m = manifest(project, 20)
     (m / "train-00001.parquet").write_bytes(b"not parquet")
-    with pytest.raises(SourceError, match=r"train-00001.parquet: sha256 .* differs .* run `dvc repro manifest`"):
+    with pytest.raises(SourceError, match=r"train-00001.parquet: sha256 .* does not match .* `dvc repro -f manifest`"):
         tokenize_manifest(PARAMS, m, smollm2_tokenizer_dir, project / "tokens")
 
 

@@ -48,6 +48,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from dflashpipe.artifacts import canonical_json, file_sha256, write_bytes_atomic, write_json_atomic
+from dflashpipe.data.manifest import verify_manifest
 from dflashpipe.errors import SourceError
 from dflashpipe.params import TokenizeParams
 
@@ -492,28 +493,10 @@ class ManifestShard:
 
 
 def read_manifest(manifest_dir: Path) -> list[ManifestShard]:
-    """The manifest's training shards, each checked against the sha256 its summary lists."""
-    summary_path = manifest_dir / SUMMARY_FILE
-    try:
-        summary = json.loads(summary_path.read_text(encoding="utf-8"))
-        entries = summary["shards"]
-    except FileNotFoundError:
-        raise SourceError(f"{summary_path} not found: run `dvc repro manifest` first") from None
-    except (ValueError, KeyError, TypeError) as exc:
-        raise SourceError(f"{summary_path}: not a manifest summary ({exc}): run `dvc repro manifest`") from None
-    shards = []
-    for index, entry in enumerate(entries):
-        path = manifest_dir / entry["file"]
-        if not path.is_file():
-            raise SourceError(f"{path}: listed in {summary_path} but missing: run `dvc repro manifest`")
-        actual = file_sha256(path)
-        if actual != entry["sha256"]:
-            raise SourceError(
-                f"{path}: sha256 {actual[:12]}... differs from {entry['sha256'][:12]}... in {summary_path}: "
-                f"the manifest was edited by hand or half-written; run `dvc repro manifest`"
-            )
-        shards.append(ManifestShard(index, path, entry["samples"], entry["sha256"]))
-    return shards
+    """The manifest's training shards, after the manifest's own check of every file's sha256."""
+    summary = verify_manifest(manifest_dir)
+    return [ManifestShard(index, manifest_dir / e["file"], e["samples"], e["sha256"])
+            for index, e in enumerate(summary["shards"])]
 
 
 # --- running it across processes -----------------------------------------------------------
