@@ -58,12 +58,16 @@ def kill_at(cmd: list[str], cwd: Path, log: Path, point: str, reached: Callable[
 
 
 def group_process(pgid: int, script: str) -> int | None:
-    """The pid of a process in group `pgid` whose command line runs `script`, if one is running."""
+    """The pid of a process in group `pgid` that runs `script` (an argument starting with it), if any.
+
+    Matching whole arguments, not the command line, skips the shell DVC may wrap the stage in:
+    without $SHELL, DVC runs `/bin/sh -c "python stages/x.py"`, and dash forks instead of exec'ing."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            if os.getpgid(int(entry.name)) == pgid and script in (entry / "cmdline").read_bytes().decode(errors="replace"):
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            if os.getpgid(int(entry.name)) == pgid and any(arg.startswith(script) for arg in argv):
                 return int(entry.name)
         except (ProcessLookupError, FileNotFoundError, PermissionError):
             continue

@@ -78,23 +78,24 @@ def main(scenario: str, artifact: Path) -> dict:
     elif scenario == "eager_flex":
         result["errors"] = in_threads(1, lambda i: guard.call("flex", eager_flex, q, q, q, block_mask=mask))
     elif scenario == "fx_race":
-        stop = threading.Event()
+        # Deterministic, not a timing race: the tracer thread parks inside a traced forward, so the
+        # process-global flag is set for the whole time the worker calls the compiled function.
+        tracing, release = threading.Event(), threading.Event()
 
-        class Chain(torch.nn.Module):
+        class Parked(torch.nn.Module):
             def forward(self, x):
-                for _ in range(100):
-                    x = x * 1.0001 + 0.1
-                return x
+                tracing.set()
+                release.wait(timeout=120)
+                return x * 2
 
-        def trace(_):
-            while not stop.is_set():
-                torch.fx.symbolic_trace(Chain())
-
-        tracer = threading.Thread(target=trace, args=(0,))
+        tracer = threading.Thread(target=lambda: torch.fx.symbolic_trace(Parked()), name="fx-tracer")
         tracer.start()
-        result["errors"] = in_threads(1, lambda i: [guard.call("flex", flex, q, q, q, block_mask=mask) for _ in range(500)])
-        stop.set()
-        tracer.join()
+        tracing.wait(timeout=120)
+        try:
+            result["errors"] = in_threads(1, lambda i: guard.call("flex", flex, q, q, q, block_mask=mask))
+        finally:
+            release.set()
+            tracer.join()
     after = dynamo_counters()
     result["new_graphs"] = after["unique_graphs"] - before["unique_graphs"]
     result["compiles_outside_main_thread"] = after["compiles_outside_main_thread"]
