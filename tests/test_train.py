@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,12 +52,16 @@ def workdir(tmp_path_factory, tiny_target_dir):
     return work
 
 
-def train(workdir, cfg, nproc=1) -> dict:
+def train_process(workdir, cfg, nproc=1) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(SCRIPT), str(workdir), json.dumps(cfg)]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--master-port", str(29500 + os.getpid() % 1000)] + cmd[1:]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+
+
+def train(workdir, cfg, nproc=1) -> dict:
+    proc = train_process(workdir, cfg, nproc)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("METRICS "))
     return json.loads(line.removeprefix("METRICS "))
@@ -90,8 +95,15 @@ def test_a_killed_run_resumes_to_the_same_weights(workdir):
     proc = subprocess.Popen([sys.executable, str(SCRIPT), str(workdir), json.dumps(cfg)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     state = workdir / "killed" / "state" / "checkpoint" / "state.json"
+
+    def checkpointed_step() -> int:  # the checkpoint directory is replaced whole: it may be gone for an instant
+        try:
+            return json.loads(state.read_text())["step"]
+        except (OSError, ValueError):
+            return -1
+
     deadline = time.time() + 300
-    while time.time() < deadline and not (state.is_file() and json.loads(state.read_text())["step"] >= 4):
+    while time.time() < deadline and checkpointed_step() < 4:
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -102,13 +114,33 @@ def test_a_killed_run_resumes_to_the_same_weights(workdir):
     assert_same_weights(weights(workdir, "clean"), weights(workdir, "killed"))
 
 
-def test_compiled_training_compiles_nothing_in_worker_threads(workdir):
-    # The real per-step worker code (anchors, mask, compiled step, backward) in three threads at once.
+def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_fix(workdir):
+    cfg = config("damaged", drafters=1, max_steps=2)
+    train(workdir, cfg)  # leaves its checkpoint at step 2
+    checkpoint = workdir / "damaged" / "state" / "checkpoint"
+    victim = checkpoint / "drafter" / "model.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x10  # inside the weights: safetensors itself would load this without a word
+    victim.write_bytes(bytes(data))
+    proc = train_process(workdir, cfg)
+    assert proc.returncode != 0
+    assert f"TrainCheckpointError: {victim}: does not match its sha256 in {checkpoint / 'files.json'}" in proc.stderr
+    assert f"`rm -r {checkpoint}`" in proc.stderr
+    (checkpoint / "optimizer.pt").write_bytes(b"\x80\x04crafted")  # never reaches torch.load
+    victim.write_bytes(bytes(data[:100]))
+    assert "TrainCheckpointError" in train_process(workdir, cfg).stderr
+
+
+def test_compiled_training_compiles_nothing_in_worker_threads(workdir, pipeline_run):
+    # The warmup stage's artifact for these very shapes (the shared run's model params are MODEL's), loaded
+    # in the main thread; then the real per-step worker code (anchors, mask, compiled step, backward) runs
+    # in three threads at once.
+    shutil.copytree(pipeline_run / "data/compile", workdir / "compile", dirs_exist_ok=True)
     metrics = train(workdir, config("compiled", drafters=3, compiled=True, max_steps=12))
     assert metrics["steps"] == 12 and metrics["replicas_identical"] is True
+    assert metrics["compile"]["source"] == "artifact"
     assert metrics["compile"]["compiles_in_worker_threads"] == 0
     assert metrics["compile"]["new_graphs_in_workers"] == 0
-    assert metrics["compile"]["source"].startswith("cold compile in the main thread")  # no warmup artifact here
 
 
 def test_bad_topology_is_refused_before_anything_loads():

@@ -18,7 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from dflashpipe.errors import DflashpipeError
+
 PARTIAL = ".partial-"
+FILE_LISTING = "files.json"
+"""sha256 and size of every other file of a directory output, so a consumer can check it before use."""
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -29,6 +33,7 @@ def canonical_json(obj: Any) -> bytes:
 def write_bytes_atomic(path: Path | str, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_partials(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{PARTIAL}", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
@@ -90,3 +95,38 @@ def file_sha256(path: Path | str, chunk: int = 1 << 22) -> str:
         while block := fh.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def write_file_listing(directory: Path) -> None:
+    """Record every file under `directory` (sha256, size) in its files.json. Call last."""
+    files = {
+        p.relative_to(directory).as_posix(): {"sha256": file_sha256(p), "size": p.stat().st_size}
+        for p in sorted(directory.rglob("*")) if p.is_file() and p.name != FILE_LISTING
+    }
+    write_json_atomic(directory / FILE_LISTING, files)
+
+
+def verify_file_listing(directory: Path, fix: str, error: type[DflashpipeError] = DflashpipeError) -> None:
+    """Check every file under `directory` against its files.json: none missing, none changed, none extra.
+
+    Raises `error` naming the file and `fix` (what the user should run) on the first problem."""
+    listing = directory / FILE_LISTING
+    if not listing.is_file():
+        raise error(f"{directory}: {FILE_LISTING} missing (not a complete output): {fix}")
+    try:
+        files = json.loads(listing.read_text())
+        entries = [(rel, int(e["size"]), str(e["sha256"])) for rel, e in files.items()]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise error(f"{listing}: unreadable ({exc}): {fix}") from None
+    for rel, size, sha256 in entries:
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            raise error(f"{listing}: lists {rel!r}, a path outside {directory}: {fix}")
+        file = directory / rel
+        if not file.is_file():
+            raise error(f"{file}: listed in {listing} but missing: {fix}")
+        if file.stat().st_size != size or file_sha256(file) != sha256:
+            raise error(f"{file}: does not match its sha256 in {listing} (truncated, bit-flipped or edited): {fix}")
+    extra = sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*")
+                   if p.is_file() and p != listing and p.relative_to(directory).as_posix() not in files)
+    if extra:
+        raise error(f"{directory}: holds files that {listing} does not list ({', '.join(extra)}): {fix}")

@@ -165,3 +165,88 @@ def test_a_shard_that_matches_its_hash_but_is_not_parquet_is_a_clear_error(manif
     entry = dict(summary_of(manifest)["shards"][0], sha256=hashlib.sha256(path.read_bytes()).hexdigest())
     with pytest.raises(SourceError, match=rf"{path}: not a readable parquet shard .*{FIX}"):
         read_manifest_shard(manifest, entry)
+
+
+# -- directory outputs checked through their files.json: the compile artifact, the drafter, the checkpoint --
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory) -> Path:
+    """A real drafter checkpoint as `train` writes it: published format plus its files.json."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dflashpipe.artifacts import write_file_listing
+    from dflashpipe.model import DFlashDrafter, TargetHead
+    from tests.test_model import tiny_config
+
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                                          num_attention_heads=4, num_key_value_heads=2)).eval()
+    out = tmp_path_factory.mktemp("drafter") / "drafter"
+    DFlashDrafter(tiny_config(target), TargetHead.of(target)).save_pretrained(out)
+    write_file_listing(out)
+    return out
+
+
+@pytest.fixture
+def drafter(drafter_dir, tmp_path) -> Path:
+    copy = tmp_path / "drafter"
+    shutil.copytree(drafter_dir, copy)
+    return copy
+
+
+def refused_drafter(drafter: Path, match: str) -> None:
+    """evaluate's own entry point refuses the drafter before anything is loaded."""
+    from dflashpipe.evaluate.evaluation import EvaluateInputs, evaluate_drafter
+    from dflashpipe.params import load_params
+    from tests.conftest import ROOT
+
+    p = load_params(ROOT)
+    inputs = EvaluateInputs(evaluate=p["evaluate"], model=p["model"], compile=p["compile"])
+    with pytest.raises(SourceError, match=match) as err:
+        evaluate_drafter(inputs, drafter, drafter / "no-target", drafter / "no-manifest", drafter / "none.json",
+                         drafter / "metrics")
+    assert f"`dvc checkout {drafter}`" in str(err.value) and "`dvc repro -f train`" in str(err.value)
+
+
+def test_an_intact_drafter_verifies(drafter):
+    from dflashpipe.artifacts import verify_file_listing
+
+    verify_file_listing(drafter, "fix")
+    assert sorted(p.name for p in drafter.iterdir()) == ["config.json", "files.json", "model.safetensors"]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_bit_flipped_in_the_drafter_is_caught_before_use(drafter_dir, data):
+    victim = drafter_dir / data.draw(st.sampled_from(["config.json", "model.safetensors"]), label="file")
+    with one_bit_flipped(victim, data):
+        refused_drafter(drafter_dir, rf"{victim}: does not match its sha256 in {drafter_dir / 'files.json'} "
+                                     r"\(truncated, bit-flipped or edited\)")
+
+
+@pytest.mark.parametrize(("damage", "match"), [
+    ("truncate", r"model.safetensors: does not match its sha256"),
+    ("delete", r"model.safetensors: listed in .*files.json but missing"),
+    ("extra file", r"holds files that .*files.json does not list \(model.safetensors.bak\)"),
+    ("no listing", r"files.json missing \(not a complete output\)"),
+    ("listing truncated", r"files.json: unreadable"),
+    ("listing escapes", r"files.json: lists '../../etc/passwd', a path outside"),
+])
+def test_a_damaged_drafter_is_refused_naming_the_file_and_the_fix(drafter, damage, match):
+    weights, listing = drafter / "model.safetensors", drafter / "files.json"
+    if damage == "truncate":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif damage == "delete":
+        weights.unlink()
+    elif damage == "extra file":
+        shutil.copy(weights, drafter / "model.safetensors.bak")
+    elif damage == "no listing":
+        listing.unlink()
+    elif damage == "listing truncated":
+        listing.write_bytes(listing.read_bytes()[:40])
+    else:
+        files = json.loads(listing.read_text())
+        files["../../etc/passwd"] = files.pop("config.json")
+        listing.write_bytes(canonical_json(files))
+    refused_drafter(drafter, match)

@@ -8,10 +8,10 @@ kernels. On CUDA the mega-cache also carries Triton kernels, so both are kept th
 Layout of `data/compile/`:
 - `inductor/`   the TORCHINDUCTOR_CACHE_DIR the warmup compiled into
 - `mega.bin`    the mega-cache, on CUDA only
-- `files.json`  sha256 and size of every file above: a truncated or bit-flipped artifact
-                is caught before torch reads it
 - `report.json` each compiled graph (name, shapes, dtype, backend, seconds), the dynamo
                 counters, and the environment it is valid for
+- `files.json`  sha256 and size of every file above: a truncated or bit-flipped artifact
+                is caught before torch reads it
 
 A consumer never writes into `data/compile/` (it is DVC's record of warmup's output):
 the loader copies the cache into a work directory and points inductor there.
@@ -26,12 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflashpipe.artifacts import file_sha256, write_bytes_atomic, write_json_atomic
+from dflashpipe.artifacts import verify_file_listing, write_bytes_atomic, write_file_listing, write_json_atomic
 from dflashpipe.errors import DflashpipeError
 
 INDUCTOR_DIR = "inductor"
 MEGA_CACHE = "mega.bin"
-FILES = "files.json"
 REPORT = "report.json"
 
 
@@ -57,12 +56,8 @@ def write_artifact(out: Path, cache_dir: Path, report: dict[str, Any], with_mega
         result = torch.compiler.save_cache_artifacts()
         if result is not None:
             write_bytes_atomic(out / MEGA_CACHE, result[0])
-    files = {
-        p.relative_to(out).as_posix(): {"sha256": file_sha256(p), "size": p.stat().st_size}
-        for p in sorted(out.rglob("*")) if p.is_file()
-    }
-    write_json_atomic(out / FILES, files)
     write_json_atomic(out / REPORT, report)
+    write_file_listing(out)
 
 
 @dataclass
@@ -75,21 +70,8 @@ class LoadedArtifact:
 def verify_artifact(path: Path) -> dict[str, Any]:
     """Check every file against files.json; return the report. Raise with the fix otherwise."""
     fix = f"restore it with `dvc checkout {path}` or rebuild it with `dvc repro -f warmup`"
-    listing = path / FILES
-    if not listing.is_file():
-        raise CompileArtifactError(f"{path}: no compile artifact ({FILES} missing): {fix}")
-    try:
-        files = json.loads(listing.read_text())
-        report = json.loads((path / REPORT).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CompileArtifactError(f"{path}: unreadable {FILES}/{REPORT} ({exc}): {fix}") from None
-    for rel, expected in files.items():
-        file = path / rel
-        if not file.is_file():
-            raise CompileArtifactError(f"{file}: missing from the compile artifact: {fix}")
-        if file.stat().st_size != expected["size"] or file_sha256(file) != expected["sha256"]:
-            raise CompileArtifactError(f"{file}: does not match its sha256 in {listing} (truncated or edited): {fix}")
-    return report
+    verify_file_listing(path, fix, CompileArtifactError)
+    return json.loads((path / REPORT).read_text())
 
 
 def environment_mismatch(report: dict[str, Any], environment: dict[str, Any]) -> list[str]:

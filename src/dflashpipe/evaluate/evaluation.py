@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from dflashpipe.artifacts import write_json_atomic
+from dflashpipe.artifacts import verify_file_listing, write_json_atomic
 from dflashpipe.errors import SourceError
 from dflashpipe.evaluate import regression
 from dflashpipe.evaluate.metrics import PromptResult, eval_metrics, write_plot_tables
@@ -94,6 +94,8 @@ def evaluate_drafter(inputs: EvaluateInputs, drafter_dir: Path | str, target_dir
 
     p = inputs.evaluate
     drafter_dir, metrics_dir = Path(drafter_dir), Path(metrics_dir)
+    verify_file_listing(drafter_dir, f"restore it with `dvc checkout {drafter_dir}` or retrain with `dvc repro -f train`",
+                        SourceError)
     train = read_train_metrics(Path(train_metrics))
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     target = load_materialised_target(target_dir, device)

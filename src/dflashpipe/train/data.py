@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
@@ -43,16 +44,20 @@ def load_tokens(tokens_dir: Path | str) -> TokenData:
     fix = f"run `dvc checkout {tokens_dir}` or `dvc repro -f tokenize`"
     try:
         summary = json.loads((tokens_dir / "summary.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SourceError(f"{tokens_dir}/summary.json: unreadable ({exc}): {fix}") from None
+        entries = [(str(e["file"]), str(e["sha256"])) for e in summary["shards"]]
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise SourceError(f"{tokens_dir}/summary.json: unreadable or not a tokens summary ({exc!r}): {fix}") from None
     ids, masks, lengths = [], [], []
-    for entry in summary["shards"]:
-        path = tokens_dir / entry["file"]
-        if "sha256" in entry and (not path.is_file() or file_sha256(path) != entry["sha256"]):
+    for name, sha256 in entries:
+        path = tokens_dir / name
+        if Path(name).name != name or not path.is_file() or file_sha256(path) != sha256:
             raise SourceError(f"{path}: missing or not the shard summary.json records (sha256): {fix}")
-        table = pq.read_table(path, columns=["input_ids", "loss_mask"])
-        for name, out in (("input_ids", ids), ("loss_mask", masks)):
-            out.append(table.column(name).combine_chunks().flatten().to_numpy(zero_copy_only=False))
+        try:
+            table = pq.read_table(path, columns=["input_ids", "loss_mask"])
+        except (OSError, ValueError, pa.ArrowException) as exc:
+            raise SourceError(f"{path}: not a readable tokens shard ({exc}): {fix}") from None
+        for column, out in (("input_ids", ids), ("loss_mask", masks)):
+            out.append(table.column(column).combine_chunks().flatten().to_numpy(zero_copy_only=False))
         lengths.append(table.column("input_ids").combine_chunks().value_lengths().to_numpy(zero_copy_only=False))
     if not lengths or sum(len(x) for x in lengths) == 0:
         raise SourceError(f"{tokens_dir}: no training sequences (see its summary.json skip counts)")

@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from dflashpipe.artifacts import atomic_directory, canonical_json, file_sha256, write_json_atomic
+from dflashpipe.artifacts import (PARTIAL, atomic_directory, canonical_json, file_sha256, verify_file_listing,
+                                  write_file_listing, write_json_atomic)
 from dflashpipe.compile.guard import COUNTER, CompileGuard, dynamo_counters
 from dflashpipe.compile.warmup import autocast, compiled_step, feature_dtype, run_step_once
 from dflashpipe.errors import DflashpipeError
@@ -99,6 +100,10 @@ class Mailbox:
                     raise _Aborted()
                 self.cond.wait(POLL_S)
             return self.items.pop(step)
+
+
+class TrainCheckpointError(DflashpipeError):
+    """The resumable checkpoint in data/train-state/ is damaged."""
 
 
 class _Aborted(Exception):
@@ -313,16 +318,20 @@ class Trainer:
             write_json_atomic(tmp / "state.json", {
                 "run_key": run_key, "step": self.step, "truncated": self.truncated,
                 "history": [record.__dict__ for record in self.history]})
+            write_file_listing(tmp)
 
     def resume(self, state_dir: Path, run_key: str) -> bool:
         """Load the last checkpoint if it belongs to this very run (same inputs); else start over."""
         from safetensors.torch import load_file
 
         path = state_dir / CHECKPOINT
-        try:
-            state = json.loads((path / "state.json").read_text())
-        except (OSError, json.JSONDecodeError):
+        if not path.exists():
             return False
+        # Written whole or not at all (atomic_directory), so damage here came from outside: say so, never
+        # resume from wrong numbers and never silently throw away hours of training either.
+        verify_file_listing(path, f"delete it to start this run from step 0 (`rm -r {path}`); a checkpoint "
+                                  f"is not cached by DVC, so it cannot be restored", TrainCheckpointError)
+        state = json.loads((path / "state.json").read_text())
         if state.get("run_key") != run_key:
             print(f"train: ignoring {path}: it belongs to a run with other inputs")
             return False
@@ -416,6 +425,7 @@ def train_drafter(inputs: TrainInputs, tokens_dir: Path | str, target_dir: Path 
     if topology.rank == 0:
         with atomic_directory(out_dir) as tmp:
             trainer.replicas[0].drafter.save_pretrained(tmp)
+            write_file_listing(tmp)  # evaluate checks the drafter against it before use
         write_plots(trainer.history, metrics_dir)
         write_json_atomic(metrics_dir / "metrics.json", metrics)
         if every:
@@ -451,18 +461,23 @@ def train_metrics(trainer: Trainer, before: dict, after: dict, warm_s: float, co
 
 
 def write_plots(history: list[StepRecord], metrics_dir: Path) -> None:
-    """Per-step curves through DVCLive, written once at the end from the (resumable) history."""
+    """Per-step curves through DVCLive, written once at the end from the (resumable) history.
+
+    DVCLive writes in place, so it writes into a scratch directory, and the finished curves replace
+    `plots/` whole: a killed run never leaves a half-written curve."""
+    import tempfile
+
     from dvclive import Live
 
-    plots = metrics_dir / "plots"
-    if plots.exists():
-        shutil.rmtree(plots)
-    with Live(str(metrics_dir), dvcyaml=False, save_dvc_exp=False, report=None) as live:
-        for h in history:
-            live.step = h.step
-            live.log_metric("loss", h.loss, plot=True)
-            live.log_metric("lr", h.lr, plot=True)
-            live.log_metric("tokens_per_s", h.tokens / max(h.seconds, 1e-9), plot=True)
-            live.log_metric("slot1_accuracy", h.slot_correct[0] / max(h.slot_count[0], 1), plot=True)
-            live.log_metric("target_busy_s", h.target_busy_s, plot=True)
-            live.log_metric("drafter_busy_s", h.drafter_busy_s, plot=True)
+    with atomic_directory(metrics_dir / "plots") as plots, \
+            tempfile.TemporaryDirectory(prefix=f".plots{PARTIAL}live-", dir=metrics_dir) as scratch:
+        with Live(scratch, dvcyaml=False, save_dvc_exp=False, report=None) as live:
+            for h in history:
+                live.step = h.step
+                live.log_metric("loss", h.loss, plot=True)
+                live.log_metric("lr", h.lr, plot=True)
+                live.log_metric("tokens_per_s", h.tokens / max(h.seconds, 1e-9), plot=True)
+                live.log_metric("slot1_accuracy", h.slot_correct[0] / max(h.slot_count[0], 1), plot=True)
+                live.log_metric("target_busy_s", h.target_busy_s, plot=True)
+                live.log_metric("drafter_busy_s", h.drafter_busy_s, plot=True)
+        shutil.move(Path(scratch) / "plots" / "metrics", plots / "metrics")
