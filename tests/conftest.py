@@ -111,3 +111,32 @@ def make_project(project: Path, tiny_target_dir: Path) -> Path:
     run(["git", "add", "-A"], project)
     run(["git", "commit", "-qm", "project"], project)
     return project
+
+
+RUN_PROFILE = {
+    **TINY_PROFILE,
+    "data__num_samples": 400, "data__shard_size": 20,  # 20 shards: a kill test lands among them
+    "compile__enabled": True,  # warmup compiles for real and train loads its artifact
+    "train__max_steps": 6, "train__checkpoint_every": 2,  # checkpoints to resume from
+}
+"""The tiny profile with every stage doing all of its work: compile, checkpoints, many shards."""
+
+
+@pytest.fixture(scope="session")
+def pipeline_run(tmp_path_factory, tiny_target_dir) -> Path:
+    """The whole pipeline on RUN_PROFILE: committed (HEAD~1), run once by `dvc repro`, committed again.
+
+    Read-only for the tests that share it: they change a `copy_project` of it. `dvc repro`'s output
+    is in repro.log beside the project."""
+    project = make_project(tmp_path_factory.mktemp("pipeline") / "project", tiny_target_dir)
+    set_params(project, **RUN_PROFILE)
+    run(["git", "commit", "-qam", "the run profile"], project)
+    (project.parent / "repro.log").write_text(run(["dvc", "repro"], project).stdout)
+    run(["git", "add", "-A"], project)
+    run(["git", "commit", "-qm", "ran the pipeline"], project)
+    return project
+
+
+def copy_project(project: Path, to: Path) -> Path:
+    """A private copy of a project: git, DVC cache, outputs and dvc.lock travel with it."""
+    return Path(shutil.copytree(project, to, symlinks=True))

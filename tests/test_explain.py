@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
 from dflashpipe.explain import ALWAYS, DIRECT, DOWNSTREAM, OUTPUTS, UNCHANGED, explain, to_markdown
-from tests.conftest import make_project, run, set_params
+from tests.conftest import RUN_PROFILE, copy_project, run, set_params
 
 
 def verdicts(report) -> dict[str, str]:
@@ -20,20 +19,14 @@ def roots(report) -> list[tuple]:
     return [(c.kind, c.what, c.old, c.new, tuple(c.stages)) for c in report.root_causes]
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory, tiny_target_dir):
-    """The tiny pipeline, reproduced and committed once for the module."""
-    project = make_project(tmp_path_factory.mktemp("explain") / "project", tiny_target_dir)
-    run(["dvc", "repro"], project)
-    run(["git", "add", "-A"], project)
-    run(["git", "commit", "-qm", "baseline"], project)
-    return project
+N = RUN_PROFILE["data__num_samples"]
+SHARDS = N // RUN_PROFILE["data__shard_size"]
 
 
 @pytest.fixture
-def committed(baseline, tmp_path):
-    """A private copy of the baseline (git, DVC cache and workspace move with it)."""
-    return Path(shutil.copytree(baseline, tmp_path / "project", symlinks=True))
+def committed(pipeline_run, tmp_path):
+    """A private copy of the tiny pipeline, reproduced and committed once for the session."""
+    return copy_project(pipeline_run, tmp_path / "project")
 
 
 def test_nothing_changed_says_so(committed):
@@ -43,11 +36,11 @@ def test_nothing_changed_says_so(committed):
 
 
 def test_growing_the_data_hits_manifest_only_and_costs_are_attributed(committed):
-    set_params(committed, data__num_samples=80)
+    set_params(committed, data__num_samples=N + 20)
     report = explain("HEAD", "workspace", committed)
     assert verdicts(report) == {"fingerprint": ALWAYS, "target": UNCHANGED, "manifest": DIRECT, "tokenize": DOWNSTREAM,
                                 "warmup": UNCHANGED, "train": DOWNSTREAM, "evaluate": DOWNSTREAM}
-    assert roots(report) == [("param", "params.yaml:data.num_samples", 60, 80, ("manifest",))]
+    assert roots(report) == [("param", "params.yaml:data.num_samples", N, N + 20, ("manifest",))]
     assert report.root_causes[0].evidence == (
         "dvc.lock@HEAD stages.manifest.params['params.yaml']['data.num_samples'] vs params.yaml (workspace) data.num_samples")
 
@@ -55,12 +48,12 @@ def test_growing_the_data_hits_manifest_only_and_costs_are_attributed(committed)
     report = explain("HEAD", "workspace", committed)
     assert verdicts(report)["manifest"] == DIRECT and verdicts(report)["target"] == UNCHANGED
     deltas = {m.key: (m.old, m.new, m.causes) for m in report.metrics}
-    assert deltas["train_samples"] == (60, 80, ["params.yaml:data.num_samples"])
-    assert deltas["shards"] == (3, 4, ["params.yaml:data.num_samples"])
-    assert next(m for m in report.metrics if m.key == "train_samples").change == pytest.approx(1 / 3)
+    assert deltas["train_samples"] == (N, N + 20, ["params.yaml:data.num_samples"])
+    assert deltas["shards"] == (SHARDS, SHARDS + 1, ["params.yaml:data.num_samples"])
+    assert next(m for m in report.metrics if m.key == "train_samples").change == pytest.approx(20 / N)
     md = to_markdown(report)
-    assert "`param params.yaml:data.num_samples: 60 -> 80` — hits manifest" in md
-    assert "| target | unchanged |" in md and "`train_samples` 60 -> 80 (+33%)" in md
+    assert f"`param params.yaml:data.num_samples: {N} -> {N + 20}` — hits manifest" in md
+    assert "| target | unchanged |" in md and f"`train_samples` {N} -> {N + 20} (+{round(100 * 20 / N)}%)" in md
 
 
 def test_a_deleted_output_is_missing_and_restorable(committed):
@@ -122,15 +115,18 @@ def test_an_edited_model_file_hits_warmup_and_train(committed):
 
 
 def test_two_experiments_compare_by_name_and_json_is_complete(committed):
-    run(["dvc", "exp", "run", "-n", "small", "-S", "data.num_samples=70"], committed)
-    run(["dvc", "exp", "run", "-n", "big", "-S", "data.num_samples=90"], committed)
-    report = explain("small", "big", committed)
-    assert verdicts(report)["manifest"] == DIRECT and verdicts(report)["target"] == UNCHANGED
-    assert roots(report) == [("param", "params.yaml:data.num_samples", 70, 90, ("manifest",))]
-    proc = run(["dflashpipe", "explain", "small", "big", "--json"], committed)
+    # a learning-rate sweep: two named experiments that rerun train and evaluate only
+    run(["dvc", "exp", "run", "-n", "slow", "-S", "train.lr=0.0001"], committed)
+    run(["dvc", "exp", "run", "-n", "fast", "-S", "train.lr=0.01"], committed)
+    report = explain("slow", "fast", committed)
+    assert {s: v for s, v in verdicts(report).items() if v != UNCHANGED} == {
+        "fingerprint": ALWAYS, "train": DIRECT, "evaluate": DOWNSTREAM}
+    assert roots(report) == [("param", "params.yaml:train.lr", 0.0001, 0.01, ("train",))]
+    proc = run(["dflashpipe", "explain", "slow", "fast", "--json"], committed)
     data = json.loads(proc.stdout)
-    assert (data["a"], data["b"]) == ("small", "big")
-    assert {m["key"]: (m["old"], m["new"]) for m in data["metrics"]}["train_samples"] == (70, 90)
+    assert (data["a"], data["b"]) == ("slow", "fast")
+    final_loss = next(m for m in data["metrics"] if m["key"] == "final_loss")
+    assert final_loss["old"] != final_loss["new"] and final_loss["causes"] == ["params.yaml:train.lr"]
 
 
 def test_an_unknown_revision_is_a_clear_error(committed):

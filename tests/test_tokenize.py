@@ -18,7 +18,7 @@ import yaml
 from dflashpipe.data.manifest import build_manifest
 from dflashpipe.params import DataParams, SourceSpec, TokenizeParams
 from dflashpipe.tokens import SampleEncoder, TokenizerError, load_chat_tokenizer, tokenize_manifest
-from tests.conftest import run, set_params
+from tests.conftest import RUN_PROFILE, copy_project, run, set_params
 
 PARAMS = TokenizeParams(max_length=512, truncation="turn", assistant_turns="all", min_supervised_tokens=4,
                         num_proc=1)
@@ -230,20 +230,20 @@ def test_a_manifest_shard_that_does_not_match_its_summary_is_refused(project, sm
         tokenize_manifest(PARAMS, m, smollm2_tokenizer_dir, project / "tokens")
 
 
-def test_dvc_repro_after_growing_the_data_reuses_the_old_shard_files(dvc_project):
-    set_params(dvc_project, tokenize__max_length=512, tokenize__min_supervised_tokens=4, tokenize__num_proc=2)
-    run(["dvc", "repro", "tokenize"], dvc_project)
-    tokens = dvc_project / "data" / "tokens"
+def test_dvc_repro_after_growing_the_data_reuses_the_old_shard_files(pipeline_run, tmp_path):
+    project = copy_project(pipeline_run, tmp_path / "project")
+    tokens = project / "data" / "tokens"
     before = files(tokens)
-    assert len(before) == 4  # 60 samples in shards of 20, plus summary.json
-    set_params(dvc_project, data__num_samples=100)
-    out = run(["dvc", "repro", "tokenize"], dvc_project)
+    shards, samples = len(before) - 1, RUN_PROFILE["data__num_samples"]  # the rest is summary.json
+    # two more manifest shards; num_proc changes no byte, so it changes no shard's key either
+    set_params(project, data__num_samples=samples + 40, tokenize__num_proc=2)
+    out = run(["dvc", "repro", "tokenize"], project)
     assert "Running stage 'tokenize'" in out.stdout
     after = files(tokens)
-    for name in ("train-00000.parquet", "train-00001.parquet", "train-00002.parquet"):
+    for name in (n for n in before if n != "summary.json"):
         assert after[name] == before[name]
-    metrics = json.loads((dvc_project / "metrics" / "tokenize.json").read_text())
-    assert (metrics["encoded_shards"], metrics["reused_shards"], metrics["encoded_samples"]) == (2, 3, 40)
+    metrics = json.loads((project / "metrics" / "tokenize.json").read_text())
+    assert (metrics["encoded_shards"], metrics["reused_shards"], metrics["encoded_samples"]) == (2, shards, 40)
     summary = json.loads((tokens / "summary.json").read_text())
-    assert summary["samples_in"] == 100 == summary["samples_out"] + sum(summary["skipped"].values())
-    assert yaml.safe_load((dvc_project / "dvc.lock").read_text())["stages"]["tokenize"]["outs"]
+    assert summary["samples_in"] == samples + 40 == summary["samples_out"] + sum(summary["skipped"].values())
+    assert yaml.safe_load((project / "dvc.lock").read_text())["stages"]["tokenize"]["outs"]

@@ -99,5 +99,52 @@ def status(project: Path, *targets: str) -> dict:
     return json.loads(run(["dvc", "status", *targets, "--json"], project).stdout or "{}")
 
 
+MEASURED = frozenset({
+    "seconds", "warmup_s", "busy_s", "target_busy_s", "drafter_busy_s", "tokens_per_s", "encoded_tokens_per_second",
+    "decode_tokens_per_s", "speedup", "train_tokens_per_s", "train_step_tokens_per_s", "regressions",
+    "throughput_regressions",
+})
+"""Keys (at any depth of a JSON output) and plot names whose values are measurements of time."""
+
+COMPILED_KERNELS = ("data/compile/inductor/", "data/train-state/inductor-cache/")
+"""Inductor caches: the same cache keys from the same inputs, but not the same bytes (the C++ compiler's
+output and the pickled graphs differ from run to run, and so do the names of graph cache entries)."""
+
+
+def cache_key(name: str) -> str:
+    """A file's identity across runs: its path, or for an FX/AOT graph cache entry, the key it sits under."""
+    parts = name.split("/")
+    return "/".join(parts[:-1]) if {"fxgraph", "aotautograd"} & set(parts) else name
+
+
+def comparable(name: str, data: bytes):
+    """What of an output file must be identical between two runs with the same inputs.
+
+    The whole bytes, except: compiled kernels (their presence only), a files.json listing (the keys it
+    lists: the files themselves are compared one by one), and in JSON and plot files the values that
+    measure time."""
+    if name.startswith(COMPILED_KERNELS):
+        return "present"
+    if name.endswith(".tsv"):
+        return None if Path(name).stem in MEASURED else data
+    if name.endswith(".json"):
+        value = json.loads(data)
+        return sorted({cache_key(k) for k in value}) if name.endswith("/files.json") else _without_measured(value)
+    return data
+
+
+def comparable_outputs(files: dict[str, bytes]) -> dict:
+    """`comparable` of every file, by `cache_key`: equal for two runs with the same inputs."""
+    return {cache_key(name): comparable(name, data) for name, data in files.items()}
+
+
+def _without_measured(value):
+    if isinstance(value, dict):
+        return {k: _without_measured(v) for k, v in value.items() if k not in MEASURED}
+    if isinstance(value, list):
+        return [_without_measured(v) for v in value]
+    return value
+
+
 def md5(data: bytes) -> str:
     return hashlib.md5(data).hexdigest()  # noqa: S324 - DVC's own content hash for a file

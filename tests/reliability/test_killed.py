@@ -1,19 +1,24 @@
 """Killed at any point: SIGKILL each stage (DVC and the stage process together) at points found by
-watching the files it writes. Afterwards DVC must not record the killed run, no partial file may sit
-in an output path, and the next `dvc repro` must complete with the bytes of an uninterrupted run."""
+watching the files it writes and the lines it prints. Afterwards DVC must not record the killed run,
+no partial file may sit in an output path, and the next `dvc repro` must complete with the bytes of
+an uninterrupted run (for train: resume from its checkpoint and end with the same weights)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from dflashpipe.artifacts import PARTIAL, canonical_json
 from dflashpipe.data.manifest import build_manifest, manifest_metrics, verify_manifest
 from dflashpipe.params import load_params
 from dflashpipe.target import materialise_target
-from tests.conftest import run, set_params
-from tests.reliability.harness import group_process, kill_at, lock_outs, md5, partials, status, tree_bytes
+from tests.conftest import copy_project, run, set_params
+from tests.reliability.harness import (comparable_outputs, group_process, kill_at, lock_outs, md5, partials, status,
+                                      tree_bytes)
 
 MANIFEST_SAMPLES, GROWN_SAMPLES, SHARD_SIZE = 3000, 4000, 50
 """Big enough that writing the shards takes a while, so a kill lands among them."""
@@ -61,6 +66,29 @@ def manifest_in_place(project: Path, num_samples: int) -> Callable[[int], bool]:
         except (OSError, ValueError):
             return False
     return reached
+
+
+def printed(log: Path, line: str) -> Callable[[int], bool]:
+    """Reached once the stage has printed `line` (DVC passes the stage's output through to its log)."""
+    return lambda _: log.is_file() and line in log.read_text(errors="replace")
+
+
+def stage_imported_torch(script: str) -> Callable[[int], bool]:
+    def reached(pgid: int) -> bool:
+        pid = group_process(pgid, script)
+        try:
+            return pid is not None and "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            return False
+    return reached
+
+
+def written(path: Path) -> Callable[[int], bool]:
+    return lambda _: path.exists()
+
+
+def both(first: Callable[[int], bool], then: Callable[[int], bool]) -> Callable[[int], bool]:
+    return lambda pgid: first(pgid) and then(pgid)
 
 
 def test_manifest_killed_at_six_points_loses_nothing(fingerprinted_project, tmp_path):
@@ -116,15 +144,8 @@ def test_fingerprint_killed_at_three_points_loses_nothing(dvc_project, fingerpri
     project, cmd = dvc_project, ["dvc", "repro", "fingerprint"]
     out = project / "data/env/fingerprint.json"
 
-    def torch_loaded(pgid: int) -> bool:
-        pid = group_process(pgid, "stages/fingerprint.py")
-        try:
-            return pid is not None and "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
-        except OSError:
-            return False
-
     points = {"stage process started": lambda pgid: group_process(pgid, "stages/fingerprint.py") is not None,
-              "torch imported, hashing its installed files": torch_loaded}
+              "torch imported, hashing its installed files": stage_imported_torch("stages/fingerprint.py")}
     for point, reached in points.items():
         kill_at(cmd, project, tmp_path / "log", point, reached)
         assert lock_outs(project, "fingerprint") is None, point
@@ -140,3 +161,112 @@ def test_fingerprint_killed_at_three_points_loses_nothing(dvc_project, fingerpri
     assert not partials(out.parent, out.name)
     run(cmd, project)
     assert out.read_bytes() == fingerprint_bytes
+
+
+# -- the stages downstream of the data: each one killed while rerunning in a copy of a finished run --
+
+def assert_rerun_killed_cleanly(project: Path, stage: str, recorded: dict, compared: tuple[str, ...],
+                                reference: dict[str, bytes], point: str) -> None:
+    """What a kill of a stage that DVC had recorded may leave: that record, and in its output paths only
+    complete files, each one as the uninterrupted run wrote it (measured times aside). A `.partial-`
+    sibling may remain until the next run removes it."""
+    assert lock_outs(project, stage) == recorded, f"{point}: dvc.lock changed for a killed run"
+    assert not [f for f in outputs(project, *compared) if PARTIAL in f], f"{point}: a partial file inside an output"
+    now, finished = comparable_outputs(outputs(project, *compared)), comparable_outputs(reference)
+    for key, value in now.items():
+        assert key in finished and value == finished[key], f"{point}: {key} is not what the finished run wrote"
+    if now != finished:
+        assert stage in status(project, stage), f"{point}: dvc status shows {stage} up to date"
+
+
+@pytest.fixture
+def finished(pipeline_run, tmp_path) -> Path:
+    return copy_project(pipeline_run, tmp_path / "project")
+
+
+def kill_then_repro(project: Path, stage: str, points: dict[str, Callable[[int], bool]], log: Path,
+                    compared: tuple[str, ...], prepare: Callable[[], None] = lambda: None) -> str:
+    """Kill `dvc repro -s -f STAGE` at each point and check what is left; then run it to the end.
+
+    `prepare` runs once, before the first kill. Returns the last run's output, having checked that it
+    wrote what the finished run had written and that no killed run's partial is left anywhere."""
+    recorded = lock_outs(project, stage)
+    reference = outputs(project, *compared)
+    prepare()
+    for point, reached in points.items():
+        kill_at(["dvc", "repro", "-s", "-f", stage], project, log, point, reached)
+        assert_rerun_killed_cleanly(project, stage, recorded, compared, reference, point)
+    completed = run(["dvc", "repro", "-s", stage], project).stdout
+    assert stage not in status(project, stage)
+    assert not [f for f in outputs(project, *recorded) if PARTIAL in f], "the completed run left a partial file"
+    if f"Running stage '{stage}'" in completed:  # not restored from DVC's run cache: the stage cleaned up
+        for out in recorded:
+            assert not partials((project / out).parent, Path(out).name), f"the completed run left a killed one's {out}"
+    assert comparable_outputs(outputs(project, *compared)) == comparable_outputs(reference)
+    return completed
+
+
+def test_tokenize_killed_at_four_points_reuses_the_shards_it_completed(finished, tmp_path):
+    project, log = finished, tmp_path / "log"
+    tokens = project / "data/tokens"
+    shards = len(list(tokens.glob("*.parquet")))
+
+    def shards_written(n: int) -> Callable[[int], bool]:
+        return lambda _: len(list(tokens.glob("*.parquet"))) >= n
+
+    completed = kill_then_repro(project, "tokenize", {
+        "tokenizer loading": lambda pgid: group_process(pgid, "stages/tokens.py") is not None,
+        "3 shards written": shards_written(3),
+        f"{shards - 3} of {shards} shards written": shards_written(shards - 3),
+        "summary written, not yet recorded": written(tokens / "summary.json"),
+    }, log, ("data/tokens",),  # metrics/tokenize.json reports what this very run encoded and reused
+        # from nothing: DVC keeps a persist output, so -f alone would reuse every shard
+        prepare=lambda: shutil.rmtree(tokens))
+    # what the killed runs completed was checked (key and parquet checksums) and reused, not encoded again
+    assert f"encoded 0 shard(s), reused {shards}" in completed, completed
+
+
+def test_warmup_killed_while_compiling_leaves_no_artifact_and_no_cache_behind(finished, tmp_path):
+    project, log = finished, tmp_path / "log"
+    kill_then_repro(project, "warmup", {
+        "target and drafter loading": stage_imported_torch("stages/warmup.py"),
+        "inductor running the C++ compiler": lambda pgid: group_process(pgid, "g++") is not None,
+    }, log, ("data/compile",))
+
+
+def test_train_killed_at_three_points_resumes_to_the_same_weights(finished, tmp_path):
+    project, log = finished, tmp_path / "log"
+    checkpoint = project / "data/train-state/checkpoint"
+
+    def checkpointed(step: int) -> Callable[[int], bool]:
+        def reached(_: int) -> bool:
+            try:
+                return json.loads((checkpoint / "state.json").read_text())["step"] >= step
+            except (OSError, ValueError):  # the checkpoint directory is replaced whole
+                return False
+        return reached
+
+    completed = kill_then_repro(project, "train", {
+        "first step done, no checkpoint yet": printed(log, "train: step 1/6"),
+        "checkpoint of step 4 written": checkpointed(4),
+        # DVC removes the finished run's outputs before the stage starts: a file seen after that is new
+        "drafter in place, not yet recorded": both(printed(log, "train: step 6/6"),
+                                                   written(project / "data/drafter/files.json")),
+    }, log, ("data/drafter", "metrics/train/metrics.json", "metrics/train/plots"),
+        # the finished run's own checkpoint would let the rerun skip every step
+        prepare=lambda: shutil.rmtree(checkpoint))
+    assert f"train: resumed from {Path('data/train-state/checkpoint')} at step" in completed, completed
+
+
+def test_evaluate_killed_at_three_points_loses_nothing(finished, tmp_path):
+    project, log = finished, tmp_path / "log"
+    # The regression report compares with HEAD, which the finished run did not have yet: the reference is
+    # an uninterrupted rerun here.
+    run(["dvc", "repro", "-s", "-f", "evaluate"], project)
+    running = stage_imported_torch("stages/evaluate.py")  # by then DVC has removed the finished run's metrics
+    kill_then_repro(project, "evaluate", {
+        "target and drafter loading": running,
+        "plot tables written, eval.json not yet": both(running, written(project / "metrics/eval/tau_per_source.json")),
+        "eval.json written, not yet recorded": both(running, written(project / "metrics/eval.json")),
+    }, log, ("metrics/eval.json", "metrics/eval_regression.json", *(f"metrics/eval/{table}.json" for table in
+                                                                   ("tau_per_source", "slot_acceptance", "speedup_per_prompt"))))

@@ -3,6 +3,7 @@ by `train` (main thread, per replica) to load it before any worker starts."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -67,8 +68,6 @@ def build_warmup_artifact(model: ModelParams, compile: CompileParams, target_dir
     Single-threaded by construction: nothing here starts a thread, so no two compiles
     can race, and the cache it leaves is exactly what one process compiled.
     """
-    import tempfile
-
     from transformers import AutoTokenizer
     from torch._dynamo.utils import counters
 
@@ -79,22 +78,28 @@ def build_warmup_artifact(model: ModelParams, compile: CompileParams, target_dir
     from dflashpipe.target import load_materialised_target
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    with tempfile.TemporaryDirectory(prefix="dflashpipe-inductor-") as cache_root:
-        cache = point_inductor_at(cache_root)
-        target = load_materialised_target(target_dir, device)
-        drafter = DFlashDrafter.for_target(target, AutoTokenizer.from_pretrained(target_dir), model,
-                                           generator=torch.Generator().manual_seed(0)).to(device)
-        graphs = []
-        if compile.enabled:
-            graphs.append(run_step_once(compiled_step(drafter), drafter, model, compile.micro_batch, device))
-        report = {
-            "graphs": graphs,
-            "counters": {**dynamo_counters(),
-                         "fxgraph_cache_miss": int(counters["inductor"]["fxgraph_cache_miss"]),
-                         "fxgraph_cache_hit": int(counters["inductor"]["fxgraph_cache_hit"])},
-            "environment": kernel_environment(),
-            "cache": "inductor cache directory" + (" + mega-cache" if device.type == "cuda" else ""),
-        }
-        with atomic_directory(out) as tmp:
+    with atomic_directory(out) as tmp:
+        # Compile into a sibling of the partial output: a killed run leaves both behind, and the next
+        # run's atomic_directory removes them (a system temp directory would leak on every kill).
+        cache = point_inductor_at(tmp.with_name(tmp.name + "-inductor"))
+        try:
+            target = load_materialised_target(target_dir, device)
+            drafter = DFlashDrafter.for_target(target, AutoTokenizer.from_pretrained(target_dir), model,
+                                               generator=torch.Generator().manual_seed(0)).to(device)
+            graphs = []
+            if compile.enabled:
+                print(f"warmup: compiling the training step ({compile.micro_batch} x {model.seq_len}) on "
+                      f"{device.type}, in this thread only", flush=True)
+                graphs.append(run_step_once(compiled_step(drafter), drafter, model, compile.micro_batch, device))
+            report = {
+                "graphs": graphs,
+                "counters": {**dynamo_counters(),
+                             "fxgraph_cache_miss": int(counters["inductor"]["fxgraph_cache_miss"]),
+                             "fxgraph_cache_hit": int(counters["inductor"]["fxgraph_cache_hit"])},
+                "environment": kernel_environment(),
+                "cache": "inductor cache directory" + (" + mega-cache" if device.type == "cuda" else ""),
+            }
             write_artifact(tmp, cache, report, with_mega_cache=device.type == "cuda")
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
     return report
