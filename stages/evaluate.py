@@ -14,7 +14,8 @@ from dflashpipe.stage import run_stage  # noqa: E402
 
 def evaluate(p) -> None:
     inputs = EvaluateInputs(evaluate=p.evaluate, model=p.model, compile=p.compile)
-    evaluate_drafter(inputs, "data/drafter", "data/target", "data/manifest", "metrics/train/metrics.json", "metrics")
+    evaluate_drafter(inputs, "data/drafter", "data/target", "data/manifest", "metrics/train/metrics.json",
+                     "data/compile", "metrics")
 
 
 if __name__ == "__main__":

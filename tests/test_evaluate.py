@@ -209,6 +209,9 @@ def test_dvc_repro_evaluate_writes_metrics_that_dvc_shows(pipeline_run, tmp_path
     metrics = json.loads((dvc_project / "metrics/eval.json").read_text())
     assert metrics["lossless"] is True and metrics["tau"] >= 1.0 and metrics["train"]["tokens_per_s"] > 0
     assert {p["source"] for p in metrics["mismatched_prompts"]} == set()
+    # the isolated train step ran warmup's kernels, compiled from nothing while it was timed
+    step = metrics["train_step"]
+    assert step["compiled"] and step["compile_source"] == "artifact" and step["graphs_compiled_while_timed"] == 0
     shown = json.loads(run(["dvc", "metrics", "show", "--json"], dvc_project).stdout)
     assert "tau" in json.dumps(shown) and "metrics/eval.json" in json.dumps(shown)
     for table in ("tau_per_source", "slot_acceptance", "speedup_per_prompt"):

@@ -205,7 +205,7 @@ def refused_drafter(drafter: Path, match: str) -> None:
     inputs = EvaluateInputs(evaluate=p["evaluate"], model=p["model"], compile=p["compile"])
     with pytest.raises(SourceError, match=match) as err:
         evaluate_drafter(inputs, drafter, drafter / "no-target", drafter / "no-manifest", drafter / "none.json",
-                         drafter / "metrics")
+                         drafter / "no-compile", drafter / "metrics")
     assert f"`dvc checkout {drafter}`" in str(err.value) and "`dvc repro -f train`" in str(err.value)
 
 

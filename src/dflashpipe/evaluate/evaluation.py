@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import statistics
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from dflashpipe.artifacts import verify_file_listing, write_json_atomic
+from dflashpipe.artifacts import PARTIAL, verify_file_listing, write_json_atomic
 from dflashpipe.errors import SourceError
 from dflashpipe.evaluate import regression
 from dflashpipe.evaluate.metrics import PromptResult, eval_metrics, write_plot_tables
@@ -52,22 +53,40 @@ def decode_prompts(target, drafter: DFlashDrafter, prompts: list[EvalPrompt], ma
     return results
 
 
-def measure_train_step(drafter_dir: Path, target, model: ModelParams, micro_batch: int) -> dict:
-    """One drafter training step (forward + backward, not torch.compile'd), timed on its own: no target
-    forward, no data loading, no threads, so only the drafter's kernels are in the figure."""
-    from dflashpipe.compile.warmup import run_step_once
+def measure_train_step(drafter_dir: Path, target, model: ModelParams, compile: CompileParams, compile_dir: Path,
+                       scratch: Path) -> dict:
+    """One drafter training step (forward + backward) timed on its own: no target forward, no data
+    loading, no threads, so only the drafter's kernels are in the figure. It runs the path train runs:
+    compiled from the warmup artifact (copied into `scratch`) when compile.enabled, eager otherwise."""
+    from dflashpipe.compile.artifact import CompileArtifactError, load_artifact, point_inductor_at
+    from dflashpipe.compile.guard import dynamo_counters
+    from dflashpipe.compile.warmup import compiled_step, run_step_once
+    from dflashpipe.env import kernel_environment
 
     device = target.device
     drafter = DFlashDrafter.from_pretrained(drafter_dir, TargetHead.of(target), attention=model.attention,
                                             gamma=model.gamma)
     drafter.train()
-    run_step_once(drafter, drafter, model, micro_batch, device)
-    runs = [run_step_once(drafter, drafter, model, micro_batch, device) for _ in range(TRAIN_STEP_REPEATS)]
+    step_fn, source = drafter, "eager: compile.enabled is false"
+    if compile.enabled:
+        try:
+            load_artifact(compile_dir, scratch, kernel_environment())
+            source = "artifact"
+        except CompileArtifactError as exc:
+            point_inductor_at(scratch)
+            source = f"cold compile: {exc}"
+        step_fn = compiled_step(drafter)
+    run_step_once(step_fn, drafter, model, compile.micro_batch, device)  # the compile (or cache load) is here
+    warm = dynamo_counters()
+    runs = [run_step_once(step_fn, drafter, model, compile.micro_batch, device) for _ in range(TRAIN_STEP_REPEATS)]
     seconds = statistics.median(r["seconds"] for r in runs)
-    positions = micro_batch * model.seq_len
+    positions = compile.micro_batch * model.seq_len
     return {
-        "what": f"eager drafter forward+backward, {runs[0]['backend']} attention, median of {TRAIN_STEP_REPEATS} "
-                f"after 1 warm step; tokens = micro_batch x seq_len positions",
+        "what": f"{'compiled' if compile.enabled else 'eager'} drafter forward+backward, {runs[0]['backend']} "
+                f"attention, median of {TRAIN_STEP_REPEATS} after 1 warm step; tokens = micro_batch x seq_len positions",
+        "compiled": compile.enabled,
+        "compile_source": source,
+        "graphs_compiled_while_timed": dynamo_counters()["unique_graphs"] - warm["unique_graphs"],
         "device": device.type,
         "shapes": runs[0]["shapes"],
         "seconds": round(seconds, 4),
@@ -86,8 +105,8 @@ def read_train_metrics(path: Path) -> dict:
 
 
 def evaluate_drafter(inputs: EvaluateInputs, drafter_dir: Path | str, target_dir: Path | str,
-                     manifest_dir: Path | str, train_metrics: Path | str, metrics_dir: Path | str,
-                     root: Path | str = ".", device: str | None = None) -> dict:
+                     manifest_dir: Path | str, train_metrics: Path | str, compile_dir: Path | str,
+                     metrics_dir: Path | str, root: Path | str = ".", device: str | None = None) -> dict:
     """Write metrics/eval.json, metrics/eval_regression.json and the plot tables; return the eval metrics."""
     from dflashpipe.target import load_materialised_target
     from dflashpipe.tokens import load_chat_tokenizer
@@ -108,11 +127,16 @@ def evaluate_drafter(inputs: EvaluateInputs, drafter_dir: Path | str, target_dir
                           f"raise evaluate.max_prompt_tokens or give the sources an eval count (data.sources[*].eval)")
     results = decode_prompts(target, drafter, prompts, p.max_new_tokens, stop_token_ids(target, chat.tokenizer))
     decoding, tables = eval_metrics(results, drafter.config.block_size)
+    metrics_dir.mkdir(parents=True, exist_ok=True)
+    # a partial sibling of eval.json: if this run is killed, the next one's write of eval.json removes it
+    with tempfile.TemporaryDirectory(prefix=f".eval.json{PARTIAL}inductor-", dir=metrics_dir) as scratch:
+        train_step = measure_train_step(drafter_dir, target, inputs.model, inputs.compile, Path(compile_dir),
+                                        Path(scratch))
     metrics = {
         **decoding,
         "skipped_prompts": skipped,
         "train": train,
-        "train_step": measure_train_step(drafter_dir, target, inputs.model, inputs.compile.micro_batch),
+        "train_step": train_step,
         "setup": {"block_size": drafter.config.block_size, "max_new_tokens": p.max_new_tokens,
                   "num_prompts_per_source": p.num_prompts, "device": device.type,
                   "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
