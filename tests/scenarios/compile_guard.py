@@ -52,7 +52,38 @@ def in_threads(n, fn):
     return errors
 
 
+def drafter_threads(steps: int) -> dict:
+    """Three drafter replicas, each compiled and run once in the main thread as train does, then
+    trained `steps` steps each in its own thread under the armed guard."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from dflashpipe.compile.warmup import compiled_step
+    from tests.test_model import random_batch, tiny_drafter
+
+    point_inductor_at(Path(tempfile.mkdtemp()))
+    COUNTER.install()
+    replicas = [tiny_drafter(layers=1) for _ in range(3)]
+    steps_fn = [compiled_step(d) for d in replicas]
+    batch = random_batch(replicas[0])
+    for fn in steps_fn:
+        fn(*batch).loss.backward()
+    guard = CompileGuard(strict=True)
+    guard.arm()
+    before = dynamo_counters()
+
+    def train(i: int) -> None:
+        for _ in range(steps):
+            guard.call("drafter step", steps_fn[i], *batch).loss.backward()
+            replicas[i].zero_grad(set_to_none=True)
+
+    errors = in_threads(3, train)
+    after = dynamo_counters()
+    return {"errors": errors, "new_graphs": after["unique_graphs"] - before["unique_graphs"],
+            "compiles_outside_main_thread": after["compiles_outside_main_thread"]}
+
+
 def main(scenario: str, artifact: Path) -> dict:
+    if scenario == "drafter_threads":
+        return drafter_threads(int(artifact.name))
     if scenario == "cold":
         cache = point_inductor_at(Path(tempfile.mkdtemp()))
     else:  # as train does: the artifact first, so the main thread's compile is a warm one

@@ -10,14 +10,24 @@ from typing import Any
 
 import torch
 
-from dflashpipe.model import DFlashDrafter, sample_anchor_positions
+from dflashpipe.model import DFlashDrafter, DraftLoss, sample_anchor_positions
 from dflashpipe.model.attention import resolve_backend
 from dflashpipe.params import CompileParams, ModelParams
 
 
 def compiled_step(drafter: DFlashDrafter):
-    """The training forward, compiled whole (fullgraph: a graph break is an error, never a silent eager frame)."""
-    return torch.compile(drafter, dynamic=False, fullgraph=True)
+    """The training forward, compiled whole (fullgraph: a graph break is an error, never a silent eager frame).
+
+    The compiled region returns a plain tuple and the DraftLoss is built outside it. Returning the
+    NamedTuple itself makes dynamo build it through `DraftLoss._make`, a Python frame that dynamo
+    intercepts on the way out of the compiled code; with several threads calling, that frame is
+    sometimes seen as a new function, and the compile guard's fail_on_recompile stance stopped
+    training on it (tests/scenarios/compile_guard.py `drafter_threads` reproduces it)."""
+    def loss_terms(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(drafter(*inputs))
+
+    compiled = torch.compile(loss_terms, dynamic=False, fullgraph=True)
+    return lambda *inputs: DraftLoss(*compiled(*inputs))
 
 
 def feature_dtype(device: torch.device) -> torch.dtype:
