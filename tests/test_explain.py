@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import yaml
 
 from dflashpipe.explain import ALWAYS, DIRECT, DOWNSTREAM, OUTPUTS, UNCHANGED, explain, to_markdown
 from tests.conftest import RUN_PROFILE, copy_project, run, set_params
@@ -44,7 +45,7 @@ def test_growing_the_data_hits_manifest_only_and_costs_are_attributed(committed)
     assert report.root_causes[0].evidence == (
         "dvc.lock@HEAD stages.manifest.params['params.yaml']['data.num_samples'] vs params.yaml (workspace) data.num_samples")
 
-    run(["dvc", "repro"], committed)
+    run(["dvc", "repro", "manifest"], committed)  # its metrics are what this test reads
     report = explain("HEAD", "workspace", committed)
     assert verdicts(report)["manifest"] == DIRECT and verdicts(report)["target"] == UNCHANGED
     deltas = {m.key: (m.old, m.new, m.causes) for m in report.metrics}
@@ -116,16 +117,23 @@ def test_an_edited_model_file_hits_warmup_and_train(committed):
 
 
 def test_two_experiments_compare_by_name_and_json_is_complete(committed):
-    # a learning-rate sweep: two named experiments that rerun train and evaluate only
-    run(["dvc", "exp", "run", "-n", "slow", "-S", "train.lr=0.0001"], committed)
+    # a learning-rate experiment (reruns train and evaluate), then on top of it an evaluation-only one
+    lr = yaml.safe_load((committed / "params.yaml").read_text())["train"]["lr"]
     run(["dvc", "exp", "run", "-n", "fast", "-S", "train.lr=0.01"], committed)
-    report = explain("slow", "fast", committed)
+    report = explain("HEAD", "fast", committed)
     assert {s: v for s, v in verdicts(report).items() if v != UNCHANGED} == {
         "fingerprint": ALWAYS, "train": DIRECT, "evaluate": DOWNSTREAM}
-    assert roots(report) == [("param", "params.yaml:train.lr", 0.0001, 0.01, ("train",))]
-    proc = run(["dflashpipe", "explain", "slow", "fast", "--json"], committed)
+    assert roots(report) == [("param", "params.yaml:train.lr", lr, 0.01, ("train",))]
+
+    run(["dvc", "exp", "run", "-n", "short", "-S", "evaluate.max_new_tokens=8"], committed)
+    report = explain("fast", "short", committed)
+    assert {s: v for s, v in verdicts(report).items() if v != UNCHANGED} == {"fingerprint": ALWAYS, "evaluate": DIRECT}
+    assert roots(report) == [("param", "params.yaml:evaluate.max_new_tokens", RUN_PROFILE["evaluate__max_new_tokens"],
+                              8, ("evaluate",))]
+
+    proc = run(["dflashpipe", "explain", "HEAD", "fast", "--json"], committed)
     data = json.loads(proc.stdout)
-    assert (data["a"], data["b"]) == ("slow", "fast")
+    assert (data["a"], data["b"]) == ("HEAD", "fast")
     final_loss = next(m for m in data["metrics"] if m["key"] == "final_loss")
     assert final_loss["old"] != final_loss["new"] and final_loss["causes"] == ["params.yaml:train.lr"]
 
