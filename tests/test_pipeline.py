@@ -35,7 +35,7 @@ def test_repro_runs_the_stages_then_reruns_only_what_changed(pipeline_run, tmp_p
     assert diff["params.yaml"]["data.num_samples"] == {"old": samples, "new": samples + 20, "diff": 20}
 
     shards = {p.name: p.read_bytes() for p in (project / "data/manifest").glob("train-*.parquet")}
-    grown = run(["dvc", "repro", "train"], project).stdout  # evaluate too would only add minutes
+    grown = run(["dvc", "repro", "train"], project).stdout  # evaluate is not what this test is about
     assert "Stage 'target' didn't change, skipping" in grown and "Running stage 'manifest'" in grown
     # growing the data must not touch the compile cache
     assert "Stage 'warmup' didn't change, skipping" in grown and "Running stage 'train'" in grown

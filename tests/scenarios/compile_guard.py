@@ -1,6 +1,7 @@
 """Compile-guard scenarios, one per process (dynamo's state is per process and sticky).
 
     python tests/scenarios/compile_guard.py SCENARIO ARTIFACT_DIR
+    python tests/scenarios/compile_guard.py drafter_threads STEPS
 
 Prints one JSON line with what happened; tests/test_compile.py asserts on it.
 """
@@ -81,9 +82,10 @@ def drafter_threads(steps: int) -> dict:
             "compiles_outside_main_thread": after["compiles_outside_main_thread"]}
 
 
-def main(scenario: str, artifact: Path) -> dict:
-    if scenario == "drafter_threads":
-        return drafter_threads(int(artifact.name))
+def main(scenario: str, arg: str) -> dict:
+    if scenario == "drafter_threads":  # arg: steps per thread
+        return drafter_threads(int(arg))
+    artifact = Path(arg)
     if scenario == "cold":
         cache = point_inductor_at(Path(tempfile.mkdtemp()))
     else:  # as train does: the artifact first, so the main thread's compile is a warm one
@@ -134,4 +136,4 @@ def main(scenario: str, artifact: Path) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], Path(sys.argv[2]))))
+    print(json.dumps(main(sys.argv[1], sys.argv[2])))

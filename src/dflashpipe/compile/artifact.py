@@ -102,3 +102,17 @@ def load_artifact(path: Path | str, workdir: Path | str, environment: dict[str, 
     if mega.is_file():
         torch.compiler.load_cache_artifacts(mega.read_bytes())
     return LoadedArtifact(report, workdir, mega.is_file())
+
+
+def load_artifact_or_go_cold(path: Path | str, workdir: Path | str, environment: dict[str, Any]) -> str:
+    """`load_artifact`, or when the artifact cannot be used, point inductor at an empty `workdir` so that
+    the first call compiles cold. Returns where the kernels come from: "artifact", or "cold compile: why"."""
+    try:
+        load_artifact(path, workdir, environment)
+        return "artifact"
+    except CompileArtifactError as exc:
+        workdir = Path(workdir)
+        if workdir.exists():
+            shutil.rmtree(workdir)
+        point_inductor_at(workdir)
+        return f"cold compile: {exc}"

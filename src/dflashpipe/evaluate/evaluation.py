@@ -58,7 +58,7 @@ def measure_train_step(drafter_dir: Path, target, model: ModelParams, compile: C
     """One drafter training step (forward + backward) timed on its own: no target forward, no data
     loading, no threads, so only the drafter's kernels are in the figure. It runs the path train runs:
     compiled from the warmup artifact (copied into `scratch`) when compile.enabled, eager otherwise."""
-    from dflashpipe.compile.artifact import CompileArtifactError, load_artifact, point_inductor_at
+    from dflashpipe.compile.artifact import load_artifact_or_go_cold
     from dflashpipe.compile.guard import dynamo_counters
     from dflashpipe.compile.warmup import compiled_step, run_step_once
     from dflashpipe.env import kernel_environment
@@ -69,12 +69,7 @@ def measure_train_step(drafter_dir: Path, target, model: ModelParams, compile: C
     drafter.train()
     step_fn, source = drafter, "eager: compile.enabled is false"
     if compile.enabled:
-        try:
-            load_artifact(compile_dir, scratch, kernel_environment())
-            source = "artifact"
-        except CompileArtifactError as exc:
-            point_inductor_at(scratch)
-            source = f"cold compile: {exc}"
+        source = load_artifact_or_go_cold(compile_dir, scratch, kernel_environment())
         step_fn = compiled_step(drafter)
     run_step_once(step_fn, drafter, model, compile.micro_batch, device)  # the compile (or cache load) is here
     warm = dynamo_counters()

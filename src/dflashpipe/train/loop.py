@@ -366,7 +366,7 @@ def train_drafter(inputs: TrainInputs, tokens_dir: Path | str, target_dir: Path 
     """The whole train stage. Returns the metrics it wrote."""
     from transformers import AutoTokenizer
 
-    from dflashpipe.compile.artifact import CompileArtifactError, load_artifact, point_inductor_at
+    from dflashpipe.compile.artifact import load_artifact_or_go_cold
     from dflashpipe.env import kernel_environment
 
     tokens_dir, target_dir, compile_dir = Path(tokens_dir), Path(target_dir), Path(compile_dir)
@@ -382,17 +382,11 @@ def train_drafter(inputs: TrainInputs, tokens_dir: Path | str, target_dir: Path 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    workdir = state_dir / "inductor-cache"
-    compile_note = "artifact"
+    compile_note = "eager: compile.enabled is false"
     if inputs.compile.enabled:
-        try:
-            load_artifact(compile_dir, workdir, kernel_environment())
-        except CompileArtifactError as exc:
-            compile_note = f"cold compile in the main thread: {exc}"
-            print(f"train: {compile_note}")
-            if workdir.exists():
-                shutil.rmtree(workdir)
-            point_inductor_at(workdir)
+        compile_note = load_artifact_or_go_cold(compile_dir, state_dir / "inductor-cache", kernel_environment())
+        if compile_note != "artifact":
+            print(f"train: {compile_note}, in the main thread")
     COUNTER.install()
 
     trainer = Trainer(inputs, data, topology, target_dir, pad_id)
