@@ -21,7 +21,7 @@ from typing import Any
 
 COMPILE_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHDYNAMO_", "TRITON_")
 COMPILE_ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "TORCH_CUDA_ARCH_LIST")
-VERSIONED_PACKAGES = ("transformers", "tokenizers", "datasets", "pyarrow", "dvc", "safetensors")
+VERSIONED_PACKAGES = ("transformers", "tokenizers", "jinja2", "datasets", "pyarrow", "dvc", "safetensors")
 NONE = "none"
 
 

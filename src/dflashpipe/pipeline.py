@@ -1,0 +1,193 @@
+"""The pipeline as dvc.yaml declares it: where each stage's outputs live, and what decides them.
+
+One definition of what decides an output. DVC reruns a stage when anything under its
+`deps` or any of its `params` changed; a stage that reuses earlier work (tokenize's shards,
+warmup's compile artifact, train's resume checkpoint) must reuse it on exactly the same
+condition, or an edit that makes DVC rerun the stage would hand back the old output, and
+`dvc.lock` would record it as the new one. So a reuse key is never a hand-kept list of files:
+`stage_key(stage)` reads the stage's entry in dvc.yaml and hashes every file under each
+dep (as DVC does, minus what .dvcignore ignores) and the value of each param, from
+params.yaml or from the params file an earlier stage wrote (the fingerprint). A caller
+may leave out a dep or a param only by naming it, with its reason (tokenize keys each
+shard by its own input shard, not by the whole manifest).
+
+The output paths are defined once here; `tests/test_pipeline.py` checks them against dvc.yaml.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dflashpipe.artifacts import canonical_json, file_sha256
+from dflashpipe.errors import DflashpipeError
+
+DVC_FILE = "dvc.yaml"
+PARAMS_FILE = "params.yaml"
+
+# Every stage output, by the stage that writes it (tests/test_pipeline.py holds these to dvc.yaml).
+FINGERPRINT = Path("data/env/fingerprint.json")
+TARGET = Path("data/target")
+MANIFEST = Path("data/manifest")
+TOKENS = Path("data/tokens")
+COMPILE = Path("data/compile")
+DRAFTER = Path("data/drafter")
+TRAIN_STATE = Path("data/train-state")
+METRICS = Path("metrics")
+MANIFEST_METRICS = METRICS / "manifest.json"
+TOKENIZE_METRICS = METRICS / "tokenize.json"
+TRAIN_METRICS_DIR = METRICS / "train"
+TRAIN_METRICS = TRAIN_METRICS_DIR / "metrics.json"
+
+MISSING = "missing"
+
+
+class PipelineError(DflashpipeError):
+    """dvc.yaml does not declare what the code asks of it."""
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage of dvc.yaml: its deps, and its params as (params file, key) pairs."""
+
+    name: str
+    deps: tuple[str, ...]
+    params: tuple[tuple[str, str], ...]
+    outs: tuple[str, ...]
+
+
+def read_dvc_yaml(root: Path | str = ".") -> dict[str, Any]:
+    path = Path(root) / DVC_FILE
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise PipelineError(f"{path} not found: run from the project root") from None
+    except yaml.YAMLError as exc:
+        raise PipelineError(f"{path}: not valid YAML: {exc}") from None
+
+
+def stage_names(root: Path | str = ".") -> list[str]:
+    """The stages in dvc.yaml's order."""
+    return list(read_dvc_yaml(root).get("stages", {}))
+
+
+def stage_spec(name: str, root: Path | str = ".") -> StageSpec:
+    stages = read_dvc_yaml(root).get("stages", {})
+    if name not in stages:
+        raise PipelineError(f"{Path(root) / DVC_FILE}: no stage {name!r}; stages: {sorted(stages)}")
+    entry = stages[name]
+    params: list[tuple[str, str]] = []
+    for item in entry.get("params", []) or []:
+        if isinstance(item, str):
+            params.append((PARAMS_FILE, item))
+        else:
+            params += [(file, key) for file, keys in item.items() for key in keys or []]
+    outs = [next(iter(o)) if isinstance(o, dict) else o
+            for kind in ("outs", "metrics", "plots") for o in entry.get(kind, []) or []]
+    return StageSpec(name, tuple(entry.get("deps", []) or []), tuple(params), tuple(outs))
+
+
+@dataclass(frozen=True)
+class StageKey:
+    """What decides a stage's output, input by input: `dep:<file>` -> sha256, `param:<file>:<key>` -> value.
+
+    Two keys are equal exactly when DVC would see the same deps and params."""
+
+    stage: str
+    inputs: Mapping[str, str]
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(canonical_json({"stage": self.stage, "inputs": dict(self.inputs)})).hexdigest()
+
+    def changed_since(self, recorded: Mapping[str, str]) -> list[str]:
+        """The inputs that differ from `recorded` (an earlier key's inputs), named for a message."""
+        names = sorted(set(self.inputs) | set(recorded))
+        return [name.split(":", 1)[1] for name in names if self.inputs.get(name) != recorded.get(name)]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"stage": self.stage, "digest": self.digest, "inputs": dict(self.inputs)}
+
+    @classmethod
+    def from_json(cls, raw: Any) -> StageKey | None:
+        """A key recorded by `to_json`, or None if `raw` is not one (an older or damaged record)."""
+        try:
+            return cls(str(raw["stage"]), {str(k): str(v) for k, v in raw["inputs"].items()})
+        except (KeyError, TypeError, AttributeError):
+            return None
+
+
+def stage_key(name: str, root: Path | str = ".", *, without_deps: Iterable[str] = (),
+              without_params: Iterable[str] = ()) -> StageKey:
+    """Hash what dvc.yaml lists for stage `name`, paths relative to `root`.
+
+    `without_deps` / `without_params` leave out deps (as written in dvc.yaml) and params keys;
+    each must be declared, so a renamed dep cannot quietly fall out of the key."""
+    root = Path(root)
+    spec = stage_spec(name, root)
+    without_deps, without_params = set(without_deps), set(without_params)
+    unknown = sorted((without_deps - set(spec.deps)) | (without_params - {k for _, k in spec.params}))
+    if unknown:
+        raise PipelineError(f"{root / DVC_FILE}: stage {name!r} declares no dep or param {unknown}")
+    ignore = _dvcignore(root)
+    inputs: dict[str, str] = {}
+    for dep in spec.deps:
+        if dep not in without_deps:
+            inputs.update(_dep_digests(root, dep, ignore))
+    files: dict[str, Any] = {}
+    for file, key in spec.params:
+        if key in without_params:
+            continue
+        if file not in files:
+            files[file] = _read_params_file(root / file)
+        inputs[f"param:{file}:{key}"] = _param_value(files[file], key)
+    return StageKey(name, inputs)
+
+
+def _dep_digests(root: Path, dep: str, ignore) -> dict[str, str]:
+    path = root / dep
+    if path.is_file():
+        return {f"dep:{dep}": file_sha256(path)}
+    if not path.is_dir():
+        return {f"dep:{dep}": MISSING}
+    digests = {}
+    for file in sorted(path.rglob("*")):
+        rel = file.relative_to(root).as_posix()
+        if file.is_file() and not (ignore and ignore.match_file(rel)):
+            digests[f"dep:{rel}"] = file_sha256(file)
+    return digests or {f"dep:{dep}": "empty"}
+
+
+def _dvcignore(root: Path):
+    """DVC leaves what .dvcignore matches out of a directory's hash (e.g. __pycache__); so does the key."""
+    import pathspec
+
+    path = root / ".dvcignore"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return pathspec.PathSpec.from_lines("gitwildmatch", lines) if lines else None
+
+
+def _read_params_file(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    try:
+        return json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise PipelineError(f"{path}: unreadable ({exc}); run the stage that writes it") from None
+
+
+def _param_value(params: Any, key: str) -> str:
+    node = params
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return MISSING
+        node = node[part]
+    return canonical_json(node).decode().strip()
