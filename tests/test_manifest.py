@@ -8,7 +8,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from dflashpipe.data.manifest import EVAL_FILE, SUMMARY_FILE, build_manifest, shard_name
+from dflashpipe.artifacts import FILE_LISTING
+from dflashpipe.data.manifest import build_manifest
+from dflashpipe.data.shards import EVAL_FILE, SUMMARY_FILE, shard_name
 from dflashpipe.data.sources import package_file, read_json_list, read_sharegpt
 from dflashpipe.errors import SourceError
 from dflashpipe.params import DataParams, SourceSpec
@@ -57,7 +59,7 @@ def test_two_builds_give_the_same_bytes(tmp_path):
     build_manifest(params(DEFAULT_MIX), b)
     names = sorted(p.name for p in a.iterdir())
     assert names == sorted(p.name for p in b.iterdir()) == sorted(
-        [EVAL_FILE, SUMMARY_FILE] + [shard_name(i) for i in range(4)])
+        [EVAL_FILE, SUMMARY_FILE, FILE_LISTING] + [shard_name(i) for i in range(4)])
     for name in names:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
 

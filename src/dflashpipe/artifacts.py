@@ -106,10 +106,13 @@ def write_file_listing(directory: Path) -> None:
     write_json_atomic(directory / FILE_LISTING, files)
 
 
-def verify_file_listing(directory: Path, fix: str, error: type[DflashpipeError] = DflashpipeError) -> None:
+def verify_file_listing(directory: Path, fix: str, error: type[DflashpipeError] = DflashpipeError,
+                        only: list[str] | None = None) -> None:
     """Check every file under `directory` against its files.json: none missing, none changed, none extra.
 
-    Raises `error` naming the file and `fix` (what the user should run) on the first problem."""
+    `only` checks just those files (paths relative to `directory`), for a reader that depends on part
+    of an output (evaluate reads the manifest's eval split alone). Raises `error` naming the file and
+    `fix` (what the user should run) on the first problem."""
     listing = directory / FILE_LISTING
     if not listing.is_file():
         raise error(f"{directory}: {FILE_LISTING} missing (not a complete output): {fix}")
@@ -118,6 +121,11 @@ def verify_file_listing(directory: Path, fix: str, error: type[DflashpipeError] 
         entries = [(rel, int(e["size"]), str(e["sha256"])) for rel, e in files.items()]
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
         raise error(f"{listing}: unreadable ({exc}): {fix}") from None
+    if only is not None:
+        unlisted = sorted(set(only) - set(files))
+        if unlisted:
+            raise error(f"{listing}: does not list {', '.join(unlisted)}: {fix}")
+        entries = [e for e in entries if e[0] in only]
     for rel, size, sha256 in entries:
         if Path(rel).is_absolute() or ".." in Path(rel).parts:
             raise error(f"{listing}: lists {rel!r}, a path outside {directory}: {fix}")
@@ -126,6 +134,8 @@ def verify_file_listing(directory: Path, fix: str, error: type[DflashpipeError] 
             raise error(f"{file}: listed in {listing} but missing: {fix}")
         if file.stat().st_size != size or file_sha256(file) != sha256:
             raise error(f"{file}: does not match its sha256 in {listing} (truncated, bit-flipped or edited): {fix}")
+    if only is not None:
+        return
     extra = sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*")
                    if p.is_file() and p != listing and p.relative_to(directory).as_posix() not in files)
     if extra:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any
 import yaml
 
 from dflashpipe.artifacts import canonical_json, file_sha256
-from dflashpipe.errors import DflashpipeError
+from dflashpipe.errors import DflashpipeError, SourceError
 
 DVC_FILE = "dvc.yaml"
 PARAMS_FILE = "params.yaml"
@@ -46,6 +47,7 @@ TRAIN_METRICS_DIR = METRICS / "train"
 TRAIN_METRICS = TRAIN_METRICS_DIR / "metrics.json"
 
 MISSING = "missing"
+ALLOW_OUTSIDE_PROJECT = "DFLASHPIPE_ALLOW_OUTSIDE_PROJECT"
 
 
 class PipelineError(DflashpipeError):
@@ -123,6 +125,32 @@ class StageKey:
             return None
 
 
+@dataclass(frozen=True)
+class Reuse:
+    """A stage that reuses earlier work, and what its key leaves out of dvc.yaml's list, with why."""
+
+    without_deps: tuple[str, ...] = ()
+    without_params: tuple[str, ...] = ()
+    why: str = ""
+
+
+REUSE = {
+    "tokenize": Reuse(("data/manifest",), ("tokenize.num_proc",),
+                      "each shard's key adds its own input shard's sha256, so growing the manifest reuses the "
+                      "shards it already had; num_proc never changes a byte"),
+    "warmup": Reuse(why="train and evaluate use the compile artifact only if it was built for this key"),
+    "train": Reuse(why="a checkpoint in data/train-state is resumed only if it was saved under this key"),
+}
+"""Every reuse in the pipeline. tests/test_stage_keys.py edits each dep and param of each of these
+stages and checks the key moves exactly when it must."""
+
+
+def reuse_key(name: str, root: Path | str = ".") -> StageKey:
+    """The key under which stage `name` may reuse earlier work (see REUSE)."""
+    rule = REUSE[name]
+    return stage_key(name, root, without_deps=rule.without_deps, without_params=rule.without_params)
+
+
 def stage_key(name: str, root: Path | str = ".", *, without_deps: Iterable[str] = (),
               without_params: Iterable[str] = ()) -> StageKey:
     """Hash what dvc.yaml lists for stage `name`, paths relative to `root`.
@@ -170,7 +198,7 @@ def _dvcignore(root: Path):
 
     path = root / ".dvcignore"
     lines = path.read_text().splitlines() if path.is_file() else []
-    return pathspec.PathSpec.from_lines("gitwildmatch", lines) if lines else None
+    return pathspec.PathSpec.from_lines("gitignore", lines) if lines else None
 
 
 def _read_params_file(path: Path) -> Any:
@@ -191,3 +219,21 @@ def _param_value(params: Any, key: str) -> str:
             return MISSING
         node = node[part]
     return canonical_json(node).decode().strip()
+
+
+def project_path(root: Path | str, relative: str, key: str) -> Path:
+    """`relative` (a params value at `key`) resolved against the project root, symlinks followed.
+
+    A path that lands outside the project (`../`, an absolute path, a link out) is refused unless
+    DFLASHPIPE_ALLOW_OUTSIDE_PROJECT=1: DVC tracks only files inside the project, so an outside
+    source could change unseen, and a shared params.yaml could point a stage at any file.
+    """
+    root = Path(root).resolve()
+    path = (root / relative).resolve()
+    if path.is_relative_to(root) or os.environ.get(ALLOW_OUTSIDE_PROJECT) == "1":
+        return path
+    raise SourceError(
+        f"params.yaml: {key} = {relative!r} resolves to {path}, outside the project {root}: copy it into the "
+        f"project (data/ for data, then `dvc add` it), or set {ALLOW_OUTSIDE_PROJECT}=1 to allow paths outside "
+        f"(DVC then cannot see when that file changes)"
+    )

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from dflashpipe.artifacts import atomic_directory, file_sha256, write_json_atomic
-from dflashpipe.data.sources import project_path
 from dflashpipe.errors import SourceError
 from dflashpipe.params import TargetParams
+from dflashpipe.pipeline import project_path
 
 PYPI_PREFIX = "pypi:"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

@@ -7,7 +7,8 @@ import time
 
 from dvc.lock import FAILED_TO_LOCK_MESSAGE
 
-from dflashpipe.data.manifest import build_manifest, verify_manifest
+from dflashpipe.data.manifest import build_manifest
+from dflashpipe.data.shards import verify_manifest
 from dflashpipe.params import load_params
 from dflashpipe.target import materialise_target
 from tests.conftest import run

@@ -13,12 +13,21 @@ from pathlib import Path
 import pytest
 
 from dflashpipe.artifacts import PARTIAL, canonical_json
-from dflashpipe.data.manifest import build_manifest, manifest_metrics, verify_manifest
+from dflashpipe.data.manifest import build_manifest
+from dflashpipe.data.shards import manifest_metrics, verify_manifest
 from dflashpipe.params import load_params
 from dflashpipe.target import materialise_target
 from tests.conftest import copy_project, run, set_params
-from tests.reliability.harness import (comparable_outputs, group_process, kill_at, lock_outs, md5, partials, status,
-                                      tree_bytes)
+from tests.reliability.harness import (
+    comparable_outputs,
+    group_process,
+    kill_at,
+    lock_outs,
+    md5,
+    partials,
+    status,
+    tree_bytes,
+)
 
 MANIFEST_SAMPLES, GROWN_SAMPLES, SHARD_SIZE = 3000, 4000, 50
 """Big enough that writing the shards takes a while, so a kill lands among them."""

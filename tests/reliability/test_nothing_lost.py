@@ -10,7 +10,8 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflashpipe.data.manifest import build_manifest, manifest_metrics, read_manifest_shard, verify_manifest
+from dflashpipe.data.manifest import build_manifest
+from dflashpipe.data.shards import manifest_metrics, read_manifest_shard, verify_manifest
 from dflashpipe.params import DataParams, SourceSpec
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from dflashpipe.data.manifest import build_manifest
-from dflashpipe.data.sources import ALLOW_OUTSIDE_PROJECT
 from dflashpipe.errors import SourceError
 from dflashpipe.params import DataParams, SourceSpec, TargetParams
+from dflashpipe.pipeline import ALLOW_OUTSIDE_PROJECT
 from dflashpipe.target import materialise_target
 from tests.conftest import ROOT, run, set_params
 

@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 
 from dflashpipe.errors import SourceError
+from dflashpipe.pipeline import project_path
 from dflashpipe.params import SourceSpec
 
 ROLES = {
@@ -37,28 +38,9 @@ ROLES = {
 
 Conversation = list[dict[str, str]]
 
-ALLOW_OUTSIDE_PROJECT = "DFLASHPIPE_ALLOW_OUTSIDE_PROJECT"
 """Set to 1 to let params name sources outside the project. An opt-in of the person running the
 pipeline, on purpose not a param: a params.yaml (from a PR, an experiment) cannot grant it to itself,
 and it changes whether a run may start, never what it writes, so no stage's cache key holds it."""
-
-
-def project_path(root: Path | str, relative: str, key: str) -> Path:
-    """`relative` (a params value at `key`) resolved against the project root, symlinks followed.
-
-    A path that lands outside the project (`../`, an absolute path, a link out) is refused unless
-    DFLASHPIPE_ALLOW_OUTSIDE_PROJECT=1: DVC tracks only files inside the project, so an outside
-    source could change unseen, and a shared params.yaml could point a stage at any file.
-    """
-    root = Path(root).resolve()
-    path = (root / relative).resolve()
-    if path.is_relative_to(root) or os.environ.get(ALLOW_OUTSIDE_PROJECT) == "1":
-        return path
-    raise SourceError(
-        f"params.yaml: {key} = {relative!r} resolves to {path}, outside the project {root}: copy it into the "
-        f"project (data/ for data, then `dvc add` it), or set {ALLOW_OUTSIDE_PROJECT}=1 to allow paths outside "
-        f"(DVC then cannot see when that file changes)"
-    )
 
 
 @dataclass(frozen=True, slots=True)
