@@ -30,7 +30,9 @@ import pyarrow.parquet as pq  # noqa: E402
 
 from dflashpipe.data.manifest import build_manifest  # noqa: E402
 from dflashpipe.params import DataParams, SourceSpec, TokenizeParams  # noqa: E402
-from dflashpipe.tokens import available_cores, load_chat_tokenizer, tokenize_manifest  # noqa: E402
+from dflashpipe.pipeline import TARGET, StageKey  # noqa: E402
+from dflashpipe.tokens.chat import load_chat_tokenizer  # noqa: E402
+from dflashpipe.tokens.run import available_cores, tokenize_manifest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = (SourceSpec(name="sharegpt", kind="sharegpt", weight=0.5, eval=0),
@@ -41,8 +43,8 @@ PARAMS = TokenizeParams(max_length=2048, truncation="turn", assistant_turns="all
 
 
 def tokenizer_dir(tmp: Path) -> Path:
-    if (ROOT / "data" / "target" / "tokenizer.json").is_file():
-        return ROOT / "data" / "target"
+    if (ROOT / TARGET / "tokenizer.json").is_file():
+        return ROOT / TARGET
     from transformers import AutoTokenizer
 
     from dflashpipe.target import resolve_source
@@ -86,8 +88,12 @@ def main() -> None:
         all_params = dataclasses.replace(PARAMS, num_proc=0)
         all_s, _ = timed(lambda: tokenize_manifest(all_params, root / "grown", tok_dir, root / "all"))
 
-        tokenize_manifest(all_params, root / "small", tok_dir, root / "incremental")
-        grow_s, grow_run = timed(lambda: tokenize_manifest(all_params, root / "grown", tok_dir, root / "incremental"))
+        # One key for both runs, as the stage's would be (same tokenizer, params and code): the rerun
+        # on the grown manifest may reuse what the first run wrote. Without a key nothing is reused.
+        key = StageKey("tokenize", {"benchmark:tokenizer": str(tok_dir), "benchmark:params": repr(all_params)})
+        tokenize_manifest(all_params, root / "small", tok_dir, root / "incremental", key)
+        grow_s, grow_run = timed(lambda: tokenize_manifest(all_params, root / "grown", tok_dir, root / "incremental",
+                                                           key))
 
         import datasets
         from transformers import AutoTokenizer

@@ -16,9 +16,14 @@ import pytest
 import yaml
 
 from dflashpipe.data.manifest import build_manifest
+from dflashpipe.errors import SourceError
 from dflashpipe.params import DataParams, SourceSpec, TokenizeParams
-from dflashpipe.tokens import SampleEncoder, TokenizerError, load_chat_tokenizer, tokenize_manifest
-from tests.conftest import RUN_PROFILE, copy_project, run, set_params
+from dflashpipe.pipeline import StageKey, reuse_key
+from dflashpipe.tokens.chat import TokenizerError, load_chat_tokenizer
+from dflashpipe.tokens.encode import SampleEncoder
+from dflashpipe.tokens.run import tokenize_manifest
+from dflashpipe.tokens.shards import load_tokens
+from tests.conftest import ROOT, RUN_PROFILE, copy_project, run, set_params
 
 PARAMS = TokenizeParams(max_length=512, truncation="turn", assistant_turns="all", min_supervised_tokens=4,
                         num_proc=1)
@@ -158,11 +163,17 @@ def chat_jsonl(path: Path, count: int) -> None:
             fh.write(json.dumps({"messages": turns}) + "\n")
 
 
-def manifest(root: Path, num_samples: int) -> Path:
+def manifest(root: Path, num_samples: int, out: Path | None = None) -> Path:
+    out = out or root / "manifest"
     params = DataParams(num_samples=num_samples, shard_size=10, on_bad_record="error",
                         sources=(SourceSpec(name="chats", kind="jsonl", weight=1.0, eval=0, path="chats.jsonl"),))
-    build_manifest(params, root / "manifest", root=root)
-    return root / "manifest"
+    build_manifest(params, out, root=root)
+    return out
+
+
+KEY = StageKey("tokenize", {"dep:data/target/tokenizer.json": "a" * 64, "param:params.yaml:tokenize.max_length": "512"})
+"""A stage key for runs outside a DVC project; `reuse_key` reads the real one from dvc.yaml."""
+SHARDS = [f"train-0000{i}.parquet" for i in range(10)]
 
 
 @pytest.fixture
@@ -177,10 +188,10 @@ def files(directory: Path) -> dict[str, tuple[bytes, int]]:
 
 def test_shards_are_the_same_bytes_across_runs_and_core_counts(project, smollm2_tokenizer_dir):
     m = manifest(project, 40)
-    one = tokenize_manifest(PARAMS, m, smollm2_tokenizer_dir, project / "one")
-    tokenize_manifest(dataclasses.replace(PARAMS, num_proc=2), m, smollm2_tokenizer_dir, project / "two")
+    one = tokenize_manifest(PARAMS, m, smollm2_tokenizer_dir, project / "one", KEY)
+    tokenize_manifest(dataclasses.replace(PARAMS, num_proc=2), m, smollm2_tokenizer_dir, project / "two", KEY)
     assert {k: v[0] for k, v in files(project / "one").items()} == {k: v[0] for k, v in files(project / "two").items()}
-    assert sorted(files(project / "one")) == ["summary.json"] + [f"train-0000{i}.parquet" for i in range(4)]
+    assert sorted(files(project / "one")) == ["files.json", "summary.json"] + SHARDS[:4]
     s = one.summary
     assert s["samples_in"] == 40 == s["samples_out"] + sum(s["skipped"].values())
     assert s["skipped"]["no_assistant_turn"] == 3 and s["supervised_tokens"] > 0
@@ -190,57 +201,140 @@ def test_shards_are_the_same_bytes_across_runs_and_core_counts(project, smollm2_
 
 def test_growing_the_manifest_encodes_only_the_new_shards(project, smollm2_tokenizer_dir):
     out = project / "tokens"
-    first = tokenize_manifest(PARAMS, manifest(project, 40), smollm2_tokenizer_dir, out)
+    first = tokenize_manifest(PARAMS, manifest(project, 40), smollm2_tokenizer_dir, out, KEY)
     assert first.encoded_samples == 40
     before = files(out)
-    grown = tokenize_manifest(PARAMS, manifest(project, 60), smollm2_tokenizer_dir, out)
-    assert grown.encoded_shards == ["train-00004.parquet", "train-00005.parquet"] and grown.encoded_samples == 20
+    grown = tokenize_manifest(PARAMS, manifest(project, 60), smollm2_tokenizer_dir, out, KEY)
+    assert grown.encoded_shards == SHARDS[4:6] and grown.encoded_samples == 20
     after = files(out)
-    for name in (f"train-0000{i}.parquet" for i in range(4)):
+    for name in SHARDS[:4]:
         assert after[name] == before[name]  # same bytes, same mtime: never rewritten
-    fresh = tokenize_manifest(PARAMS, project / "manifest", smollm2_tokenizer_dir, project / "fresh")
+    # summary.json (and files.json) are the same bytes whether the shards were reused or encoded
+    fresh = tokenize_manifest(PARAMS, project / "manifest", smollm2_tokenizer_dir, project / "fresh", KEY)
+    assert fresh.encoded_shards == SHARDS[:6]
     assert {k: v[0] for k, v in files(project / "fresh").items()} == {k: v[0] for k, v in after.items()}
     assert fresh.summary == grown.summary
 
     # A damaged shard is encoded again; shrinking removes the shards that no longer exist.
     damaged = out / "train-00001.parquet"
     damaged.write_bytes(damaged.read_bytes()[:-100])
-    shrunk = tokenize_manifest(PARAMS, manifest(project, 30), smollm2_tokenizer_dir, out)
+    shrunk = tokenize_manifest(PARAMS, manifest(project, 30), smollm2_tokenizer_dir, out, KEY)
     assert shrunk.encoded_shards == ["train-00001.parquet"]
-    assert sorted(p.name for p in out.iterdir()) == ["summary.json"] + [f"train-0000{i}.parquet" for i in range(3)]
+    assert sorted(p.name for p in out.iterdir()) == ["files.json", "summary.json"] + SHARDS[:3]
+    assert len(load_tokens(out)) == shrunk.summary["samples_out"]
 
 
-def test_a_changed_template_or_tokenize_param_encodes_every_shard(project, smollm2_tokenizer_dir, tmp_path):
-    m = manifest(project, 30)
-    out = project / "tokens"
-    tokenize_manifest(PARAMS, m, smollm2_tokenizer_dir, out)
-    template = (smollm2_tokenizer_dir / "chat_template.jinja").read_text().replace("named SmolLM", "called SmolLM")
-    changed = with_template(smollm2_tokenizer_dir, tmp_path / "changed", template)
-    assert tokenize_manifest(PARAMS, m, changed, out).encoded_samples == 30
-    assert tokenize_manifest(dataclasses.replace(PARAMS, num_proc=2), m, changed, out).encoded_samples == 0
-    assert tokenize_manifest(dataclasses.replace(PARAMS, max_length=256), m, changed, out).encoded_samples == 30
+def test_a_changed_key_encodes_every_shard_and_no_key_reuses_nothing(project, smollm2_tokenizer_dir):
+    m, out = manifest(project, 30), project / "tokens"
+    assert tokenize_manifest(PARAMS, m, smollm2_tokenizer_dir, out, KEY).encoded_shards == SHARDS[:3]
+    assert tokenize_manifest(PARAMS, m, smollm2_tokenizer_dir, out, KEY).reused_shards == SHARDS[:3]
+    other = StageKey("tokenize", {**KEY.inputs, "param:params.yaml:tokenize.max_length": "256"})
+    assert tokenize_manifest(PARAMS, m, smollm2_tokenizer_dir, out, other).encoded_shards == SHARDS[:3]
+    # Without a key nothing says what made a shard: none is reused, and what it writes is never reused later.
+    for key in (None, None, other):
+        run_ = tokenize_manifest(PARAMS, m, smollm2_tokenizer_dir, out, key)
+        assert (run_.encoded_shards, run_.reused_shards) == (SHARDS[:3], [])
+
+
+# --- the stage's real key: what dvc.yaml lists for tokenize ---------------------------------
+
+
+def tokenize_project(root: Path, tokenizer_dir: Path) -> Path:
+    """The files dvc.yaml's tokenize stage lists, in a fresh directory (no DVC needed to hash them)."""
+    for rel in ("dvc.yaml", "params.yaml", "stages/tokens.py", "src/dflashpipe/tokens"):
+        src, dst = ROOT / rel, root / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, dst)
+    shutil.copytree(tokenizer_dir, root / "data" / "target")
+    return root
+
+
+def test_the_stage_key_reuses_shards_exactly_when_dvc_would_keep_them(project, smollm2_tokenizer_dir):
+    root = tokenize_project(project / "p", smollm2_tokenizer_dir)
+    target, out = root / "data" / "target", root / "data" / "tokens"
+
+    def tokenize(num_samples: int):
+        key = reuse_key("tokenize", root)  # what stages/tokens.py passes
+        return key, tokenize_manifest(PARAMS, manifest(project, num_samples, root / "data" / "manifest"), target,
+                                      out, key)
+
+    first_key, first = tokenize(40)
+    assert first.encoded_shards == SHARDS[:4]
+    # Growing the data changes data/manifest, not the key: only the new shards are encoded.
+    # num_proc is left out of the key too: it never changes a byte.
+    set_params(root, tokenize__num_proc=3)
+    key, grown = tokenize(60)
+    assert key == first_key
+    assert (grown.encoded_shards, grown.reused_shards) == (SHARDS[4:6], SHARDS[:4])
+
+    # Anything else dvc.yaml lists changes the key and encodes every shard: the template, a param, the code.
+    template = target / "chat_template.jinja"
+    template.write_text(template.read_text().replace("named SmolLM", "called SmolLM"))
+    set_params(root, tokenize__max_length=1024)
+    with open(root / "src" / "dflashpipe" / "tokens" / "encode.py", "a") as fh:
+        fh.write("# edited\n")
+    key, rerun = tokenize(60)
+    assert key.changed_since(first_key.inputs) == [
+        "data/target/chat_template.jinja", "src/dflashpipe/tokens/encode.py", "params.yaml:tokenize.max_length"]
+    assert (rerun.encoded_shards, rerun.reused_shards) == (SHARDS[:6], [])
 
 
 def test_a_manifest_shard_that_does_not_match_its_summary_is_refused(project, smollm2_tokenizer_dir):
-    from dflashpipe.errors import SourceError
-
     m = manifest(project, 20)
     (m / "train-00001.parquet").write_bytes(b"not parquet")
-    with pytest.raises(SourceError, match=r"train-00001.parquet: sha256 .* does not match .* `dvc repro -f manifest`"):
-        tokenize_manifest(PARAMS, m, smollm2_tokenizer_dir, project / "tokens")
+    with pytest.raises(SourceError, match=r"train-00001.parquet: .*`dvc repro -f manifest`"):
+        tokenize_manifest(PARAMS, m, smollm2_tokenizer_dir, project / "tokens", KEY)
+
+
+# --- the reader: every file checked against files.json ---------------------------------------
+
+
+def test_load_tokens_refuses_a_damaged_incomplete_or_stale_directory_naming_the_file_and_fix(
+        project, smollm2_tokenizer_dir):
+    m, out = manifest(project, 30), project / "tokens"
+    run_ = tokenize_manifest(PARAMS, m, smollm2_tokenizer_dir, out, KEY)
+    data = load_tokens(out)
+    assert len(data) == run_.summary["samples_out"] and data.supervised_tokens == run_.summary["supervised_tokens"]
+    fix = rf"restore it with `dvc checkout {out}` or rebuild it with `dvc repro -f tokenize`"
+
+    shard = out / "train-00001.parquet"
+    pristine = shard.read_bytes()
+    flipped = bytearray(pristine)
+    footer = len(pristine) - 8 - int.from_bytes(pristine[-8:-4], "little")
+    flipped[footer // 2] ^= 0x01  # in the pages, which carry checksums (the footer does not)
+    shard.write_bytes(bytes(flipped))
+    with pytest.raises(SourceError, match=rf"{shard}: does not match its sha256 in {out / 'files.json'} .*: {fix}"):
+        load_tokens(out)
+    # A rerun over it encodes that shard again, and the listing it writes last vouches for the new one.
+    assert tokenize_manifest(PARAMS, m, smollm2_tokenizer_dir, out, KEY).encoded_shards == [shard.name]
+    assert shard.read_bytes() == pristine and len(load_tokens(out)) == len(data)
+
+    # A run killed before its last write leaves no files.json: the directory is not a complete output.
+    (out / "files.json").unlink()
+    with pytest.raises(SourceError, match=rf"{out}: files.json missing .*: {fix}"):
+        load_tokens(out)
+    # A rerun removes what is not a shard (a stale listing, a stray file) before it writes anything.
+    (out / "files.json").write_text("{}")
+    (out / "stray.txt").write_text("left over")
+    tokenize_manifest(PARAMS, m, smollm2_tokenizer_dir, out, KEY)
+    assert sorted(p.name for p in out.iterdir()) == ["files.json", "summary.json"] + SHARDS[:3]
+    assert len(load_tokens(out)) == len(data)
 
 
 def test_dvc_repro_after_growing_the_data_reuses_the_old_shard_files(pipeline_run, tmp_path):
     project = copy_project(pipeline_run, tmp_path / "project")
     tokens = project / "data" / "tokens"
     before = files(tokens)
-    shards, samples = len(before) - 1, RUN_PROFILE["data__num_samples"]  # the rest is summary.json
+    shards, samples = len([n for n in before if n.endswith(".parquet")]), RUN_PROFILE["data__num_samples"]
     # two more manifest shards; num_proc changes no byte, so it changes no shard's key either
     set_params(project, data__num_samples=samples + 40, tokenize__num_proc=2)
     out = run(["dvc", "repro", "tokenize"], project)
     assert "Running stage 'tokenize'" in out.stdout
     after = files(tokens)
-    for name in (n for n in before if n != "summary.json"):
+    for name in (n for n in before if n.endswith(".parquet")):
         assert after[name] == before[name]
     metrics = json.loads((project / "metrics" / "tokenize.json").read_text())
     assert (metrics["encoded_shards"], metrics["reused_shards"], metrics["encoded_samples"]) == (2, shards, 40)

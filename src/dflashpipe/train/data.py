@@ -9,60 +9,12 @@ depends on threads, timing or where a run was resumed.
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
-from dflashpipe.artifacts import file_sha256
-from dflashpipe.errors import SourceError
-
-
-@dataclass(frozen=True)
-class TokenData:
-    """Every training sequence, flat: sequence i is ids[offsets[i]:offsets[i+1]]."""
-
-    ids: np.ndarray
-    loss_mask: np.ndarray
-    offsets: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    @property
-    def supervised_tokens(self) -> int:
-        return int(self.loss_mask.sum())
-
-
-def load_tokens(tokens_dir: Path | str) -> TokenData:
-    """Read data/tokens/ (checked against its summary.json) into one flat array."""
-    tokens_dir = Path(tokens_dir)
-    fix = f"run `dvc checkout {tokens_dir}` or `dvc repro -f tokenize`"
-    try:
-        summary = json.loads((tokens_dir / "summary.json").read_text())
-        entries = [(str(e["file"]), str(e["sha256"])) for e in summary["shards"]]
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise SourceError(f"{tokens_dir}/summary.json: unreadable or not a tokens summary ({exc!r}): {fix}") from None
-    ids, masks, lengths = [], [], []
-    for name, sha256 in entries:
-        path = tokens_dir / name
-        if Path(name).name != name or not path.is_file() or file_sha256(path) != sha256:
-            raise SourceError(f"{path}: missing or not the shard summary.json records (sha256): {fix}")
-        try:
-            table = pq.read_table(path, columns=["input_ids", "loss_mask"])
-        except (OSError, ValueError, pa.ArrowException) as exc:
-            raise SourceError(f"{path}: not a readable tokens shard ({exc}): {fix}") from None
-        for column, out in (("input_ids", ids), ("loss_mask", masks)):
-            out.append(table.column(column).combine_chunks().flatten().to_numpy(zero_copy_only=False))
-        lengths.append(table.column("input_ids").combine_chunks().value_lengths().to_numpy(zero_copy_only=False))
-    if not lengths or sum(len(x) for x in lengths) == 0:
-        raise SourceError(f"{tokens_dir}: no training sequences (see its summary.json skip counts)")
-    offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int64)
-    return TokenData(np.concatenate(ids).astype(np.int64), np.concatenate(masks).astype(np.int64), offsets)
+from dflashpipe.tokens.shards import TokenData
 
 
 @functools.lru_cache(maxsize=4)

@@ -1,0 +1,233 @@
+"""The tokenize stage: bring data/tokens/ to one tokens shard per manifest shard, reusing what still holds.
+
+Incremental by content. A tokens shard depends only on its manifest shard and on what dvc.yaml
+lists for the stage (the tokenizer and template in data/target, the tokenize params, this package's
+code, the stage script, the library versions): the caller passes that as a `StageKey`, read from
+dvc.yaml itself, so a shard is reused on exactly the condition under which DVC would keep the
+output (see `dflashpipe.pipeline`). `data/tokens/` is a DVC `persist` output: on a rerun, a shard
+whose stored key matches and whose pages pass their checksums is reused untouched; every other
+one is encoded again and written atomically. Files that are not a current shard are removed first
+(summary.json and files.json too), so a killed run leaves no listing that vouches for it.
+
+`summary.json` is rebuilt from the shards' own stored statistics, so it is the same bytes
+however the shards came about; what was encoded or reused in this run goes to a separate run
+report (the metrics). `files.json` (sha256 of every file) is the very last write: the reader
+checks the directory against it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from dflashpipe.artifacts import file_sha256, write_file_listing, write_json_atomic
+from dflashpipe.data.shards import verify_manifest
+from dflashpipe.params import TokenizeParams
+from dflashpipe.pipeline import StageKey
+from dflashpipe.tokens.chat import ChatTokenizer, load_chat_tokenizer
+from dflashpipe.tokens.encode import EncodedRows, SampleEncoder, TokenStats, concat_rows, length_edges
+from dflashpipe.tokens.shards import SUMMARY_FILE, reusable_shard, shard_key, shard_name, write_shard
+
+CHUNK_SAMPLES = 64
+"""Samples per task handed to a worker: small enough to balance, large enough for encode_batch."""
+
+
+@dataclass(frozen=True)
+class ManifestShard:
+    index: int
+    path: Path
+    samples: int
+    sha256: str
+
+
+def read_manifest(manifest_dir: Path) -> list[ManifestShard]:
+    """The manifest's training shards, after the manifest's own check of every file's sha256."""
+    summary = verify_manifest(manifest_dir)
+    return [ManifestShard(index, manifest_dir / e["file"], e["samples"], e["sha256"])
+            for index, e in enumerate(summary["shards"])]
+
+
+# --- running it across processes -----------------------------------------------------------
+
+_WORKER: dict[str, Any] = {}
+"""Per process: the encoder, and the manifest shard it last read."""
+
+
+def _init_worker(chat: ChatTokenizer, params: TokenizeParams) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core; no extra threads
+    _WORKER.clear()
+    _WORKER["encoder"] = SampleEncoder(chat, params)
+
+
+def _encode_task(task: tuple[int, str, int, int]) -> tuple[int, EncodedRows, TokenStats]:
+    index, path, start, stop = task
+    if _WORKER.get("path") != path:
+        _WORKER["path"], _WORKER["table"] = path, pq.read_table(path, columns=["id", "source", "conversation"])
+    part = _WORKER["table"].slice(start, stop - start)
+    samples = list(zip(part.column("id").to_pylist(), part.column("source").to_pylist(),
+                       part.column("conversation").to_pylist(), strict=True))
+    rows, stats = _WORKER["encoder"].encode(samples)
+    return index, rows, stats
+
+
+def _tasks(shards: list[ManifestShard]) -> list[tuple[int, str, int, int]]:
+    return [(s.index, str(s.path), start, min(start + CHUNK_SAMPLES, s.samples))
+            for s in shards for start in range(0, s.samples, CHUNK_SAMPLES)]
+
+
+@contextlib.contextmanager
+def _results(tasks: list, chat: ChatTokenizer, params: TokenizeParams, num_proc: int) -> Iterator[Iterator]:
+    """Task results in task order, from `num_proc` forked workers (or this process for one)."""
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # set before forking: children inherit it, no fork warning
+    try:
+        if num_proc == 1 or len(tasks) <= 1:
+            _init_worker(chat, params)
+            yield map(_encode_task, tasks)
+        else:
+            ctx = multiprocessing.get_context("fork")  # children inherit the loaded tokenizer and imports
+            with ctx.Pool(min(num_proc, len(tasks)), initializer=_init_worker, initargs=(chat, params)) as pool:
+                yield pool.imap(_encode_task, tasks)
+    finally:
+        _WORKER.clear()
+        if saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
+
+
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+# --- the stage -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenizeRun:
+    """What one run produced (`summary`, the same bytes however it came about) and what it did."""
+
+    summary: dict
+    encoded_shards: list[str]
+    reused_shards: list[str]
+    encoded_samples: int
+    encoded_tokens: int
+    num_proc: int
+    seconds: float
+
+
+def tokenize_metrics(run: TokenizeRun) -> dict:
+    """The headline numbers, and how much of the work this run redid, for `dvc metrics diff`."""
+    s = run.summary
+    return {
+        "samples_in": s["samples_in"],
+        "samples_out": s["samples_out"],
+        "samples_skipped": sum(s["skipped"].values()),
+        "tokens": s["tokens"],
+        "supervised_tokens": s["supervised_tokens"],
+        "truncated": s["truncated"],
+        "shards": len(s["shards"]),
+        "encoded_shards": len(run.encoded_shards),
+        "reused_shards": len(run.reused_shards),
+        "encoded_samples": run.encoded_samples,
+        "seconds": round(run.seconds, 3),
+        "encoded_tokens_per_second": round(run.encoded_tokens / run.seconds, 1) if run.seconds > 0 else 0.0,
+    }
+
+
+def _remove_all_but(out_dir: Path, wanted: set[str]) -> None:
+    """A persist output is not emptied by DVC: anything that is not a current shard goes, summary.json
+    and files.json included (both are rewritten last, so a killed run leaves neither)."""
+    for stale in sorted(out_dir.iterdir()):
+        if stale.name not in wanted:
+            if stale.is_dir():
+                shutil.rmtree(stale)
+            else:
+                stale.unlink()
+
+
+def _reused_stats(path: Path, key: str | None) -> TokenStats | None:
+    raw = reusable_shard(path, key)
+    try:
+        return None if raw is None else TokenStats.from_json(raw)
+    except (KeyError, TypeError, AttributeError):  # stats of another shape: encode the shard again
+        return None
+
+
+def tokenize_manifest(params: TokenizeParams, manifest_dir: Path | str, target_dir: Path | str,
+                      out_dir: Path | str, key: StageKey | None = None) -> TokenizeRun:
+    """Bring `out_dir` to one tokens shard per manifest shard, then summary.json, then files.json.
+
+    `key` is what decides every shard besides its own input: the stage's key from dvc.yaml (see
+    stages/tokens.py). A shard whose stored key (this key and its input shard's sha256) matches is
+    reused untouched; the returned run says which. With `key` None nothing is reused: every shard
+    is encoded again."""
+    began = time.perf_counter()
+    manifest_dir, out_dir = Path(manifest_dir), Path(out_dir)
+    chat = load_chat_tokenizer(target_dir)
+    shards = read_manifest(manifest_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _remove_all_but(out_dir, {shard_name(s.index) for s in shards})
+    keys = {s.index: shard_key(None if key is None else key.digest, s.sha256) for s in shards}
+    stats_by_shard: dict[int, TokenStats] = {}
+    for s in shards:
+        reused = _reused_stats(out_dir / shard_name(s.index), keys[s.index])
+        if reused is not None:
+            stats_by_shard[s.index] = reused
+    todo = [s for s in shards if s.index not in stats_by_shard]
+    reused_names = sorted(shard_name(i) for i in stats_by_shard)
+
+    def empty_stats() -> TokenStats:
+        return TokenStats(length_histogram=[0] * len(length_edges(params.max_length)))
+
+    def finish(shard: ManifestShard, parts: list[tuple[EncodedRows, TokenStats]]) -> None:
+        stats = empty_stats()
+        for _, part_stats in parts:
+            stats.merge(part_stats)
+        write_shard(out_dir / shard_name(shard.index), concat_rows([p[0] for p in parts]), stats,
+                    keys[shard.index], {"file": shard.path.name, "sha256": shard.sha256})
+        stats_by_shard[shard.index] = stats
+
+    num_proc = params.num_proc or available_cores()
+    tasks = _tasks(todo)
+    tasks_left = {s.index: sum(1 for t in tasks if t[0] == s.index) for s in todo}
+    for s in todo:
+        if tasks_left[s.index] == 0:  # an empty manifest shard still gets its (empty) tokens shard
+            finish(s, [])
+    pending: dict[int, list[tuple[EncodedRows, TokenStats]]] = {}
+    with _results(tasks, chat, params, num_proc) as results, \
+            tqdm(total=sum(s.samples for s in todo), desc="tokenize", unit="sample", mininterval=1.0) as bar:
+        for index, rows, stats in results:
+            bar.update(stats.samples_in)
+            pending.setdefault(index, []).append((rows, stats))
+            tasks_left[index] -= 1
+            if tasks_left[index] == 0:
+                finish(shards[index], pending.pop(index))
+
+    total = empty_stats()
+    entries = []
+    for s in shards:
+        total.merge(stats_by_shard[s.index])
+        path = out_dir / shard_name(s.index)
+        entries.append({"file": path.name, "samples": stats_by_shard[s.index].samples_out,
+                        "sha256": file_sha256(path), "key": keys[s.index],
+                        "input": {"file": s.path.name, "sha256": s.sha256}})
+    summary = {"length_histogram_max_tokens": length_edges(params.max_length), **total.to_json(), "shards": entries}
+    write_json_atomic(out_dir / SUMMARY_FILE, summary)
+    write_file_listing(out_dir)  # last: a directory without it is not a complete output
+    run = TokenizeRun(summary, sorted(shard_name(s.index) for s in todo), reused_names,
+                      sum(s.samples for s in todo), sum(stats_by_shard[s.index].tokens for s in todo),
+                      num_proc, time.perf_counter() - began)
+    print(f"tokenize: encoded {len(run.encoded_shards)} shard(s), reused {len(reused_names)}; "
+          f"{total.samples_out} of {total.samples_in} samples kept, {total.tokens} tokens")
+    return run
