@@ -26,7 +26,9 @@ sys.path.insert(0, str(ROOT / "src"))
 
 def variant(name: str, steps: int, out: Path) -> dict:
     from dflashpipe.params import load_params
-    from dflashpipe.train.loop import TrainInputs, train_drafter
+    from dflashpipe.pipeline import reuse_key
+    from dflashpipe.train.loop import TrainInputs
+    from dflashpipe.train.stage import TrainPaths, train_drafter
 
     p = load_params(ROOT)
     compile_on = name != "eager-2"
@@ -36,8 +38,11 @@ def variant(name: str, steps: int, out: Path) -> dict:
         compile=dataclasses.replace(p["compile"], enabled=compile_on, guard="error" if compile_on else "warn"),
         topology=dataclasses.replace(p["topology"], drafter_devices=drafters),
         train=dataclasses.replace(p["train"], max_steps=steps, checkpoint_every=0))
-    return train_drafter(inputs, ROOT / "data/tokens", ROOT / "data/target", ROOT / "data/compile",
-                         out / "drafter", out / "state", out / "metrics")
+    # The project's inputs, fresh outputs; no resume key (a variant always trains every step), and
+    # warmup's key as it is now, so the artifact is loaded exactly when the train stage would load it.
+    paths = dataclasses.replace(TrainPaths.pipeline(ROOT), drafter=out / "drafter", state=out / "state",
+                                metrics=out / "metrics")
+    return train_drafter(inputs, paths, key=None, compile_key=reuse_key("warmup", ROOT) if compile_on else None)
 
 
 def main() -> None:

@@ -11,14 +11,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the code DVC hashed
 
+from dflashpipe.pipeline import reuse_key  # noqa: E402
 from dflashpipe.stage import run_stage  # noqa: E402
-from dflashpipe.train.loop import TrainInputs, train_drafter  # noqa: E402
+from dflashpipe.train.loop import TrainInputs  # noqa: E402
+from dflashpipe.train.stage import TrainPaths, train_drafter  # noqa: E402
 
 
 def train(p) -> None:
     inputs = TrainInputs(model=p.model, compile=p.compile, topology=p.topology, train=p.train)
-    train_drafter(inputs, "data/tokens", "data/target", "data/compile", "data/drafter", "data/train-state",
-                  "metrics/train")
+    # Resume a checkpoint only if everything dvc.yaml lists for train is as it was when it was saved;
+    # use the compile artifact only if it was built for warmup's inputs as they are now (each key hashes
+    # every file of its deps, data/target included: the warmup one only when it is used).
+    compile_key = reuse_key("warmup") if p.compile.enabled else None
+    train_drafter(inputs, TrainPaths.pipeline(), key=reuse_key("train"), compile_key=compile_key)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""Drafter training: replicas in lockstep, processes equal to threads, resume equal to a clean run."""
+"""Drafter training: replicas in lockstep, processes equal to threads, resume only under the same key."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -11,9 +12,12 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
-from dflashpipe.errors import ParamsError
+from dflashpipe.errors import DflashpipeError, ParamsError
 from dflashpipe.params import TopologyParams
+from dflashpipe.pipeline import StageKey
+from dflashpipe.train.checkpoint import checkpoint_key, mismatch
 from dflashpipe.train.data import BatchPlan
+from dflashpipe.train.loop import replica_mismatches
 from dflashpipe.train.topology import check_topology
 from tests.conftest import ROOT
 
@@ -37,7 +41,7 @@ def workdir(tmp_path_factory, tiny_target_dir):
     from dflashpipe.data.manifest import build_manifest
     from dflashpipe.params import DataParams, SourceSpec, TargetParams, TokenizeParams
     from dflashpipe.target import materialise_target
-    from dflashpipe.tokens import tokenize_manifest
+    from dflashpipe.tokens.run import tokenize_manifest
 
     work = tmp_path_factory.mktemp("train")
     materialise_target(TargetParams(source=tiny_target_dir.name, dtype="float32"), work / "target", root=tiny_target_dir.parent)
@@ -90,6 +94,78 @@ def test_replicas_stay_identical_and_two_processes_equal_one(workdir):
 # Killed and resumed to the same weights: tests/reliability/test_killed.py, under DVC, on the compiled path.
 
 
+def step_lines(stdout: str) -> list[str]:
+    return [ln for ln in stdout.splitlines() if ln.startswith("train: step ")]
+
+
+def test_a_finished_run_is_not_resumed_once_an_input_changed(workdir):
+    # The bug: after an edit of train/data.py, `dvc repro train` found the finished checkpoint at max_steps,
+    # "resumed" it, trained nothing and wrote the old drafter. Now a checkpoint resumes only under its key.
+    cfg = config("edited", drafters=1, max_steps=4, checkpoint_every=2)
+    first = train_process(workdir, cfg)
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert len(step_lines(first.stdout)) == 4
+    assert (workdir / "edited" / "state" / "checkpoint").is_dir()
+
+    edited = train_process(workdir, {**cfg, "key_inputs": {"dep:src/dflashpipe/train/data.py": "edited"}})
+    assert edited.returncode == 0, edited.stderr[-4000:]
+    assert "resumed" not in edited.stdout
+    checkpoint = workdir / "edited" / "state" / "checkpoint"
+    assert (f"train: not resuming {checkpoint}: its inputs differ (src/dflashpipe/train/data.py changed)"
+            in edited.stdout), edited.stdout
+    assert len(step_lines(edited.stdout)) == 4  # every step trained again, from step 0
+
+    same = train_process(workdir, {**cfg, "key_inputs": {"dep:src/dflashpipe/train/data.py": "edited"}})
+    assert same.returncode == 0, same.stderr[-4000:]
+    assert f"train: resumed from {checkpoint} at step 4" in same.stdout
+    assert step_lines(same.stdout) == []  # the finished run of these very inputs: nothing left to train
+
+
+def test_a_checkpoint_key_names_what_changed_and_counts_the_processes():
+    base = StageKey("train", {"dep:stages/train.py": "a", "param:params.yaml:train.lr": "0.001"})
+    one = checkpoint_key(base, world_size=1)
+    assert mismatch(one, checkpoint_key(base, world_size=1)) == ""
+    assert mismatch(one, checkpoint_key(base, world_size=2)) == "its inputs differ (world_size changed)"
+    many = StageKey("train", {f"dep:src/{i}.py": "b" for i in range(5)} | {"param:params.yaml:train.lr": "0.002"})
+    assert mismatch(one, checkpoint_key(many, 1)) == (
+        "its inputs differ (src/0.py, src/1.py, src/2.py and 4 more changed)")
+    assert mismatch(None, one) == "it records no key (saved by an older version)"
+    assert checkpoint_key(None, world_size=2) is None  # no key: never resumed
+
+
+def test_the_replica_check_finds_a_replica_that_differs():
+    import torch
+
+    torch.manual_seed(0)
+    first = torch.nn.Linear(4, 3)
+    replicas = [first, copy.deepcopy(first), copy.deepcopy(first)]
+    assert replica_mismatches(replicas) == []
+    with torch.no_grad():
+        replicas[2].bias[1] += 1e-6
+    assert replica_mismatches(replicas) == ["replica 2: bias"]
+
+
+def test_diverged_replicas_fail_the_stage_and_write_no_drafter(workdir, monkeypatch, capsys):
+    # Without gradient averaging each replica steps on its own batch: the replicas drift apart, and the
+    # stage must say so instead of recording replicas_identical and writing replica 0 as the drafter.
+    from dflashpipe.params import CompileParams, ModelParams, TrainParams, build
+    from dflashpipe.train.loop import Trainer, TrainInputs
+    from dflashpipe.train.stage import TrainPaths, train_drafter
+
+    cfg = config("diverged", drafters=2, max_steps=2, checkpoint_every=0)
+    inputs = TrainInputs(model=build(ModelParams, cfg["model"], "model"),
+                         compile=build(CompileParams, cfg["compile"], "compile"),
+                         topology=build(TopologyParams, cfg["topology"], "topology"),
+                         train=build(TrainParams, cfg["train"], "train"))
+    out = workdir / "diverged"
+    paths = TrainPaths(workdir / "tokens", workdir / "target", workdir / "compile",
+                       out / "drafter", out / "state", out / "metrics")
+    monkeypatch.setattr(Trainer, "average_gradients", lambda self: None)
+    with pytest.raises(DflashpipeError, match=r"drafter replicas diverged \(replica 1: .* differ from replica 0\)"):
+        train_drafter(inputs, paths, key=None, compile_key=None)
+    assert not (out / "drafter").exists() and not (out / "metrics" / "metrics.json").exists()
+
+
 def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_fix(workdir, pipeline_run):
     cfg = config("damaged", drafters=1, max_steps=2)
     checkpoint = workdir / "damaged" / "state" / "checkpoint"
@@ -113,7 +189,9 @@ def test_compiled_training_compiles_nothing_in_worker_threads(workdir, pipeline_
     # in the main thread; then the real per-step worker code (anchors, mask, compiled step, backward) runs
     # in three threads at once.
     shutil.copytree(pipeline_run / "data/compile", workdir / "compile", dirs_exist_ok=True)
-    metrics = train(workdir, config("compiled", drafters=3, compiled=True, max_steps=12))
+    # The artifact is used only if it was built for warmup's key as it is now: that project's.
+    cfg = {**config("compiled", drafters=3, compiled=True, max_steps=12), "compile_key_root": str(pipeline_run)}
+    metrics = train(workdir, cfg)
     assert metrics["steps"] == 12 and metrics["replicas_identical"] is True
     assert metrics["compile"]["source"] == "artifact"
     assert metrics["compile"]["compiles_in_worker_threads"] == 0

@@ -3,6 +3,13 @@
     python tests/scenarios/train_run.py WORKDIR CONFIG_JSON
 
 WORKDIR holds tokens/, target/ and compile/; outputs go to WORKDIR/<name>/.
+
+Outside a DVC project there is no dvc.yaml entry to key a run by, so the run's key is its config:
+the same config resumes its own checkpoint, another does not. CONFIG_JSON may also hold
+- "key_inputs": extra inputs of the key, as `reuse_key` names them (e.g. {"dep:src/x.py": "edited"}),
+  to stand for an edited dvc.yaml dep;
+- "compile_key_root": a DVC project whose warmup built WORKDIR/compile; the artifact is used only
+  if it was built for that project's warmup key as it is now (absent: no key, compile cold).
 """
 
 from __future__ import annotations
@@ -14,7 +21,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from dflashpipe.params import CompileParams, ModelParams, TopologyParams, TrainParams, build  # noqa: E402
-from dflashpipe.train.loop import TrainInputs, train_drafter  # noqa: E402
+from dflashpipe.pipeline import StageKey, reuse_key  # noqa: E402
+from dflashpipe.train.loop import TrainInputs  # noqa: E402
+from dflashpipe.train.stage import TrainPaths, train_drafter  # noqa: E402
+
+OPTIONS = ("key_inputs", "compile_key_root")
 
 
 def main(workdir: Path, config: dict) -> None:
@@ -23,8 +34,12 @@ def main(workdir: Path, config: dict) -> None:
                          topology=build(TopologyParams, config["topology"], "topology"),
                          train=build(TrainParams, config["train"], "train"))
     out = workdir / config["name"]
-    metrics = train_drafter(inputs, workdir / "tokens", workdir / "target", workdir / "compile",
-                            out / "drafter", out / "state", out / "metrics")
+    paths = TrainPaths(workdir / "tokens", workdir / "target", workdir / "compile",
+                       out / "drafter", out / "state", out / "metrics")
+    run_config = {k: v for k, v in config.items() if k not in OPTIONS}
+    key = StageKey("train", {"scenario:config": json.dumps(run_config, sort_keys=True), **config.get("key_inputs", {})})
+    compile_key = reuse_key("warmup", config["compile_key_root"]) if "compile_key_root" in config else None
+    metrics = train_drafter(inputs, paths, key, compile_key)
     print("METRICS " + json.dumps(metrics))
 
 

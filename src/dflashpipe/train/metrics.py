@@ -1,0 +1,101 @@
+"""What a run reports: one record per step, the stage's metrics.json and its DVCLive plots.
+
+The history of records travels in the resumable checkpoint, so a resumed run reports the whole
+run, not only the steps it trained itself.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from dflashpipe.artifacts import PARTIAL, atomic_directory
+from dflashpipe.model import DraftLoss
+
+if TYPE_CHECKING:
+    from dflashpipe.train.loop import Trainer
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    """Mean over this process's replicas."""
+    lr: float
+    tokens: int
+    """Supervised tokens of the step, over every process."""
+    seconds: float
+    slot_correct: list[float]
+    slot_count: list[float]
+    target_busy_s: float
+    """Cumulative, over the target workers of this run."""
+    drafter_busy_s: float
+    """Cumulative, over the drafter replicas of this run."""
+
+    @classmethod
+    def of(cls, step: int, lr: float, losses: Sequence[DraftLoss], world_size: int, seconds: float,
+           target_busy_s: float, drafter_busy_s: float) -> StepRecord:
+        """One step's record from every replica's loss terms."""
+        correct = torch.stack([o.slot_correct.detach().float().cpu() for o in losses]).sum(0)
+        count = torch.stack([o.slot_count.detach().float().cpu() for o in losses]).sum(0)
+        loss = float(sum(o.loss.detach().float().cpu() for o in losses) / len(losses))
+        return cls(step=step, loss=loss, lr=lr, tokens=int(count.sum()) * world_size, seconds=seconds,
+                   slot_correct=correct.tolist(), slot_count=count.tolist(), target_busy_s=target_busy_s,
+                   drafter_busy_s=drafter_busy_s)
+
+
+def train_metrics(trainer: Trainer, before: dict, after: dict, warm_s: float, compile_note: str,
+                  replicas_identical: bool) -> dict:
+    """metrics/train/metrics.json. `before`/`after`: dynamo_counters() around the run."""
+    history = trainer.history
+    steady = history[1:] or history  # the first step includes the threads' start: excluded when possible
+    seconds = sum(h.seconds for h in steady)
+    correct = torch.tensor([h.slot_correct for h in history]).sum(0)
+    count = torch.tensor([h.slot_count for h in history]).sum(0)
+    accuracy = (correct / count.clamp_min(1)).tolist()
+    in_workers = after["compiles_outside_main_thread"] - before["compiles_outside_main_thread"]
+    return {
+        "steps": trainer.step,
+        "final_loss": round(history[-1].loss, 6),
+        "tokens_per_s": round(sum(h.tokens for h in steady) / seconds, 2) if seconds > 0 else 0.0,
+        "supervised_tokens": int(sum(h.tokens for h in history)),
+        "slot_accuracy": {str(k + 1): round(a, 6) for k, a in enumerate(accuracy)},
+        "replicas": trainer.topology.replicas * trainer.topology.world_size,
+        "replicas_identical": replicas_identical,
+        "truncated_sequences": trainer.truncated,
+        "compile": {
+            "enabled": trainer.inputs.compile.enabled,
+            "source": compile_note,
+            "warmup_s": round(warm_s, 3),
+            "new_graphs_in_workers": after["unique_graphs"] - before["unique_graphs"],
+            "compiles_in_worker_threads": in_workers,
+        },
+        "busy_s": {"target": round(history[-1].target_busy_s, 3), "drafter": round(history[-1].drafter_busy_s, 3)},
+    }
+
+
+def write_plots(history: list[StepRecord], metrics_dir: Path) -> None:
+    """Per-step curves through DVCLive, written once at the end from the (resumable) history.
+
+    DVCLive writes in place, so it writes into a scratch directory, and the finished curves replace
+    `plots/` whole: a killed run never leaves a half-written curve."""
+    from dvclive import Live
+
+    with atomic_directory(metrics_dir / "plots") as plots, \
+            tempfile.TemporaryDirectory(prefix=f".plots{PARTIAL}live-", dir=metrics_dir) as scratch:
+        with Live(scratch, dvcyaml=False, save_dvc_exp=False, report=None) as live:
+            for h in history:
+                live.step = h.step
+                live.log_metric("loss", h.loss, plot=True)
+                live.log_metric("lr", h.lr, plot=True)
+                live.log_metric("tokens_per_s", h.tokens / max(h.seconds, 1e-9), plot=True)
+                live.log_metric("slot1_accuracy", h.slot_correct[0] / max(h.slot_count[0], 1), plot=True)
+                live.log_metric("target_busy_s", h.target_busy_s, plot=True)
+                live.log_metric("drafter_busy_s", h.drafter_busy_s, plot=True)
+        shutil.move(Path(scratch) / "plots" / "metrics", plots / "metrics")

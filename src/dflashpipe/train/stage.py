@@ -1,0 +1,104 @@
+"""The train stage: inputs checked and loaded, the loop run (resumed when it may be), outputs written."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflashpipe.artifacts import atomic_directory, write_file_listing, write_json_atomic
+from dflashpipe.compile.artifact import load_artifact_or_go_cold
+from dflashpipe.compile.guard import COUNTER, CompileGuard, dynamo_counters
+from dflashpipe.errors import DflashpipeError
+from dflashpipe.pipeline import COMPILE, DRAFTER, TARGET, TOKENS, TRAIN_METRICS_DIR, TRAIN_STATE, StageKey
+from dflashpipe.tokens.shards import load_tokens
+from dflashpipe.train.checkpoint import checkpoint_key, resume, save_checkpoint
+from dflashpipe.train.loop import Trainer, TrainInputs
+from dflashpipe.train.metrics import train_metrics, write_plots
+from dflashpipe.train.topology import check_topology
+
+
+@dataclass(frozen=True)
+class TrainPaths:
+    """Where the stage reads (tokens, target, compile artifact) and writes (drafter, checkpoint, metrics)."""
+
+    tokens: Path
+    target: Path
+    compile: Path
+    drafter: Path
+    state: Path
+    metrics: Path
+
+    @classmethod
+    def pipeline(cls, root: Path | str = ".") -> TrainPaths:
+        """dvc.yaml's paths, under the project root `root`."""
+        root = Path(root)
+        return cls(*(root / p for p in (TOKENS, TARGET, COMPILE, DRAFTER, TRAIN_STATE, TRAIN_METRICS_DIR)))
+
+
+def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None,
+                  compile_key: StageKey | None) -> dict:
+    """The whole train stage. Returns the metrics it wrote.
+
+    `key`: what decides this run's output (`reuse_key("train")` under DVC); a checkpoint in
+    `paths.state` is resumed only if it was saved under the same key and process count; None never
+    resumes. `compile_key`: warmup's key, which the compile artifact must have been built under to be
+    used (None: compile cold)."""
+    from transformers import AutoTokenizer
+
+    topology = check_topology(inputs.topology)  # before anything loads
+    key = checkpoint_key(key, topology.world_size)
+    paths.state.mkdir(parents=True, exist_ok=True)  # a declared output, even when no checkpoint is due
+    if topology.world_size > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if topology.drafters[0].type == "cuda" else "gloo")
+    data = load_tokens(paths.tokens)
+    tokenizer = AutoTokenizer.from_pretrained(paths.target)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    compile_note = "eager: compile.enabled is false"
+    if inputs.compile.enabled:
+        compile_note = load_artifact_or_go_cold(paths.compile, paths.state / "inductor-cache", compile_key)
+        if compile_note != "artifact":
+            print(f"train: {compile_note}, in the main thread")
+    COUNTER.install()
+
+    trainer = Trainer(inputs, data, topology, paths.target, pad_id)
+    trainer.build(tokenizer)
+    resume(trainer, paths.state, key)
+    warm_s = trainer.warm_up_compiled()
+    guard = CompileGuard(strict=inputs.compile.guard == "error")
+    if inputs.compile.enabled:
+        guard.arm()
+    before = dynamo_counters()
+
+    max_steps, every = inputs.train.max_steps, inputs.train.checkpoint_every
+
+    def on_step(t: Trainer) -> None:
+        if topology.rank != 0:
+            return
+        if every and t.step % every == 0 and t.step < max_steps:  # the last step's comes with the outputs
+            save_checkpoint(t, paths.state, key)
+        last = t.history[-1]
+        print(f"train: step {last.step + 1}/{max_steps} loss {last.loss:.4f} lr {last.lr:.2e} "
+              f"{last.tokens / max(last.seconds, 1e-9):.0f} tok/s", flush=True)
+
+    trainer.run(guard, on_step)
+    if inputs.compile.enabled:
+        guard.disarm()
+    after = dynamo_counters()
+    mismatches = trainer.replica_mismatches()
+    metrics = train_metrics(trainer, before, after, warm_s, compile_note, replicas_identical=not mismatches)
+    if mismatches:  # before any output: a drafter from diverged replicas is no result
+        shown = ", ".join(mismatches[:3]) + (f" and {len(mismatches) - 3} more" if len(mismatches) > 3 else "")
+        raise DflashpipeError(f"drafter replicas diverged ({shown} differ from replica 0): their gradients were "
+                              f"not averaged identically, a bug in dflashpipe/train/loop.py; no output written")
+    if topology.rank == 0:
+        with atomic_directory(paths.drafter) as tmp:
+            trainer.replicas[0].drafter.save_pretrained(tmp)
+            write_file_listing(tmp)  # evaluate checks the drafter against it before use
+        write_plots(trainer.history, paths.metrics)
+        write_json_atomic(paths.metrics / "metrics.json", metrics)
+        if every:
+            save_checkpoint(trainer, paths.state, key)
+    return metrics
