@@ -26,14 +26,15 @@ def main() -> None:
     from dflashpipe.evaluate.prompts import eval_prompts
     from dflashpipe.evaluate.speculative import DFlashProposer, prefill, speculative_generate
     from dflashpipe.model import DFlashDrafter, TargetHead
+    from dflashpipe.pipeline import DRAFTER, MANIFEST, TARGET
     from dflashpipe.target import load_materialised_target
-    from dflashpipe.tokens import load_chat_tokenizer
+    from dflashpipe.tokens.chat import load_chat_tokenizer
 
-    target = load_materialised_target(ROOT / "data/target", "cpu")
-    chat = load_chat_tokenizer(ROOT / "data/target")
-    drafter = DFlashDrafter.from_pretrained(ROOT / "data/drafter", TargetHead.of(target), attention="sdpa").eval()
+    target = load_materialised_target(ROOT / TARGET, "cpu")
+    chat = load_chat_tokenizer(ROOT / TARGET)
+    drafter = DFlashDrafter.from_pretrained(ROOT / DRAFTER, TargetHead.of(target), attention="sdpa").eval()
     proposer = DFlashProposer(drafter)
-    prompts, _ = eval_prompts(ROOT / "data/manifest", chat, args.prompts, 512)
+    prompts, _ = eval_prompts(ROOT / MANIFEST, chat, args.prompts, 512)
     stop = stop_token_ids(target, chat.tokenizer)
     total = {"draft_s": 0.0, "verify_s": 0.0, "extend_s": 0.0, "step_s": 0.0}
     steps = 0

@@ -22,23 +22,24 @@ sys.path.insert(0, str(ROOT / "src"))
 
 def measure(mode: str, steps: int) -> dict:
     import torch
+    from transformers import AutoTokenizer
 
     from dflashpipe.compile.artifact import load_artifact, point_inductor_at
     from dflashpipe.compile.warmup import compiled_step, run_step_once
-    from dflashpipe.env import kernel_environment
     from dflashpipe.model import DFlashDrafter
     from dflashpipe.params import load_params
+    from dflashpipe.pipeline import COMPILE, TARGET, reuse_key
     from dflashpipe.target import load_materialised_target
-    from transformers import AutoTokenizer
 
     p = load_params(ROOT)
     with tempfile.TemporaryDirectory() as tmp:
         if mode == "warm":
-            load_artifact(ROOT / "data/compile", Path(tmp) / "cache", kernel_environment())
+            # as train does: only an artifact built for warmup's key now (else this raises, naming what changed)
+            load_artifact(ROOT / COMPILE, Path(tmp) / "cache", reuse_key("warmup", ROOT))
         else:
             point_inductor_at(tmp)
-        target = load_materialised_target(ROOT / "data/target", "cpu")
-        drafter = DFlashDrafter.for_target(target, AutoTokenizer.from_pretrained(ROOT / "data/target"), p["model"],
+        target = load_materialised_target(ROOT / TARGET, "cpu")
+        drafter = DFlashDrafter.for_target(target, AutoTokenizer.from_pretrained(ROOT / TARGET), p["model"],
                                            generator=torch.Generator().manual_seed(0))
         fn = drafter if mode == "eager" else compiled_step(drafter)
         began = time.perf_counter()

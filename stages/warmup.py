@@ -6,7 +6,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the code DVC hashed
 
 from dflashpipe.compile.warmup import build_warmup_artifact  # noqa: E402
+from dflashpipe.pipeline import COMPILE, TARGET, reuse_key  # noqa: E402
 from dflashpipe.stage import run_stage  # noqa: E402
 
+
+def warmup(p) -> None:
+    # The key is taken before the build, over the inputs DVC saw when it decided to run this stage;
+    # train and evaluate take the same reuse_key("warmup") and load the artifact only if they are equal.
+    build_warmup_artifact(p.model, p.compile, TARGET, COMPILE, reuse_key("warmup"))
+
+
 if __name__ == "__main__":
-    run_stage("warmup", lambda p: build_warmup_artifact(p.model, p.compile, "data/target", "data/compile"))
+    run_stage("warmup", warmup)

@@ -1,18 +1,34 @@
 """The compile artifact gives a warm start and is checked before use; the guard makes slow paths loud.
 
 Each scenario runs in its own process (tests/scenarios/compile_guard.py): dynamo's state
-(stance, caches, skipped frames) is per process and would leak between tests.
+(stance, caches, skipped frames) is per process and would leak between tests. Which artifact
+may be loaded is tested in this process, on stand-in artifacts: that check reads only
+report.json, and a real compile would cost a minute per case.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import yaml
 
-from dflashpipe.compile.artifact import CompileArtifactError, environment_mismatch, verify_artifact
+from dflashpipe.artifacts import write_file_listing, write_json_atomic
+from dflashpipe.compile.artifact import (
+    BUILT_FOR,
+    INDUCTOR_DIR,
+    REPORT,
+    CompileArtifactError,
+    built_for,
+    load_artifact,
+    load_artifact_or_go_cold,
+    verify_artifact,
+)
+from dflashpipe.pipeline import StageKey, stage_key
 from tests.conftest import ROOT
 
 SCRIPT = ROOT / "tests" / "scenarios" / "compile_guard.py"
@@ -70,7 +86,7 @@ def test_a_truncated_or_flipped_artifact_is_refused_with_the_fix(artifact, tmp_p
 
     damaged = tmp_path / "damaged"
     shutil.copytree(artifact, damaged)
-    assert verify_artifact(damaged)["environment"] == {}
+    assert StageKey.from_json(verify_artifact(damaged)[BUILT_FOR]).stage == "warmup"
     victim = max((p for p in (damaged / "inductor").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -85,7 +101,94 @@ def test_a_truncated_or_flipped_artifact_is_refused_with_the_fix(artifact, tmp_p
         verify_artifact(damaged)
 
 
-def test_an_artifact_from_another_environment_names_the_keys():
-    report = {"environment": {"torch.version": "2.13.0+cu128", "gpu.names": ["NVIDIA H200"]}}
-    assert environment_mismatch(report, {"torch.version": "2.13.0+cu130", "gpu.names": ["NVIDIA H200"]}) == [
-        "torch.version: '2.13.0+cu128' -> '2.13.0+cu130'"]
+def stand_in_artifact(path: Path, report: dict) -> Path:
+    """A complete, verifiable artifact whose inductor cache is one marker file."""
+    (path / INDUCTOR_DIR).mkdir(parents=True)
+    (path / INDUCTOR_DIR / "marker").write_text("a compiled kernel")
+    write_json_atomic(path / REPORT, report)
+    write_file_listing(path)
+    return path
+
+
+@pytest.fixture
+def inductor_env(monkeypatch):
+    """Loading points this process's inductor at a directory: put the variables back afterwards."""
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+
+
+@pytest.fixture
+def warmup_project(tmp_path) -> Path:
+    """A project whose dvc.yaml gives warmup two code deps and a param, as the real one does (more of each)."""
+    project = tmp_path / "project"
+    (project / "src/model").mkdir(parents=True)
+    for name in ("attention", "layers", "loss", "mask", "norm", "rope", "step"):
+        (project / f"src/model/{name}.py").write_text(f"# {name}\n")
+    warmup = {"cmd": "python stages/warmup.py", "deps": ["src/model"], "params": ["model.seq_len"],
+              "outs": ["data/compile"]}
+    (project / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"warmup": warmup}}))
+    (project / "params.yaml").write_text("model:\n  seq_len: 64\n")
+    return project
+
+
+def test_an_artifact_loads_under_the_key_it_was_built_for(warmup_project, tmp_path, inductor_env):
+    key = stage_key("warmup", warmup_project)
+    artifact = stand_in_artifact(tmp_path / "compile", {BUILT_FOR: built_for(key)})
+    loaded = load_artifact(artifact, tmp_path / "work", stage_key("warmup", warmup_project))
+    assert (loaded.cache_dir / "marker").read_text() == "a compiled kernel"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "work").resolve())
+
+
+def test_an_artifact_built_for_other_inputs_is_refused_naming_them_and_train_and_evaluate_go_cold(
+        warmup_project, tmp_path, inductor_env):
+    artifact = stand_in_artifact(tmp_path / "compile", {BUILT_FOR: built_for(stage_key("warmup", warmup_project))})
+    (warmup_project / "src/model/layers.py").write_text("# layers, edited\n")
+    edited = stage_key("warmup", warmup_project)
+    why = f"{artifact} was built for other inputs (src/model/layers.py changed): `dvc repro warmup` rebuilds it"
+    with pytest.raises(CompileArtifactError) as err:
+        load_artifact(artifact, tmp_path / "work", edited)
+    assert str(err.value) == why
+    # train and evaluate load through load_artifact_or_go_cold: they compile cold, into an empty cache, and say why
+    assert load_artifact_or_go_cold(artifact, tmp_path / "work", edited) == f"cold compile: {why}"
+    assert list((tmp_path / "work").iterdir()) == []
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "work").resolve())
+
+    (warmup_project / "params.yaml").write_text("model:\n  seq_len: 128\n")
+    with pytest.raises(CompileArtifactError, match=r"\(src/model/layers.py, params.yaml:model.seq_len changed\)"):
+        load_artifact(artifact, tmp_path / "work", stage_key("warmup", warmup_project))
+
+
+def test_a_refusal_names_five_changed_inputs_and_counts_the_rest(warmup_project, tmp_path):
+    artifact = stand_in_artifact(tmp_path / "compile", {BUILT_FOR: built_for(stage_key("warmup", warmup_project))})
+    for file in (warmup_project / "src/model").iterdir():
+        file.write_text("# edited\n")
+    with pytest.raises(CompileArtifactError, match=r"\(src/model/attention.py, src/model/layers.py, src/model/loss.py, "
+                                                    r"src/model/mask.py, src/model/norm.py and 2 more changed\)"):
+        load_artifact(artifact, tmp_path / "work", stage_key("warmup", warmup_project))
+
+
+@pytest.mark.parametrize("report", [{BUILT_FOR: None}, {},
+                                    {"environment": {"torch.version": "2.13.0+cu128"}}],  # before stage keys
+                         ids=["no-key", "no-record", "environment-only"])
+def test_an_artifact_that_records_no_key_is_refused(warmup_project, tmp_path, inductor_env, report):
+    artifact = stand_in_artifact(tmp_path / "compile", report)
+    why = (f"{artifact / REPORT} records no stage key it was built for, so it cannot be checked: "
+           f"`dvc repro -f warmup` rebuilds it")
+    with pytest.raises(CompileArtifactError) as err:
+        load_artifact(artifact, tmp_path / "work", stage_key("warmup", warmup_project))
+    assert str(err.value) == why
+    assert load_artifact_or_go_cold(artifact, tmp_path / "work", None).startswith(
+        f"cold compile: {artifact}: no warmup stage key to check it against")
+
+
+def test_without_a_key_to_check_against_an_artifact_is_not_used(warmup_project, tmp_path):
+    artifact = stand_in_artifact(tmp_path / "compile", {BUILT_FOR: built_for(stage_key("warmup", warmup_project))})
+    with pytest.raises(CompileArtifactError, match="no warmup stage key to check it against, so it is not used"):
+        load_artifact(artifact, tmp_path / "work", None)
+
+
+def test_the_key_another_stage_records_does_not_open_the_artifact(warmup_project, tmp_path):
+    key = stage_key("warmup", warmup_project)
+    artifact = stand_in_artifact(tmp_path / "compile", {BUILT_FOR: StageKey("train", key.inputs).to_json()})
+    with pytest.raises(CompileArtifactError, match="other inputs \\(stage 'train'.s key, not 'warmup'.s\\)"):
+        load_artifact(artifact, tmp_path / "work", key)

@@ -49,7 +49,7 @@ def tiny(tmp_path_factory, tiny_target_dir):
     from dflashpipe.data.manifest import build_manifest
     from dflashpipe.params import TargetParams
     from dflashpipe.target import load_materialised_target, materialise_target
-    from dflashpipe.tokens import load_chat_tokenizer
+    from dflashpipe.tokens.chat import load_chat_tokenizer
 
     work = tmp_path_factory.mktemp("evaluate")
     materialise_target(TargetParams(source=tiny_target_dir.name, dtype="float32"), work / "target",
@@ -156,6 +156,51 @@ def test_tau_is_exactly_1_for_a_wrong_drafter_and_the_block_size_for_an_oracle(t
     assert wrong.tokens == greedy
     assert wrong.tau == 1.0 and set(wrong.accepted) == {0} and len(wrong.produced) == max_new - 1
     assert slot_acceptance([wrong], bs) == {"1": 0.0, "2": 0.0, "3": 0.0}
+
+
+def test_the_timed_train_step_loads_warmups_artifact_only_under_warmups_key(tiny, tmp_path, monkeypatch):
+    import dflashpipe.compile.warmup
+    from dflashpipe.compile.artifact import BUILT_FOR, built_for
+    from dflashpipe.evaluate.evaluation import measure_train_step
+    from dflashpipe.params import CompileParams
+    from dflashpipe.pipeline import StageKey
+    from tests.test_compile import stand_in_artifact
+
+    # What is under test is which kernels the step is pointed at, not compiling them (minutes on a CPU).
+    monkeypatch.setattr(dflashpipe.compile.warmup, "compiled_step", lambda drafter: drafter)
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # the step points inductor at its scratch
+        monkeypatch.setenv(name, "")
+    built = StageKey("warmup", {"dep:src/dflashpipe/model/layers.py": "1", "param:params.yaml:model.seq_len": "64"})
+    artifact = stand_in_artifact(tmp_path / "compile", {BUILT_FOR: built_for(built)})
+    compile = CompileParams(enabled=True, micro_batch=1, guard="error")
+
+    def source(key):
+        step = measure_train_step(tiny["work"] / "drafter", tiny["target"], MODEL, compile, artifact,
+                                  tmp_path / "scratch", key)
+        return step["compile_source"]
+
+    assert source(built) == "artifact"
+    edited = StageKey("warmup", {**built.inputs, "dep:src/dflashpipe/model/layers.py": "2"})
+    assert source(edited) == (f"cold compile: {artifact} was built for other inputs "
+                              f"(src/dflashpipe/model/layers.py changed): `dvc repro warmup` rebuilds it")
+    assert source(None).startswith(f"cold compile: {artifact}: no warmup stage key to check it against")
+
+
+def test_the_eval_split_is_checked_against_the_manifests_listing_alone(tiny, tmp_path):
+    import shutil
+
+    from dflashpipe.errors import SourceError
+    from dflashpipe.evaluate.prompts import read_eval_split
+
+    manifest = tmp_path / "manifest"
+    shutil.copytree(tiny["work"] / "manifest", manifest)
+    shard = next(p for p in manifest.rglob("*.parquet") if p.name != "eval.parquet")
+    shard.write_bytes(b"a damaged training shard")  # not evaluate's input: no reason to refuse
+    assert read_eval_split(manifest)
+    eval_file = manifest / "eval.parquet"
+    eval_file.write_bytes(eval_file.read_bytes()[:-10])  # refused by the listing, with the fix, before pyarrow reads it
+    with pytest.raises(SourceError, match=r"eval.parquet: does not match its sha256 .*`dvc checkout .*manifest`"):
+        read_eval_split(manifest)
 
 
 def test_growing_the_training_set_leaves_the_eval_split_as_it_was(tmp_path):

@@ -125,25 +125,6 @@ def _gpu_facts() -> dict[str, Any]:
     return {"count": count, "names": names, "capabilities": caps, "driver": driver}
 
 
-def kernel_environment() -> dict[str, Any]:
-    """The facts a compiled kernel is valid for, observed now (cheap: no file hashing).
-
-    The warmup artifact records them; a loader compares, so an artifact from another torch
-    build, GPU or set of compile variables is never used."""
-    import torch
-
-    gpu = _gpu_facts()
-    return {
-        "torch.version": torch.__version__,
-        "torch.cuda": torch.version.cuda or NONE,
-        "torch.cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "triton.version": _version("triton"),
-        "gpu.names": gpu["names"],
-        "gpu.capabilities": gpu["capabilities"],
-        "env": compile_environment(),
-    }
-
-
 def fingerprint() -> dict[str, Any]:
     """Observe this machine. Same machine, same packages, same variables: same dict."""
     facts: dict[str, Any] = {

@@ -16,10 +16,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
-from dflashpipe.compile.artifact import load_artifact, point_inductor_at, write_artifact  # noqa: E402
+from dflashpipe.compile.artifact import (  # noqa: E402
+    BUILT_FOR,
+    built_for,
+    load_artifact,
+    point_inductor_at,
+    write_artifact,
+)
 from dflashpipe.compile.guard import COUNTER, CompileGuard, dynamo_counters  # noqa: E402
+from dflashpipe.pipeline import StageKey  # noqa: E402
 
 SEQ = 256
+KEY = StageKey("warmup", {"dep:tests/scenarios/compile_guard.py": "flex-causal-256",
+                         "param:params.yaml:model.seq_len": "256"})
+"""The stage key the `cold` scenario's artifact is built for and the others load it under (as warmup and train do)."""
 
 
 def causal(b, h, q, kv):
@@ -89,7 +99,7 @@ def main(scenario: str, arg: str) -> dict:
     if scenario == "cold":
         cache = point_inductor_at(Path(tempfile.mkdtemp()))
     else:  # as train does: the artifact first, so the main thread's compile is a warm one
-        load_artifact(artifact, Path(tempfile.mkdtemp()) / "cache", {})
+        load_artifact(artifact, Path(tempfile.mkdtemp()) / "cache", KEY)
     COUNTER.install()
     torch, flex, eager_flex, create_block_mask, q, mask = setup()
     flex(q, q, q, block_mask=mask)  # the main thread compiles once
@@ -97,7 +107,7 @@ def main(scenario: str, arg: str) -> dict:
 
     result = {"fxgraph_cache_hit": int(counters["inductor"]["fxgraph_cache_hit"])}
     if scenario == "cold":
-        write_artifact(artifact, cache, {"environment": {}}, with_mega_cache=False)
+        write_artifact(artifact, cache, {BUILT_FOR: built_for(KEY)}, with_mega_cache=False)
         return result
     guard = CompileGuard(strict=True)
     guard.arm()

@@ -1,6 +1,6 @@
 """The compile guard: after warmup, nothing compiles again, and nothing runs slow in silence.
 
-Why each check exists (facts measured on torch 2.13, see ../shared/DESIGN.md):
+Why each check exists (facts measured on torch 2.13, docs/design.md, "Facts the code relies on"):
 - Worker threads that each trace flex_attention cold serialise on dynamo's global lock
   and compile one graph each; compiled once in the main thread first, they compile none.
   So once armed, any compile (a new frame, or a recompile on a new shape) is an error:

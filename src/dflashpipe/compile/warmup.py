@@ -13,6 +13,7 @@ import torch
 from dflashpipe.model import DFlashDrafter, DraftLoss, sample_anchor_positions
 from dflashpipe.model.attention import resolve_backend
 from dflashpipe.params import CompileParams, ModelParams
+from dflashpipe.pipeline import StageKey
 
 
 def compiled_step(drafter: DFlashDrafter):
@@ -72,19 +73,20 @@ def run_step_once(step_fn: Any, drafter: DFlashDrafter, model: ModelParams, micr
 
 
 def build_warmup_artifact(model: ModelParams, compile: CompileParams, target_dir: Path | str,
-                          out: Path | str, device: str | None = None) -> dict:
+                          out: Path | str, key: StageKey | None, device: str | None = None) -> dict:
     """Compile the training step in this (main) thread only, cold, and write data/compile/.
 
+    `key` is warmup's stage key, taken before anything is built: the artifact records it, and
+    train and evaluate load the artifact only under the same key (None: an artifact they refuse).
     Single-threaded by construction: nothing here starts a thread, so no two compiles
     can race, and the cache it leaves is exactly what one process compiled.
     """
-    from transformers import AutoTokenizer
     from torch._dynamo.utils import counters
+    from transformers import AutoTokenizer
 
     from dflashpipe.artifacts import atomic_directory
-    from dflashpipe.compile.artifact import point_inductor_at, write_artifact
+    from dflashpipe.compile.artifact import BUILT_FOR, built_for, point_inductor_at, write_artifact
     from dflashpipe.compile.guard import dynamo_counters
-    from dflashpipe.env import kernel_environment
     from dflashpipe.target import load_materialised_target
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -106,7 +108,9 @@ def build_warmup_artifact(model: ModelParams, compile: CompileParams, target_dir
                 "counters": {**dynamo_counters(),
                              "fxgraph_cache_miss": int(counters["inductor"]["fxgraph_cache_miss"]),
                              "fxgraph_cache_hit": int(counters["inductor"]["fxgraph_cache_hit"])},
-                "environment": kernel_environment(),
+                # The key's inputs include the fingerprint's kernel facts (torch build, GPUs, compile
+                # variables), so they are on record here too, without a second list of them.
+                BUILT_FOR: built_for(key),
                 "cache": "inductor cache directory" + (" + mega-cache" if device.type == "cuda" else ""),
             }
             write_artifact(tmp, cache, report, with_mega_cache=device.type == "cuda")

@@ -18,6 +18,7 @@ from dflashpipe.evaluate.prompts import EvalPrompt, eval_prompts
 from dflashpipe.evaluate.speculative import DFlashProposer, prefill, speculative_generate, target_generate
 from dflashpipe.model import DFlashDrafter, TargetHead
 from dflashpipe.params import CompileParams, EvaluateParams, ModelParams
+from dflashpipe.pipeline import StageKey
 
 TRAIN_STEP_REPEATS = 3
 """Timed training steps after one untimed one; the median is reported."""
@@ -54,14 +55,15 @@ def decode_prompts(target, drafter: DFlashDrafter, prompts: list[EvalPrompt], ma
 
 
 def measure_train_step(drafter_dir: Path, target, model: ModelParams, compile: CompileParams, compile_dir: Path,
-                       scratch: Path) -> dict:
+                       scratch: Path, compile_key: StageKey | None) -> dict:
     """One drafter training step (forward + backward) timed on its own: no target forward, no data
     loading, no threads, so only the drafter's kernels are in the figure. It runs the path train runs:
-    compiled from the warmup artifact (copied into `scratch`) when compile.enabled, eager otherwise."""
+    compiled from the warmup artifact (copied into `scratch`) when compile.enabled and the artifact was
+    built for `compile_key` (warmup's stage key now), compiled cold when not (compile_source says why),
+    eager when compile.enabled is false."""
     from dflashpipe.compile.artifact import load_artifact_or_go_cold
     from dflashpipe.compile.guard import dynamo_counters
     from dflashpipe.compile.warmup import compiled_step, run_step_once
-    from dflashpipe.env import kernel_environment
 
     device = target.device
     drafter = DFlashDrafter.from_pretrained(drafter_dir, TargetHead.of(target), attention=model.attention,
@@ -69,7 +71,7 @@ def measure_train_step(drafter_dir: Path, target, model: ModelParams, compile: C
     drafter.train()
     step_fn, source = drafter, "eager: compile.enabled is false"
     if compile.enabled:
-        source = load_artifact_or_go_cold(compile_dir, scratch, kernel_environment())
+        source = load_artifact_or_go_cold(compile_dir, scratch, compile_key)
         step_fn = compiled_step(drafter)
     run_step_once(step_fn, drafter, model, compile.micro_batch, device)  # the compile (or cache load) is here
     warm = dynamo_counters()
@@ -101,10 +103,15 @@ def read_train_metrics(path: Path) -> dict:
 
 def evaluate_drafter(inputs: EvaluateInputs, drafter_dir: Path | str, target_dir: Path | str,
                      manifest_dir: Path | str, train_metrics: Path | str, compile_dir: Path | str,
-                     metrics_dir: Path | str, root: Path | str = ".", device: str | None = None) -> dict:
-    """Write metrics/eval.json, metrics/eval_regression.json and the plot tables; return the eval metrics."""
+                     metrics_dir: Path | str, root: Path | str = ".", device: str | None = None, *,
+                     compile_key: StageKey | None = None) -> dict:
+    """Write metrics/eval.json, metrics/eval_regression.json and the plot tables; return the eval metrics.
+
+    `compile_key` is warmup's stage key now (pipeline.stage_key("warmup")): the timed train step uses
+    the artifact in `compile_dir` only if it was built for it. Without one the step compiles cold (in
+    its untimed first call, so the figure holds) and eval.json's train_step.compile_source says why."""
     from dflashpipe.target import load_materialised_target
-    from dflashpipe.tokens import load_chat_tokenizer
+    from dflashpipe.tokens.chat import load_chat_tokenizer
 
     p = inputs.evaluate
     drafter_dir, metrics_dir = Path(drafter_dir), Path(metrics_dir)
@@ -126,7 +133,7 @@ def evaluate_drafter(inputs: EvaluateInputs, drafter_dir: Path | str, target_dir
     # a partial sibling of eval.json: if this run is killed, the next one's write of eval.json removes it
     with tempfile.TemporaryDirectory(prefix=f".eval.json{PARTIAL}inductor-", dir=metrics_dir) as scratch:
         train_step = measure_train_step(drafter_dir, target, inputs.model, inputs.compile, Path(compile_dir),
-                                        Path(scratch))
+                                        Path(scratch), compile_key)
     metrics = {
         **decoding,
         "skipped_prompts": skipped,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflashpipe.errors import SourceError
-from dflashpipe.tokens import ChatTokenizer
+from dflashpipe.tokens.chat import ChatTokenizer
 
 
 @dataclass(frozen=True)
@@ -23,9 +23,15 @@ def read_eval_split(manifest_dir: Path | str) -> list[dict]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dflashpipe.data.manifest import EVAL_FILE, SCHEMA
+    from dflashpipe.artifacts import verify_file_listing
+    from dflashpipe.data.shards import EVAL_FILE, SCHEMA
 
-    path = Path(manifest_dir) / EVAL_FILE
+    manifest_dir = Path(manifest_dir)
+    path = manifest_dir / EVAL_FILE
+    # Only the eval split is checked against the manifest's files.json: evaluate depends on that one
+    # file (dvc.yaml), and a damaged training shard is tokenize's to refuse, not evaluate's.
+    verify_file_listing(manifest_dir, f"restore it with `dvc checkout {manifest_dir}` or rebuild it with "
+                        f"`dvc repro -f manifest`", SourceError, only=[EVAL_FILE])
     try:
         table = pq.read_table(path)
     except FileNotFoundError:

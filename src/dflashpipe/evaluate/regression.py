@@ -26,6 +26,21 @@ HEADLINE = {
 tau is the drafter's quality, which a retrained drafter may trade."""
 
 
+def resolve_revision(repo, name: str) -> str:
+    """A git revision, or a DVC experiment's name, to a commit sha."""
+    from dvc.repo.experiments.utils import resolve_name
+    from scmrepo.exceptions import RevError
+
+    try:
+        return repo.scm.resolve_rev(name)
+    except RevError:
+        pass
+    ref = resolve_name(repo.scm, name).get(name)
+    if ref is not None:
+        return repo.scm.get_ref(str(ref))
+    raise DflashpipeError(f"{name!r} is neither a git revision nor a DVC experiment (see `dvc exp list`)")
+
+
 class RegressionError(DflashpipeError):
     """A throughput metric fell further below the baseline than evaluate.max_regression allows."""
 
@@ -44,8 +59,6 @@ def read_baseline(revision: str, root: Path | str = ".") -> tuple[dict | None, s
     if _git(root, "rev-parse", "--verify", "-q", "HEAD").returncode != 0:
         return None, None, "no baseline: the repository has no commit yet"
     from scmrepo.git import Git
-
-    from dflashpipe.explain import resolve_revision
 
     scm = Git(str(root))
     try:
