@@ -1,14 +1,29 @@
-"""`dflashpipe explain` on the real pipeline under real DVC: exact verdicts and root causes."""
+"""`dflashpipe explain`: its comparison on hand-built lock states (fast), then on the real pipeline under
+real DVC (slow, the shared `pipeline_run`): exact verdicts and root causes."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import yaml
 
-from dflashpipe.explain import ALWAYS, DIRECT, DOWNSTREAM, OUTPUTS, UNCHANGED, explain, to_markdown
+from dflashpipe.explain import (
+    ALWAYS,
+    DIRECT,
+    DOWNSTREAM,
+    FROZEN,
+    OUTPUTS,
+    UNCHANGED,
+    UNKNOWN,
+    compare,
+    explain,
+    read_revision_state,
+    root_causes,
+    to_markdown,
+)
 from tests.conftest import RUN_PROFILE, copy_project, run, set_params
 
 
@@ -43,7 +58,8 @@ def test_growing_the_data_hits_manifest_only_and_costs_are_attributed(committed)
                                 "warmup": UNCHANGED, "train": DOWNSTREAM, "evaluate": DOWNSTREAM}
     assert roots(report) == [("param", "params.yaml:data.num_samples", N, N + 20, ("manifest",))]
     assert report.root_causes[0].evidence == (
-        "dvc.lock@HEAD stages.manifest.params['params.yaml']['data.num_samples'] vs params.yaml (workspace) data.num_samples")
+        "dvc.lock@HEAD stages.manifest.params['params.yaml']['data.num_samples'] vs "
+        "params.yaml (workspace) data.num_samples")
 
     run(["dvc", "repro", "manifest"], committed)  # its metrics are what this test reads
     report = explain("HEAD", "workspace", committed)
@@ -60,7 +76,9 @@ def test_growing_the_data_hits_manifest_only_and_costs_are_attributed(committed)
 def test_a_deleted_output_is_missing_and_restorable(committed):
     shutil.rmtree(committed / "data/manifest")
     report = explain("HEAD", "workspace", committed)
-    assert verdicts(report)["manifest"] == OUTPUTS
+    # restorable: what was computed from it (tokenize, train, evaluate) stays valid
+    assert verdicts(report) == {"fingerprint": ALWAYS, "target": UNCHANGED, "manifest": OUTPUTS, "tokenize": UNCHANGED,
+                                "warmup": UNCHANGED, "train": UNCHANGED, "evaluate": UNCHANGED}
     (cause,) = report.stages[[v.stage for v in report.stages].index("manifest")].causes
     assert (cause.kind, cause.what, cause.new) == ("out", "data/manifest", "missing")
     assert "restorable: `dvc checkout`" in cause.evidence
@@ -71,7 +89,7 @@ def test_a_deleted_output_is_missing_and_restorable(committed):
 def test_a_deleted_compile_cache_is_restored_by_checkout_without_recompiling(committed):
     shutil.rmtree(committed / "data/compile")
     report = explain("HEAD", "workspace", committed)
-    assert verdicts(report)["warmup"] == OUTPUTS
+    assert {s: v for s, v in verdicts(report).items() if v != UNCHANGED} == {"fingerprint": ALWAYS, "warmup": OUTPUTS}
     assert "restorable" in report.stages[[v.stage for v in report.stages].index("warmup")].causes[0].evidence
     run(["dvc", "checkout", "data/compile"], committed)
     assert "warmup" not in json.loads(run(["dvc", "status", "--json"], committed).stdout or "{}")
@@ -101,7 +119,8 @@ def test_a_compile_env_var_names_the_fingerprint_key_and_hits_warmup_not_data(co
                                 "tokenize": UNCHANGED, "warmup": DIRECT, "train": DIRECT,
                                 "evaluate": DIRECT}
     (cause,) = report.root_causes
-    assert (cause.kind, cause.what, cause.new) == ("param", "data/env/fingerprint.json:env", {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"})
+    assert (cause.kind, cause.what, cause.new) == (
+        "param", "data/env/fingerprint.json:env", {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"})
     # evaluate times a compiled train step on warmup's kernels, so it lists what decides them too
     assert cause.stages == ["warmup", "train", "evaluate"]
 
@@ -142,3 +161,242 @@ def test_an_unknown_revision_is_a_clear_error(committed):
     proc = run(["dflashpipe", "explain", "no-such-rev"], committed, check=False)
     assert proc.returncode == 2
     assert "'no-such-rev' is neither a git revision nor a DVC experiment" in proc.stderr
+
+
+# --- the comparison alone: hand-built lock states, no pipeline run, no DVC ------------------------
+#
+# `compare` takes two states (per stage: cmd, dep md5s, param values, out md5s, as a dvc.lock records
+# them) and derives the DAG from the newer dvc.yaml. These tests build both states as plain dicts, in
+# dvc.lock's own format, and read them with explain's own reader, so what is tested is exactly the
+# comparison `dflashpipe explain` makes between two revisions.
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL_KEY = "data/env/fingerprint.json:torch.version"
+
+
+class LockState:
+    """A revision as plain dicts: what `read_revision_state` reads through git, without git."""
+
+    def __init__(self, label: str, stages: dict, lock: dict) -> None:
+        self.label, self._files = label, {"dvc.yaml": {"stages": stages}, "dvc.lock": lock}
+
+    def read_yaml(self, path: str):
+        return self._files.get(path)
+
+
+def _paths(entries) -> list[str]:
+    return [next(iter(e)) if isinstance(e, dict) else e for e in entries or []]
+
+
+def lock_of(stages: dict, md5: dict[str, str] | None = None, values: dict[str, object] | None = None) -> dict:
+    """The dvc.lock a run of `stages` would record: every dep and out hashed (`md5` overrides a path's
+    hash; a dep inside another stage's out hashes like it), every param with a value (`values`
+    overrides `file:key`; params.yaml keys are bare)."""
+    md5, values = md5 or {}, values or {}
+
+    def h(path: str) -> str:
+        return md5.get(path, f"md5({path})")
+
+    lock = {}
+    for name, d in stages.items():
+        params: dict[str, dict] = {}
+        for item in d.get("params", []) or []:
+            for file, keys in ({"params.yaml": [item]} if isinstance(item, str) else item).items():
+                for key in keys:
+                    label = key if file == "params.yaml" else f"{file}:{key}"
+                    params.setdefault(file, {})[key] = values.get(label, f"value of {label}")
+        lock[name] = {"cmd": d["cmd"], "deps": [{"path": p, "md5": h(p)} for p in _paths(d.get("deps"))],
+                      "params": params,
+                      "outs": [{"path": p, "md5": h(p)}
+                               for k in ("outs", "metrics", "plots") for p in _paths(d.get(k))]}
+    return {"schema": "2.0", "stages": lock}
+
+
+def compared(stages: dict, old_lock: dict, new_lock: dict, recorded: dict | None = None, cache=None):
+    old = read_revision_state(LockState("HEAD", stages, old_lock))
+    new = read_revision_state(LockState("new", stages, new_lock))
+    return compare(old, new, recorded or {}, cache, "HEAD", "new")
+
+
+def verdict_map(found) -> dict[str, str]:
+    return {v.stage: v.verdict for v in found}
+
+
+def cause_tuples(found) -> list[tuple]:
+    return [(c.kind, c.what, c.old, c.new, tuple(c.stages)) for c in root_causes(found)]
+
+
+@pytest.fixture(scope="module")
+def dag() -> dict:
+    """This project's dvc.yaml stages: the DAG the verdicts are about."""
+    return yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+
+
+QUIET = {"fingerprint": ALWAYS, "target": UNCHANGED, "manifest": UNCHANGED, "tokenize": UNCHANGED,
+         "warmup": UNCHANGED, "train": UNCHANGED, "evaluate": UNCHANGED}
+
+
+def test_compare_the_same_lock_is_unchanged_everywhere(dag):
+    found = compared(dag, lock_of(dag), lock_of(dag))
+    assert [v.stage for v in found] == ["fingerprint", "target", "manifest", "tokenize", "warmup", "train", "evaluate"]
+    assert verdict_map(found) == QUIET
+    assert root_causes(found) == [] and all(v.causes == [] and v.upstream == [] for v in found)
+
+
+def test_compare_growing_the_data_invalidates_its_chain_and_never_warmup(dag):
+    found = compared(dag, lock_of(dag, values={"data.num_samples": 2000}),
+                     lock_of(dag, values={"data.num_samples": 2400}))
+    assert verdict_map(found) == {**QUIET, "manifest": DIRECT, "tokenize": DOWNSTREAM, "train": DOWNSTREAM,
+                                  "evaluate": DOWNSTREAM}
+    assert cause_tuples(found) == [("param", "params.yaml:data.num_samples", 2000, 2400, ("manifest",))]
+    by_stage = {v.stage: v for v in found}
+    assert by_stage["tokenize"].upstream == ["manifest"] and by_stage["train"].upstream == ["tokenize"]
+    assert by_stage["evaluate"].upstream == ["manifest", "train"]  # the eval split lives in data/manifest
+    assert root_causes(found)[0].evidence == (
+        "dvc.lock@HEAD stages.manifest.params['params.yaml']['data.num_samples'] vs "
+        "dvc.lock@new stages.manifest.params['params.yaml']['data.num_samples']")
+
+
+def test_compare_a_train_param_hits_train_and_evaluate_only(dag):
+    found = compared(dag, lock_of(dag, values={"train.lr": 6e-4}), lock_of(dag, values={"train.lr": 1e-3}))
+    assert verdict_map(found) == {**QUIET, "train": DIRECT, "evaluate": DOWNSTREAM}
+    assert cause_tuples(found) == [("param", "params.yaml:train.lr", 6e-4, 1e-3, ("train",))]
+
+
+def test_compare_an_edited_source_file_hits_the_stages_listing_it_and_their_downstream(dag):
+    found = compared(dag, lock_of(dag), lock_of(dag, md5={"src/dflashpipe/target.py": "edited"}))
+    assert verdict_map(found) == {**QUIET, "target": DIRECT, "tokenize": DOWNSTREAM, "warmup": DIRECT,
+                                  "train": DIRECT, "evaluate": DIRECT}
+    assert cause_tuples(found) == [("dep", "src/dflashpipe/target.py", "md5(src/dflashpipe/target.py)", "edited",
+                                    ("target", "warmup", "train", "evaluate"))]
+
+
+def test_compare_a_dep_inside_an_upstream_output_is_that_upstream_not_a_root_cause(dag):
+    # tokenize's recorded data/manifest hash differs because manifest's output differs: the root
+    # cause is manifest's (its output), not a second one on tokenize.
+    found = compared(dag, lock_of(dag), lock_of(dag, md5={"data/manifest": "regenerated"}))
+    assert verdict_map(found) == {**QUIET, "tokenize": DOWNSTREAM, "evaluate": DOWNSTREAM, "train": DOWNSTREAM}
+    assert root_causes(found) == []
+    assert {v.stage: v.upstream for v in found if v.upstream} == {
+        "tokenize": ["manifest"], "train": ["tokenize"], "evaluate": ["manifest", "train"]}
+
+
+def test_compare_a_kernel_environment_key_hits_only_the_stages_naming_it(dag):
+    found = compared(dag, lock_of(dag, values={KERNEL_KEY: "2.13.0"}), lock_of(dag, values={KERNEL_KEY: "2.13.1"}))
+    assert verdict_map(found) == {**QUIET, "warmup": DIRECT, "train": DIRECT, "evaluate": DIRECT}
+    assert cause_tuples(found) == [("param", KERNEL_KEY, "2.13.0", "2.13.1", ("warmup", "train", "evaluate"))]
+
+
+def test_compare_a_library_version_key_hits_the_stages_naming_it_and_their_downstream(dag):
+    key = "data/env/fingerprint.json:transformers.version"
+    found = compared(dag, lock_of(dag, values={key: "5.24.0"}), lock_of(dag, values={key: "5.25.0"}))
+    assert verdict_map(found) == {**QUIET, "target": DIRECT, "tokenize": DIRECT, "warmup": DOWNSTREAM,
+                                  "train": DOWNSTREAM, "evaluate": DOWNSTREAM}
+    assert cause_tuples(found) == [("param", key, "5.24.0", "5.25.0", ("target", "tokenize"))]
+
+
+def test_compare_the_always_changed_fingerprint_invalidates_nothing_by_itself(dag):
+    # The fingerprint file's bytes differ on every run (it is rewritten); stages depend on named keys only.
+    found = compared(dag, lock_of(dag), lock_of(dag, md5={"data/env/fingerprint.json": "rewritten"}))
+    assert verdict_map(found) == QUIET
+    assert root_causes(found) == []
+
+
+# A small DAG of its own, for the mechanics: a -> b -> c, and d beside them.
+SMALL = {
+    "a": {"cmd": "python a.py", "deps": ["a.py"], "params": ["a.n"], "outs": ["out/a"]},
+    "b": {"cmd": "python b.py", "deps": ["b.py", "out/a"], "params": ["b.n"], "outs": ["out/b"]},
+    "c": {"cmd": "python c.py", "deps": ["c.py", "out/b/part"], "metrics": ["out/c.json"]},
+    "d": {"cmd": "python d.py", "deps": ["d.py"], "params": ["a.n"], "outs": ["out/d"]},
+}
+
+
+def test_compare_a_param_hits_every_stage_naming_it_and_downstream_only():
+    found = compared(SMALL, lock_of(SMALL, values={"a.n": 1}), lock_of(SMALL, values={"a.n": 2}))
+    assert verdict_map(found) == {"a": DIRECT, "b": DOWNSTREAM, "c": DOWNSTREAM, "d": DIRECT}
+    assert cause_tuples(found) == [("param", "params.yaml:a.n", 1, 2, ("a", "d"))]
+
+    found = compared(SMALL, lock_of(SMALL, values={"b.n": 1}), lock_of(SMALL, values={"b.n": 2}))
+    assert verdict_map(found) == {"a": UNCHANGED, "b": DIRECT, "c": DOWNSTREAM, "d": UNCHANGED}
+
+
+def test_compare_a_changed_cmd_added_param_and_removed_dep_are_each_a_cause():
+    changed = {**SMALL, "b": {**SMALL["b"], "cmd": "python b.py --fast", "params": ["b.n", "b.m"],
+                              "deps": ["out/a"]}}
+    old = read_revision_state(LockState("HEAD", SMALL, lock_of(SMALL)))
+    new = read_revision_state(LockState("new", changed, lock_of(changed)))
+    found = compare(old, new, {}, None, "HEAD", "new")
+    assert verdict_map(found) == {"a": UNCHANGED, "b": DIRECT, "c": DOWNSTREAM, "d": UNCHANGED}
+    assert cause_tuples(found) == [
+        ("cmd", "b", "python b.py", "python b.py --fast", ("b",)),
+        ("dep", "b.py", "md5(b.py)", None, ("b",)),
+        ("param", "params.yaml:b.m", None, "value of b.m", ("b",)),
+    ]
+
+
+def test_compare_frozen_stage_is_frozen_and_does_not_invalidate_downstream():
+    frozen = {**SMALL, "a": {**SMALL["a"], "frozen": True}}
+    found = compared(frozen, lock_of(frozen, values={"a.n": 1}), lock_of(frozen, values={"a.n": 2}))
+    # `dvc repro` will not rerun a, so b's inputs stay what they were; d names a.n itself.
+    assert verdict_map(found) == {"a": FROZEN, "b": UNCHANGED, "c": UNCHANGED, "d": DIRECT}
+    assert cause_tuples(found) == [("param", "params.yaml:a.n", 1, 2, ("d",))]
+
+
+def test_compare_an_always_changed_stage_says_so_whatever_changed():
+    always = {**SMALL, "a": {**SMALL["a"], "always_changed": True}}
+    found = compared(always, lock_of(always), lock_of(always))
+    assert verdict_map(found) == {"a": ALWAYS, "b": UNCHANGED, "c": UNCHANGED, "d": UNCHANGED}
+    found = compared(always, lock_of(always, md5={"a.py": "x"}), lock_of(always, md5={"a.py": "y"}))
+    assert verdict_map(found)["a"] == ALWAYS and root_causes(found) == []
+
+
+def test_compare_a_stage_missing_from_the_old_state_is_unknown():
+    grown = {**SMALL, "e": {"cmd": "python e.py", "deps": ["e.py", "out/c.json"], "outs": ["out/e"]}}
+    old = read_revision_state(LockState("HEAD", SMALL, lock_of(SMALL)))
+    new = read_revision_state(LockState("new", grown, lock_of(grown)))
+    found = compare(old, new, {}, None, "HEAD", "new")
+    assert verdict_map(found) == {"a": UNCHANGED, "b": UNCHANGED, "c": UNCHANGED, "d": UNCHANGED, "e": UNKNOWN}
+    unlocked = lock_of(SMALL)
+    del unlocked["stages"]["b"]
+    found = compared(SMALL, unlocked, lock_of(SMALL))
+    # b's old outputs are unknowable, so what reads them cannot be called unchanged
+    assert verdict_map(found) == {"a": UNCHANGED, "b": UNKNOWN, "c": DOWNSTREAM, "d": UNCHANGED}
+
+
+class DirCache:
+    """DVC's local cache layout, enough for `compare`: an object is a file named by its md5."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def oid_to_path(self, md5: str) -> str:
+        return str(self.root / md5)
+
+    def put(self, md5: str, content: bytes = b"x") -> None:
+        (self.root / md5).write_bytes(content)
+
+
+def test_compare_a_missing_output_is_restorable_only_when_the_cache_holds_every_file(tmp_path):
+    cache = DirCache(tmp_path)
+    lock = lock_of(SMALL, md5={"out/b": "bbb.dir"})
+    recorded = {name: {o["path"]: o["md5"] for o in entry["outs"]} for name, entry in lock["stages"].items()}
+    gone = lock_of(SMALL, md5={"out/b": None})  # the workspace has no out/b now
+
+    found = compared(SMALL, lock, gone, recorded, cache)
+    # not in the cache: b must be rebuilt, so c, which reads it, is invalidated with it
+    assert verdict_map(found) == {"a": UNCHANGED, "b": OUTPUTS, "c": DOWNSTREAM, "d": UNCHANGED}
+    (cause,) = next(v for v in found if v.stage == "b").causes
+    assert (cause.kind, cause.what, cause.old, cause.new) == ("out", "out/b", "bbb.dir", "missing")
+    assert cause.evidence.endswith("not in the cache: `dvc repro -f b` rebuilds it")
+    assert cause_tuples(found) == [("out", "out/b", "bbb.dir", "missing", ("b",))]
+
+    cache.put("bbb.dir", json.dumps([{"md5": "f1", "relpath": "part"}]).encode())
+    found = compared(SMALL, lock, gone, recorded, cache)
+    (cause,) = next(v for v in found if v.stage == "b").causes  # the listing names a file the cache lacks
+    assert cause.evidence.endswith("not in the cache: `dvc repro -f b` rebuilds it")
+    cache.put("f1")
+    found = compared(SMALL, lock, gone, recorded, cache)
+    (cause,) = next(v for v in found if v.stage == "b").causes
+    assert cause.evidence.endswith("restorable: `dvc checkout` brings the recorded bytes back from the cache")
+    # restorable: `dvc checkout` brings back exactly what c was computed from, so c is still valid
+    assert verdict_map(found) == {"a": UNCHANGED, "b": OUTPUTS, "c": UNCHANGED, "d": UNCHANGED}

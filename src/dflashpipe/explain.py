@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from dflashpipe.errors import DflashpipeError
+from dflashpipe.evaluate.regression import resolve_revision
 
 WORKSPACE = "workspace"
 PARAMS_FILE = "params.yaml"
@@ -28,6 +29,7 @@ OUTPUTS = "outputs missing/modified"
 FROZEN = "frozen"
 ALWAYS = "always-changed"
 UNKNOWN = "unknown"
+RESTORABLE = "restorable: `dvc checkout` brings the recorded bytes back from the cache"
 
 
 @dataclass
@@ -117,21 +119,6 @@ class State:
     def read_yaml(self, path: str) -> Any:
         text = self.read_text(path)
         return None if text is None else yaml.safe_load(text)
-
-
-def resolve_revision(repo, name: str) -> str:
-    """A git revision, or a DVC experiment's name, to a commit sha."""
-    from dvc.repo.experiments.utils import resolve_name
-    from scmrepo.exceptions import RevError
-
-    try:
-        return repo.scm.resolve_rev(name)
-    except RevError:
-        pass
-    ref = resolve_name(repo.scm, name).get(name)
-    if ref is not None:
-        return repo.scm.get_ref(str(ref))
-    raise DflashpipeError(f"{name!r} is neither a git revision nor a DVC experiment (see `dvc exp list`)")
 
 
 def _dvc_yaml_stages(state: State) -> dict[str, dict]:
@@ -319,7 +306,7 @@ def compare(old: dict[str, StageState], new: dict[str, StageState], recorded: di
                                           f"{st.where.get(f'param:{file}:{key}', b)}"))
         for u in ups[name]:
             changed_outs = [o for o in new[u].outs if old.get(u) and old[u].outs.get(o) != new[u].outs.get(o)]
-            if verdicts[u].verdict in (DIRECT, DOWNSTREAM) or changed_outs:
+            if verdicts[u].verdict in (DIRECT, DOWNSTREAM) or (changed_outs and not _restorable(verdicts[u])):
                 v.upstream.append(u)
         if st.frozen:
             v.verdict, v.note = FROZEN, "frozen in dvc.yaml: `dvc repro` will not rerun it"
@@ -336,6 +323,11 @@ def compare(old: dict[str, StageState], new: dict[str, StageState], recorded: di
     return [verdicts[n] for n in topological(new, ups)]
 
 
+def _restorable(v: Verdict) -> bool:
+    """Outputs that `dvc checkout` brings back as recorded: what reads them is not invalidated by their absence."""
+    return v.verdict == OUTPUTS and all(c.kind == "out" and c.evidence.endswith(RESTORABLE) for c in v.causes)
+
+
 def _output_problems(st: StageState, recorded: dict[str, str | None], cache) -> list[Cause]:
     problems = []
     for path, locked in recorded.items():
@@ -343,7 +335,7 @@ def _output_problems(st: StageState, recorded: dict[str, str | None], cache) -> 
         if locked is None or now == locked:
             continue
         restorable = _in_cache(cache, locked)
-        fix = "restorable: `dvc checkout` brings the recorded bytes back from the cache" if restorable else \
+        fix = RESTORABLE if restorable else \
             f"not in the cache: `dvc repro -f {st.name}` rebuilds it"
         problems.append(Cause("out", path, locked, now or "missing",
                               f"dvc.lock (workspace) stages.{st.name}.outs md5 vs the workspace; {fix}"))
