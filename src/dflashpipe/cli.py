@@ -7,8 +7,8 @@ import json
 
 import typer
 
-from dflashpipe.errors import DflashpipeError
 from dflashpipe import explain as explaining
+from dflashpipe.errors import DflashpipeError
 from dflashpipe.params import load_params, load_stage_params
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)

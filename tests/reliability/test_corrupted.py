@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflashpipe.artifacts import canonical_json
-from dflashpipe.data.manifest import SUMMARY_FILE, build_manifest, read_manifest_shard, verify_manifest
+from dflashpipe.data.manifest import build_manifest
+from dflashpipe.data.shards import SUMMARY_FILE, read_manifest_shard, verify_manifest
 from dflashpipe.errors import SourceError
 from dflashpipe.params import DataParams, SourceSpec
 
