@@ -39,16 +39,19 @@ def main() -> None:
     total = {"draft_s": 0.0, "verify_s": 0.0, "extend_s": 0.0, "step_s": 0.0}
     steps = 0
     for prompt in prompts:
-        result = speculative_generate(target, proposer, prefill(target, prompt.prompt_ids), args.max_new_tokens,
-                                      stop, profile=True)
+        result = speculative_generate(
+            target, proposer, prefill(target, prompt.prompt_ids), args.max_new_tokens, stop, profile=True
+        )
         for k in total:
             total[k] += result.profile[k]
         steps += len(result.accepted)
     forwards = total["draft_s"] + total["verify_s"] + total["extend_s"]
     overhead = total["step_s"] - forwards
     print(f"{len(prompts)} prompts, {steps} verify steps, {total['step_s']:.2f} s in steps")
-    print(f"per step: draft {total['draft_s'] / steps * 1e3:.1f} ms, verify {total['verify_s'] / steps * 1e3:.1f} ms, "
-          f"extend {total['extend_s'] / steps * 1e3:.1f} ms, loop overhead {overhead / steps * 1e3:.2f} ms")
+    print(
+        f"per step: draft {total['draft_s'] / steps * 1e3:.1f} ms, verify {total['verify_s'] / steps * 1e3:.1f} ms, "
+        f"extend {total['extend_s'] / steps * 1e3:.1f} ms, loop overhead {overhead / steps * 1e3:.2f} ms"
+    )
     print(f"loop overhead / step: {overhead / total['step_s']:.1%} (goal <= 10%)")
 
 

@@ -47,8 +47,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         size = write_user_jsonl(root / "user.jsonl", args.records)
-        params = DataParams(num_samples=args.records, shard_size=args.shard_size, on_bad_record="error",
-                            sources=(SourceSpec(name="user", kind="jsonl", weight=1.0, eval=0, path="user.jsonl"),))
+        params = DataParams(
+            num_samples=args.records,
+            shard_size=args.shard_size,
+            on_bad_record="error",
+            sources=(SourceSpec(name="user", kind="jsonl", weight=1.0, eval=0, path="user.jsonl"),),
+        )
         start = time.perf_counter()
         build_manifest(params, root / "manifest", root=root)
         build = time.perf_counter() - start

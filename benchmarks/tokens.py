@@ -35,11 +35,12 @@ from dflashpipe.tokens.chat import load_chat_tokenizer  # noqa: E402
 from dflashpipe.tokens.run import available_cores, tokenize_manifest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = (SourceSpec(name="sharegpt", kind="sharegpt", weight=0.5, eval=0),
-           SourceSpec(name="chitchat", kind="chitchat", weight=0.3, eval=0),
-           SourceSpec(name="python_code", kind="python_code", weight=0.2, eval=0))
-PARAMS = TokenizeParams(max_length=2048, truncation="turn", assistant_turns="all", min_supervised_tokens=16,
-                        num_proc=1)
+SOURCES = (
+    SourceSpec(name="sharegpt", kind="sharegpt", weight=0.5, eval=0),
+    SourceSpec(name="chitchat", kind="chitchat", weight=0.3, eval=0),
+    SourceSpec(name="python_code", kind="python_code", weight=0.2, eval=0),
+)
+PARAMS = TokenizeParams(max_length=2048, truncation="turn", assistant_turns="all", min_supervised_tokens=16, num_proc=1)
 
 
 def tokenizer_dir(tmp: Path) -> Path:
@@ -71,8 +72,10 @@ def main() -> None:
         root = Path(tmp)
         tok_dir = tokenizer_dir(root)
         for name, n in (("small", args.samples), ("grown", args.grown)):
-            build_manifest(DataParams(num_samples=n, shard_size=args.shard_size, on_bad_record="skip",
-                                      sources=SOURCES), root / name)
+            build_manifest(
+                DataParams(num_samples=n, shard_size=args.shard_size, on_bad_record="skip", sources=SOURCES),
+                root / name,
+            )
         shards = sorted((root / "grown").glob("train-*.parquet"))
         conversations = [c for s in shards for c in pq.read_table(s).column("conversation").to_pylist()]
 
@@ -92,8 +95,9 @@ def main() -> None:
         # on the grown manifest may reuse what the first run wrote. Without a key nothing is reused.
         key = StageKey("tokenize", {"benchmark:tokenizer": str(tok_dir), "benchmark:params": repr(all_params)})
         tokenize_manifest(all_params, root / "small", tok_dir, root / "incremental", key)
-        grow_s, grow_run = timed(lambda: tokenize_manifest(all_params, root / "grown", tok_dir, root / "incremental",
-                                                           key))
+        grow_s, grow_run = timed(
+            lambda: tokenize_manifest(all_params, root / "grown", tok_dir, root / "incremental", key)
+        )
 
         import datasets
         from transformers import AutoTokenizer
@@ -103,22 +107,36 @@ def main() -> None:
         dataset = datasets.Dataset.from_dict({"conversation": conversations})
 
         def apply(batch):
-            return {"input_ids": tokenizer.apply_chat_template(batch["conversation"], tokenize=True,
-                                                               return_dict=False)}
+            return {"input_ids": tokenizer.apply_chat_template(batch["conversation"], tokenize=True, return_dict=False)}
 
-        map_s, _ = timed(lambda: dataset.map(apply, batched=True, remove_columns=["conversation"],
-                                             load_from_cache_file=False, keep_in_memory=True))
+        map_s, _ = timed(
+            lambda: dataset.map(
+                apply, batched=True, remove_columns=["conversation"], load_from_cache_file=False, keep_in_memory=True
+            )
+        )
 
-    rate = {name: tokens / s for name, s in
-            (("stage_1_core", one_s), ("stage_all_cores", all_s), ("raw_encode_batch", raw_s), ("datasets_map", map_s))}
+    rate = {
+        name: tokens / s
+        for name, s in (
+            ("stage_1_core", one_s),
+            ("stage_all_cores", all_s),
+            ("raw_encode_batch", raw_s),
+            ("datasets_map", map_s),
+        )
+    }
     print(f"{len(conversations)} samples, {tokens} tokens, {cores} cores")
     for name, r in rate.items():
         print(f"  {name:18s} {r:12,.0f} tokens/s")
-    print(f"stage (all cores) / raw encode_batch : {rate['stage_all_cores'] / rate['raw_encode_batch']:.2f}x (goal >= 0.8)")
+    print(
+        "stage (all cores) / raw encode_batch : "
+        f"{rate['stage_all_cores'] / rate['raw_encode_batch']:.2f}x (goal >= 0.8)"
+    )
     print(f"stage (all cores) / datasets.map     : {rate['stage_all_cores'] / rate['datasets_map']:.2f}x (goal >= 2)")
     print(f"stage (1 core)    / datasets.map     : {rate['stage_1_core'] / rate['datasets_map']:.2f}x")
-    print(f"growth {args.samples} -> {args.grown}: rerun {grow_s:.2f}s (encoded {len(grow_run.encoded_shards)}, "
-          f"reused {len(grow_run.reused_shards)} shards) / full {all_s:.2f}s = {grow_s / all_s:.2f}x (goal <= 0.35)")
+    print(
+        f"growth {args.samples} -> {args.grown}: rerun {grow_s:.2f}s (encoded {len(grow_run.encoded_shards)}, "
+        f"reused {len(grow_run.reused_shards)} shards) / full {all_s:.2f}s = {grow_s / all_s:.2f}x (goal <= 0.35)"
+    )
 
 
 if __name__ == "__main__":

@@ -37,11 +37,13 @@ def variant(name: str, steps: int, out: Path) -> dict:
         model=p["model"],
         compile=dataclasses.replace(p["compile"], enabled=compile_on, guard="error" if compile_on else "warn"),
         topology=dataclasses.replace(p["topology"], drafter_devices=drafters),
-        train=dataclasses.replace(p["train"], max_steps=steps, checkpoint_every=0))
+        train=dataclasses.replace(p["train"], max_steps=steps, checkpoint_every=0),
+    )
     # The project's inputs, fresh outputs; no resume key (a variant always trains every step), and
     # warmup's key as it is now, so the artifact is loaded exactly when the train stage would load it.
-    paths = dataclasses.replace(TrainPaths.pipeline(ROOT), drafter=out / "drafter", state=out / "state",
-                                metrics=out / "metrics")
+    paths = dataclasses.replace(
+        TrainPaths.pipeline(ROOT), drafter=out / "drafter", state=out / "state", metrics=out / "metrics"
+    )
     return train_drafter(inputs, paths, key=None, compile_key=reuse_key("warmup", ROOT) if compile_on else None)
 
 
@@ -56,15 +58,21 @@ def main() -> None:
         return
     results = {}
     for name in ("compiled-2", "compiled-1", "eager-2"):
-        proc = subprocess.run([sys.executable, __file__, "--steps", str(args.steps), "--variant", name],
-                              capture_output=True, text=True, cwd=ROOT)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--steps", str(args.steps), "--variant", name],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode or not line:
             sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")
         results[name] = json.loads(line[0].removeprefix("RESULT "))
         m = results[name]
-        print(f"{name:11s} {m['tokens_per_s']:8.1f} tokens/s  busy target {m['busy_s']['target']:.1f}s "
-              f"drafter {m['busy_s']['drafter']:.1f}s  compiles in workers {m['compile']['compiles_in_worker_threads']}")
+        print(
+            f"{name:11s} {m['tokens_per_s']:8.1f} tokens/s  busy target {m['busy_s']['target']:.1f}s "
+            f"drafter {m['busy_s']['drafter']:.1f}s  compiles in workers {m['compile']['compiles_in_worker_threads']}"
+        )
     tps = {k: v["tokens_per_s"] for k, v in results.items()}
     print(f"2 vs 1 drafter replicas: {tps['compiled-2'] / tps['compiled-1']:.2f}x")
     print(f"compiled vs eager (2 replicas): {tps['compiled-2'] / tps['eager-2']:.2f}x")

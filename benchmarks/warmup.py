@@ -39,8 +39,9 @@ def measure(mode: str, steps: int) -> dict:
         else:
             point_inductor_at(tmp)
         target = load_materialised_target(ROOT / TARGET, "cpu")
-        drafter = DFlashDrafter.for_target(target, AutoTokenizer.from_pretrained(ROOT / TARGET), p["model"],
-                                           generator=torch.Generator().manual_seed(0))
+        drafter = DFlashDrafter.for_target(
+            target, AutoTokenizer.from_pretrained(ROOT / TARGET), p["model"], generator=torch.Generator().manual_seed(0)
+        )
         fn = drafter if mode == "eager" else compiled_step(drafter)
         began = time.perf_counter()
         run_step_once(fn, drafter, p["model"], p["compile"].micro_batch, torch.device("cpu"))
@@ -62,8 +63,12 @@ def main() -> None:
         return
     r = {}
     for mode in ("cold", "warm", "eager"):
-        proc = subprocess.run([sys.executable, __file__, "--mode", mode, "--steps", str(args.steps)],
-                              capture_output=True, text=True, cwd=ROOT)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--mode", mode, "--steps", str(args.steps)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode or not line:
             sys.exit(f"{mode} failed:\n{proc.stderr[-3000:]}")

@@ -1,6 +1,6 @@
 """Stage `evaluate`: speculative decoding with data/drafter on the eval split, into metrics/eval.json.
 
-    python stages/evaluate.py      (what dvc.yaml runs; `dvc metrics diff` / `dvc plots diff` compare runs)
+python stages/evaluate.py      (what dvc.yaml runs; `dvc metrics diff` / `dvc plots diff` compare runs)
 """
 
 import sys

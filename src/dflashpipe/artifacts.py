@@ -101,13 +101,15 @@ def write_file_listing(directory: Path) -> None:
     """Record every file under `directory` (sha256, size) in its files.json. Call last."""
     files = {
         p.relative_to(directory).as_posix(): {"sha256": file_sha256(p), "size": p.stat().st_size}
-        for p in sorted(directory.rglob("*")) if p.is_file() and p.name != FILE_LISTING
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != FILE_LISTING
     }
     write_json_atomic(directory / FILE_LISTING, files)
 
 
-def verify_file_listing(directory: Path, fix: str, error: type[DflashpipeError] = DflashpipeError,
-                        only: list[str] | None = None) -> None:
+def verify_file_listing(
+    directory: Path, fix: str, error: type[DflashpipeError] = DflashpipeError, only: list[str] | None = None
+) -> None:
     """Check every file under `directory` against its files.json: none missing, none changed, none extra.
 
     `only` checks just those files (paths relative to `directory`), for a reader that depends on part
@@ -136,7 +138,10 @@ def verify_file_listing(directory: Path, fix: str, error: type[DflashpipeError] 
             raise error(f"{file}: does not match its sha256 in {listing} (truncated, bit-flipped or edited): {fix}")
     if only is not None:
         return
-    extra = sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*")
-                   if p.is_file() and p != listing and p.relative_to(directory).as_posix() not in files)
+    extra = sorted(
+        p.relative_to(directory).as_posix()
+        for p in directory.rglob("*")
+        if p.is_file() and p != listing and p.relative_to(directory).as_posix() not in files
+    )
     if extra:
         raise error(f"{directory}: holds files that {listing} does not list ({', '.join(extra)}): {fix}")

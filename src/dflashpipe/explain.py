@@ -157,8 +157,14 @@ def read_revision_state(state: State) -> dict[str, StageState]:
     for name, definition in stages.items():
         deps, params, outs, metrics = _declared(definition)
         entry = lock.get(name)
-        st = StageState(name, cmd=definition.get("cmd"), metrics=metrics, frozen=bool(definition.get("frozen")),
-                        always_changed=bool(definition.get("always_changed")), locked=entry is not None)
+        st = StageState(
+            name,
+            cmd=definition.get("cmd"),
+            metrics=metrics,
+            frozen=bool(definition.get("frozen")),
+            always_changed=bool(definition.get("always_changed")),
+            locked=entry is not None,
+        )
         where = f"dvc.lock@{state.label}"
         if entry is not None:
             st.cmd = entry.get("cmd", st.cmd)
@@ -187,8 +193,13 @@ def read_workspace_state(repo) -> tuple[dict[str, StageState], dict[str, dict[st
     result, recorded_outs = {}, {}
     for stage in repo.index.stages:
         name = stage.name
-        st = StageState(name, cmd=stage.cmd, frozen=stage.frozen, always_changed=stage.always_changed,
-                        metrics=[o.def_path for o in stage.outs if o.metric])
+        st = StageState(
+            name,
+            cmd=stage.cmd,
+            frozen=stage.frozen,
+            always_changed=stage.always_changed,
+            metrics=[o.def_path for o in stage.outs if o.metric],
+        )
         for dep in stage.deps:
             if isinstance(dep, ParamsDependency):
                 values = dep.read_params()
@@ -273,8 +284,9 @@ def explain(a: str = "HEAD", b: str = WORKSPACE, root: str | Path = ".") -> Repo
     return Report(sa.label, sb.label, roots, verdicts, metrics)
 
 
-def compare(old: dict[str, StageState], new: dict[str, StageState], recorded: dict, cache,
-            a: str, b: str) -> list[Verdict]:
+def compare(
+    old: dict[str, StageState], new: dict[str, StageState], recorded: dict, cache, a: str, b: str
+) -> list[Verdict]:
     ups = upstream_of(new)
     upstream_outs = {s: {o for u in ups[s] for o in new[u].outs} for s in new}
     verdicts: dict[str, Verdict] = {}
@@ -292,18 +304,34 @@ def compare(old: dict[str, StageState], new: dict[str, StageState], recorded: di
             v.causes.append(Cause("cmd", name, before.cmd, st.cmd, f"dvc.yaml stages.{name}.cmd"))
         for path in sorted(set(st.deps) | set(before.deps)):
             old_md5, new_md5 = before.deps.get(path), st.deps.get(path)
-            if old_md5 == new_md5 or any(path == o or path.startswith(o.rstrip("/") + "/") for o in upstream_outs[name]):
+            if old_md5 == new_md5 or any(
+                path == o or path.startswith(o.rstrip("/") + "/") for o in upstream_outs[name]
+            ):
                 continue
-            v.causes.append(Cause("dep", path, old_md5, new_md5,
-                                  f"{before.where.get(f'dep:{path}', f'dvc.lock@{a} (not listed)')} vs "
-                                  f"{st.where.get(f'dep:{path}', f'{b} (not listed)')}"))
+            v.causes.append(
+                Cause(
+                    "dep",
+                    path,
+                    old_md5,
+                    new_md5,
+                    f"{before.where.get(f'dep:{path}', f'dvc.lock@{a} (not listed)')} vs "
+                    f"{st.where.get(f'dep:{path}', f'{b} (not listed)')}",
+                )
+            )
         for file in sorted(set(st.params) | set(before.params)):
             old_values, new_values = before.params.get(file, {}), st.params.get(file, {})
             for key in sorted(set(old_values) | set(new_values)):
                 if old_values.get(key) != new_values.get(key):
-                    v.causes.append(Cause("param", f"{file}:{key}", old_values.get(key), new_values.get(key),
-                                          f"{before.where.get(f'param:{file}:{key}', f'dvc.lock@{a}')} vs "
-                                          f"{st.where.get(f'param:{file}:{key}', b)}"))
+                    v.causes.append(
+                        Cause(
+                            "param",
+                            f"{file}:{key}",
+                            old_values.get(key),
+                            new_values.get(key),
+                            f"{before.where.get(f'param:{file}:{key}', f'dvc.lock@{a}')} vs "
+                            f"{st.where.get(f'param:{file}:{key}', b)}",
+                        )
+                    )
         for u in ups[name]:
             changed_outs = [o for o in new[u].outs if old.get(u) and old[u].outs.get(o) != new[u].outs.get(o)]
             if verdicts[u].verdict in (DIRECT, DOWNSTREAM) or (changed_outs and not _restorable(verdicts[u])):
@@ -335,10 +363,16 @@ def _output_problems(st: StageState, recorded: dict[str, str | None], cache) -> 
         if locked is None or now == locked:
             continue
         restorable = _in_cache(cache, locked)
-        fix = RESTORABLE if restorable else \
-            f"not in the cache: `dvc repro -f {st.name}` rebuilds it"
-        problems.append(Cause("out", path, locked, now or "missing",
-                              f"dvc.lock (workspace) stages.{st.name}.outs md5 vs the workspace; {fix}"))
+        fix = RESTORABLE if restorable else f"not in the cache: `dvc repro -f {st.name}` rebuilds it"
+        problems.append(
+            Cause(
+                "out",
+                path,
+                locked,
+                now or "missing",
+                f"dvc.lock (workspace) stages.{st.name}.outs md5 vs the workspace; {fix}",
+            )
+        )
     return problems
 
 
@@ -359,7 +393,12 @@ def root_causes(verdicts: list[Verdict]) -> list[Cause]:
         if v.verdict not in (DIRECT, OUTPUTS):
             continue
         for c in v.causes:
-            key = (c.kind, c.what, json.dumps(c.old, sort_keys=True, default=str), json.dumps(c.new, sort_keys=True, default=str))
+            key = (
+                c.kind,
+                c.what,
+                json.dumps(c.old, sort_keys=True, default=str),
+                json.dumps(c.new, sort_keys=True, default=str),
+            )
             if key not in merged:
                 merged[key] = Cause(c.kind, c.what, c.old, c.new, c.evidence, [])
             merged[key].stages.append(v.stage)
@@ -385,8 +424,9 @@ def _read_metrics(state: State, path: str) -> dict[str, Any]:
     return _flatten(json.loads(text) if path.endswith(".json") else yaml.safe_load(text))
 
 
-def metric_deltas(sa: State, sb: State, new: dict[str, StageState], verdicts: list[Verdict],
-                  ups: dict[str, list[str]]) -> list[MetricDelta]:
+def metric_deltas(
+    sa: State, sb: State, new: dict[str, StageState], verdicts: list[Verdict], ups: dict[str, list[str]]
+) -> list[MetricDelta]:
     by_stage = {v.stage: v for v in verdicts}
 
     def causes_reaching(stage: str) -> list[str]:
@@ -456,8 +496,10 @@ def to_markdown(report: Report) -> str:
 def metric_line(m: MetricDelta) -> tuple[str, str]:
     """'old -> new (+x%)' and where it came from, with the changed inputs behind it."""
     pct = f" ({m.change:+.0%})" if m.change is not None else ""
-    return (f"{m.old} -> {m.new}{pct}",
-            f"{m.file}, stage {m.stage}; changed inputs: {', '.join(m.causes) or 'none recorded'}")
+    return (
+        f"{m.old} -> {m.new}{pct}",
+        f"{m.file}, stage {m.stage}; changed inputs: {', '.join(m.causes) or 'none recorded'}",
+    )
 
 
 def _no_causes(report: Report) -> str:

@@ -157,7 +157,9 @@ class ModelParams:
                 f"params.yaml: model.seq_len = {self.seq_len}: must be longer than model.block_size = {self.block_size}"
             )
         if not (0 < self.gamma < 1e6):
-            raise ParamsError(f"params.yaml: model.gamma = {self.gamma}: must be a positive number (e.g. 4 for block 8)")
+            raise ParamsError(
+                f"params.yaml: model.gamma = {self.gamma}: must be a positive number (e.g. 4 for block 8)"
+            )
         if not self.mask_token.strip():
             raise ParamsError("params.yaml: model.mask_token is empty: name a token such as '<|MASK|>'")
 
@@ -231,7 +233,8 @@ class TopologyParams:
         if shared and not self.allow_shared_devices:
             raise ParamsError(
                 f"params.yaml: topology: {shared} are both target and drafter devices; "
-                f"set topology.allow_shared_devices: true to allow it")
+                f"set topology.allow_shared_devices: true to allow it"
+            )
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -258,18 +261,28 @@ class TrainParams:
     """Batches of target features a target worker may run ahead of the drafters (bounded queues)."""
 
     def __post_init__(self) -> None:
-        checks = (("max_steps", self.max_steps, 1, 10**9), ("warmup_steps", self.warmup_steps, 0, 10**9),
-                  ("checkpoint_every", self.checkpoint_every, 0, 10**9), ("prefetch", self.prefetch, 1, 1024),
-                  ("seed", self.seed, 0, 2**63 - 1))
+        checks = (
+            ("max_steps", self.max_steps, 1, 10**9),
+            ("warmup_steps", self.warmup_steps, 0, 10**9),
+            ("checkpoint_every", self.checkpoint_every, 0, 10**9),
+            ("prefetch", self.prefetch, 1, 1024),
+            ("seed", self.seed, 0, 2**63 - 1),
+        )
         for key, value, low, high in checks:
             if not (low <= value <= high):
                 raise ParamsError(f"params.yaml: train.{key} = {value}: must be between {low} and {high}")
-        for key, value, low, high in (("lr", self.lr, 0.0, 1.0), ("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0),
-                                      ("weight_decay", self.weight_decay, 0.0, 10.0),
-                                      ("grad_clip", self.grad_clip, 0.0, 1e6)):
+        for key, value, low, high in (
+            ("lr", self.lr, 0.0, 1.0),
+            ("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0),
+            ("weight_decay", self.weight_decay, 0.0, 10.0),
+            ("grad_clip", self.grad_clip, 0.0, 1e6),
+        ):
             if not (low <= value <= high) or (key == "lr" and value == 0):
-                raise ParamsError(f"params.yaml: train.{key} = {value}: must be in ({low}, {high}]" if key == "lr"
-                                  else f"params.yaml: train.{key} = {value}: must be between {low} and {high}")
+                raise ParamsError(
+                    f"params.yaml: train.{key} = {value}: must be in ({low}, {high}]"
+                    if key == "lr"
+                    else f"params.yaml: train.{key} = {value}: must be between {low} and {high}"
+                )
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -290,19 +303,23 @@ class EvaluateParams:
     """Fail the stage when a throughput metric (speedup, decode or train tokens/s) regressed."""
 
     def __post_init__(self) -> None:
-        for key, value, low, high in (("num_prompts", self.num_prompts, 1, 100_000),
-                                      ("max_new_tokens", self.max_new_tokens, 1, 1_048_576),
-                                      ("max_prompt_tokens", self.max_prompt_tokens, 1, 1_048_576)):
+        for key, value, low, high in (
+            ("num_prompts", self.num_prompts, 1, 100_000),
+            ("max_new_tokens", self.max_new_tokens, 1, 1_048_576),
+            ("max_prompt_tokens", self.max_prompt_tokens, 1, 1_048_576),
+        ):
             if not (low <= value <= high):
                 raise ParamsError(f"params.yaml: evaluate.{key} = {value}: must be between {low} and {high}")
         if not (0.0 <= self.max_regression <= 1.0):
             raise ParamsError(
                 f"params.yaml: evaluate.max_regression = {self.max_regression}: must be a fraction between 0 and 1 "
-                f"(e.g. 0.2 for a 20% drop)")
+                f"(e.g. 0.2 for a 20% drop)"
+            )
         if self.baseline != self.baseline.strip() or any(c in self.baseline for c in "\n:"):
             raise ParamsError(
                 f"params.yaml: evaluate.baseline = {self.baseline!r}: name a git revision or experiment "
-                f"(e.g. HEAD, main, a tag), or none")
+                f"(e.g. HEAD, main, a tag), or none"
+            )
 
 
 SECTIONS: dict[str, type] = {
@@ -376,9 +393,13 @@ def load_stage_params(stage: str, root: Path | str = ".") -> StageParams:
     for key in declared_keys(stage, root):
         section, _, rest = key.partition(".")
         if section not in SECTIONS:
-            raise ParamsError(f"dvc.yaml: stages.{stage}.params names {key!r}, but params.yaml has no section {section!r}")
+            raise ParamsError(
+                f"dvc.yaml: stages.{stage}.params names {key!r}, but params.yaml has no section {section!r}"
+            )
         if not rest:
-            raise ParamsError(f"dvc.yaml: stages.{stage}.params names the whole section {key!r}; list its keys one by one")
+            raise ParamsError(
+                f"dvc.yaml: stages.{stage}.params names the whole section {key!r}; list its keys one by one"
+            )
         by_section.setdefault(section, set()).add(rest)
     for section, keys in by_section.items():
         fields = {f.name for f in dataclasses.fields(SECTIONS[section])}

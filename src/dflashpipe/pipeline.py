@@ -90,8 +90,11 @@ def stage_spec(name: str, root: Path | str = ".") -> StageSpec:
             params.append((PARAMS_FILE, item))
         else:
             params += [(file, key) for file, keys in item.items() for key in keys or []]
-    outs = [next(iter(o)) if isinstance(o, dict) else o
-            for kind in ("outs", "metrics", "plots") for o in entry.get(kind, []) or []]
+    outs = [
+        next(iter(o)) if isinstance(o, dict) else o
+        for kind in ("outs", "metrics", "plots")
+        for o in entry.get(kind, []) or []
+    ]
     return StageSpec(name, tuple(entry.get("deps", []) or []), tuple(params), tuple(outs))
 
 
@@ -135,9 +138,12 @@ class Reuse:
 
 
 REUSE = {
-    "tokenize": Reuse(("data/manifest",), ("tokenize.num_proc",),
-                      "each shard's key adds its own input shard's sha256, so growing the manifest reuses the "
-                      "shards it already had; num_proc never changes a byte"),
+    "tokenize": Reuse(
+        ("data/manifest",),
+        ("tokenize.num_proc",),
+        "each shard's key adds its own input shard's sha256, so growing the manifest reuses the "
+        "shards it already had; num_proc never changes a byte",
+    ),
     "warmup": Reuse(why="train and evaluate use the compile artifact only if it was built for this key"),
     "train": Reuse(why="a checkpoint in data/train-state is resumed only if it was saved under this key"),
 }
@@ -151,8 +157,9 @@ def reuse_key(name: str, root: Path | str = ".") -> StageKey:
     return stage_key(name, root, without_deps=rule.without_deps, without_params=rule.without_params)
 
 
-def stage_key(name: str, root: Path | str = ".", *, without_deps: Iterable[str] = (),
-              without_params: Iterable[str] = ()) -> StageKey:
+def stage_key(
+    name: str, root: Path | str = ".", *, without_deps: Iterable[str] = (), without_params: Iterable[str] = ()
+) -> StageKey:
     """Hash what dvc.yaml lists for stage `name`, paths relative to `root`.
 
     `without_deps` / `without_params` leave out deps (as written in dvc.yaml) and params keys;

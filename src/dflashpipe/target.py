@@ -55,7 +55,7 @@ def installed_package_file(distribution: str, filename: str) -> Path:
 
 def resolve_source(source: str, root: Path) -> TargetSource:
     if source.startswith(PYPI_PREFIX):
-        distribution, _, filename = source[len(PYPI_PREFIX):].partition("/")
+        distribution, _, filename = source[len(PYPI_PREFIX) :].partition("/")
         if not distribution or not filename:
             raise SourceError(f"params.yaml: target.source = {source!r}: expected pypi:<distribution>/<file.gguf>")
         path = installed_package_file(distribution, filename)
@@ -81,9 +81,7 @@ def resolve_source(source: str, root: Path) -> TargetSource:
             if f.is_file() and (f.name == "config.json" or f.suffix in (".safetensors", ".bin", ".json", ".model")):
                 h.update(f.name.encode() + b"\0" + file_sha256(f).encode())
         return TargetSource(path, None, h.hexdigest())
-    raise SourceError(
-        f"params.yaml: target.source = {source!r}: {path} is neither a .gguf file nor a model directory"
-    )
+    raise SourceError(f"params.yaml: target.source = {source!r}: {path} is neither a .gguf file nor a model directory")
 
 
 def materialise_target(params: TargetParams, out: Path | str, root: Path | str = ".") -> dict:
@@ -142,7 +140,9 @@ def load_materialised_target(target_dir: Path | str, device: Any):
 
     target_dir = Path(target_dir)
     if not (target_dir / "config.json").is_file():
-        raise SourceError(f"{target_dir}: no materialised target: run `dvc repro target` (or `dvc checkout {target_dir}`)")
+        raise SourceError(
+            f"{target_dir}: no materialised target: run `dvc repro target` (or `dvc checkout {target_dir}`)"
+        )
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, use_safetensors=True).to(device)
     return model.eval().requires_grad_(False)

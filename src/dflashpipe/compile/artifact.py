@@ -94,16 +94,22 @@ def check_built_for(path: Path, report: dict[str, Any], expected: StageKey | Non
     """Raise unless the artifact at `path` was built for `expected`, warmup's stage key as it is now."""
     if expected is None:
         # The caller could not compute warmup's key (no dvc.yaml to read): nothing says these kernels fit.
-        raise CompileArtifactError(f"{path}: no warmup stage key to check it against, so it is not used "
-                                   f"(run from the project root, where dvc.yaml is)")
+        raise CompileArtifactError(
+            f"{path}: no warmup stage key to check it against, so it is not used "
+            f"(run from the project root, where dvc.yaml is)"
+        )
     recorded = StageKey.from_json(report.get(BUILT_FOR))
     if recorded is None:
         # Built before artifacts recorded their key, or by hand. DVC may still call warmup up to date: hence -f.
-        raise CompileArtifactError(f"{path / REPORT} records no stage key it was built for, so it cannot be "
-                                   f"checked: `dvc repro -f warmup` rebuilds it")
+        raise CompileArtifactError(
+            f"{path / REPORT} records no stage key it was built for, so it cannot be "
+            f"checked: `dvc repro -f warmup` rebuilds it"
+        )
     if recorded.digest != expected.digest:
-        raise CompileArtifactError(f"{path} was built for other inputs ({describe_changes(recorded, expected)}): "
-                                   f"`dvc repro warmup` rebuilds it")
+        raise CompileArtifactError(
+            f"{path} was built for other inputs ({describe_changes(recorded, expected)}): "
+            f"`dvc repro warmup` rebuilds it"
+        )
 
 
 def describe_changes(recorded: StageKey, expected: StageKey) -> str:

@@ -90,9 +90,11 @@ class CompileGuard:
         counts = dynamo_counters()
         gave_up = counts["frames_total"] - counts["frames_ok"]
         if gave_up:
-            self._fail(f"dynamo gave up on {gave_up} frame(s) during warmup; they would run eagerly "
-                       f"(\"Skipping the function and falling back to eager\"). Compile with fullgraph=True "
-                       f"and fix the graph break it reports")
+            self._fail(
+                f"dynamo gave up on {gave_up} frame(s) during warmup; they would run eagerly "
+                f'("Skipping the function and falling back to eager"). Compile with fullgraph=True '
+                f"and fix the graph break it reports"
+            )
         if self.strict:
             torch.compiler.set_stance("fail_on_recompile")
             warnings.filterwarnings("error", message=f".*{EAGER_FLEX_WARNING}")
@@ -121,17 +123,20 @@ class CompileGuard:
                 raise CompileGuardError(
                     f"{where} needed a new compile after warmup ({text.splitlines()[0]}; "
                     f"{_guard_failure(text)}). Warmup must compile exactly the shapes training runs: "
-                    f"check model.seq_len / train batch params, then `dvc repro warmup`") from None
+                    f"check model.seq_len / train batch params, then `dvc repro warmup`"
+                ) from None
             if FX_RACE_MESSAGE in text:
                 raise CompileGuardError(
                     f"{where} failed because another thread is tracing with torch.fx "
                     f"(torch.fx._symbolic_trace._is_fx_tracing_flag is one global for the whole process). "
                     f"Nothing may call torch.fx.symbolic_trace (or a HOP's _set_compilation_env) while "
-                    f"workers run compiled code") from None
+                    f"workers run compiled code"
+                ) from None
             if EAGER_FLEX_WARNING in text:
                 raise CompileGuardError(
                     f"{where} called flex_attention without torch.compile: the unfused fallback "
-                    f"materialises the full score matrix and runs ~3x slower") from None
+                    f"materialises the full score matrix and runs ~3x slower"
+                ) from None
             raise
 
 

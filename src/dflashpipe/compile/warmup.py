@@ -24,6 +24,7 @@ def compiled_step(drafter: DFlashDrafter):
     intercepts on the way out of the compiled code; with several threads calling, that frame is
     sometimes seen as a new function, and the compile guard's fail_on_recompile stance stopped
     training on it (tests/scenarios/compile_guard.py `drafter_threads` reproduces it)."""
+
     def loss_terms(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(drafter(*inputs))
 
@@ -51,8 +52,9 @@ def step_inputs(drafter: DFlashDrafter, model: ModelParams, micro_batch: int, de
     return features, ids, mask, anchors.to(device), valid.to(device)
 
 
-def run_step_once(step_fn: Any, drafter: DFlashDrafter, model: ModelParams, micro_batch: int,
-                  device: torch.device) -> dict:
+def run_step_once(
+    step_fn: Any, drafter: DFlashDrafter, model: ModelParams, micro_batch: int, device: torch.device
+) -> dict:
     """Forward and backward once; leaves no gradient behind. Returns what ran and how long it took."""
     inputs = step_inputs(drafter, model, micro_batch, device)
     began = time.perf_counter()
@@ -63,8 +65,11 @@ def run_step_once(step_fn: Any, drafter: DFlashDrafter, model: ModelParams, micr
     drafter.zero_grad(set_to_none=True)
     return {
         "name": "drafter_train_step",
-        "shapes": {"features": list(inputs[0].shape), "input_ids": list(inputs[1].shape),
-                   "anchors": list(inputs[3].shape)},
+        "shapes": {
+            "features": list(inputs[0].shape),
+            "input_ids": list(inputs[1].shape),
+            "anchors": list(inputs[3].shape),
+        },
         "dtype": str(inputs[0].dtype).removeprefix("torch."),
         "device": device.type,
         "backend": resolve_backend(drafter.attention, device),
@@ -72,8 +77,14 @@ def run_step_once(step_fn: Any, drafter: DFlashDrafter, model: ModelParams, micr
     }
 
 
-def build_warmup_artifact(model: ModelParams, compile: CompileParams, target_dir: Path | str,
-                          out: Path | str, key: StageKey | None, device: str | None = None) -> dict:
+def build_warmup_artifact(
+    model: ModelParams,
+    compile: CompileParams,
+    target_dir: Path | str,
+    out: Path | str,
+    key: StageKey | None,
+    device: str | None = None,
+) -> dict:
     """Compile the training step in this (main) thread only, cold, and write data/compile/.
 
     `key` is warmup's stage key, taken before anything is built: the artifact records it, and
@@ -96,18 +107,24 @@ def build_warmup_artifact(model: ModelParams, compile: CompileParams, target_dir
         cache = point_inductor_at(tmp.with_name(tmp.name + "-inductor"))
         try:
             target = load_materialised_target(target_dir, device)
-            drafter = DFlashDrafter.for_target(target, AutoTokenizer.from_pretrained(target_dir), model,
-                                               generator=torch.Generator().manual_seed(0)).to(device)
+            drafter = DFlashDrafter.for_target(
+                target, AutoTokenizer.from_pretrained(target_dir), model, generator=torch.Generator().manual_seed(0)
+            ).to(device)
             graphs = []
             if compile.enabled:
-                print(f"warmup: compiling the training step ({compile.micro_batch} x {model.seq_len}) on "
-                      f"{device.type}, in this thread only", flush=True)
+                print(
+                    f"warmup: compiling the training step ({compile.micro_batch} x {model.seq_len}) on "
+                    f"{device.type}, in this thread only",
+                    flush=True,
+                )
                 graphs.append(run_step_once(compiled_step(drafter), drafter, model, compile.micro_batch, device))
             report = {
                 "graphs": graphs,
-                "counters": {**dynamo_counters(),
-                             "fxgraph_cache_miss": int(counters["inductor"]["fxgraph_cache_miss"]),
-                             "fxgraph_cache_hit": int(counters["inductor"]["fxgraph_cache_hit"])},
+                "counters": {
+                    **dynamo_counters(),
+                    "fxgraph_cache_miss": int(counters["inductor"]["fxgraph_cache_miss"]),
+                    "fxgraph_cache_hit": int(counters["inductor"]["fxgraph_cache_hit"]),
+                },
                 # The key's inputs include the fingerprint's kernel facts (torch build, GPUs, compile
                 # variables), so they are on record here too, without a second list of them.
                 BUILT_FOR: built_for(key),

@@ -24,7 +24,7 @@ class PromptResult:
     @property
     def first_divergence(self) -> int | None:
         a, b = self.target.tokens, self.speculative.tokens
-        index = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        index = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
         return index if index is not None or len(a) == len(b) else min(len(a), len(b))
 
 
@@ -66,8 +66,10 @@ def eval_metrics(results: list[PromptResult], block_size: int) -> tuple[dict, di
     histogram = {str(a): sum(d.accepted.count(a) for d in spec) for a in range(block_size)}
     metrics = {
         **_summary(results),
-        "decode_tokens_per_s": {"target": round(1 / base_s, 2) if base_s else 0.0,
-                                "speculative": round(1 / ours_s, 2) if ours_s else 0.0},
+        "decode_tokens_per_s": {
+            "target": round(1 / base_s, 2) if base_s else 0.0,
+            "speculative": round(1 / ours_s, 2) if ours_s else 0.0,
+        },
         "lossless": not mismatched,
         "mismatched_prompts": [{"id": r.prompt.sample_id, "first_divergence": r.first_divergence} for r in mismatched],
         "per_source": per_source,

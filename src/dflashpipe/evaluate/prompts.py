@@ -30,8 +30,12 @@ def read_eval_split(manifest_dir: Path | str) -> list[dict]:
     path = manifest_dir / EVAL_FILE
     # Only the eval split is checked against the manifest's files.json: evaluate depends on that one
     # file (dvc.yaml), and a damaged training shard is tokenize's to refuse, not evaluate's.
-    verify_file_listing(manifest_dir, f"restore it with `dvc checkout {manifest_dir}` or rebuild it with "
-                        f"`dvc repro -f manifest`", SourceError, only=[EVAL_FILE])
+    verify_file_listing(
+        manifest_dir,
+        f"restore it with `dvc checkout {manifest_dir}` or rebuild it with `dvc repro -f manifest`",
+        SourceError,
+        only=[EVAL_FILE],
+    )
     try:
         table = pq.read_table(path)
     except FileNotFoundError:
@@ -43,8 +47,9 @@ def read_eval_split(manifest_dir: Path | str) -> list[dict]:
     return table.to_pylist()
 
 
-def eval_prompts(manifest_dir: Path | str, chat: ChatTokenizer, num_prompts: int,
-                 max_prompt_tokens: int) -> tuple[list[EvalPrompt], dict[str, dict[str, int]]]:
+def eval_prompts(
+    manifest_dir: Path | str, chat: ChatTokenizer, num_prompts: int, max_prompt_tokens: int
+) -> tuple[list[EvalPrompt], dict[str, dict[str, int]]]:
     """The first `num_prompts` usable samples of each source, in eval-file order, and what was skipped.
 
     A sample's prompt is its conversation before its last assistant turn, rendered with the target's

@@ -86,11 +86,19 @@ def _value(metrics: dict, path: tuple[str, ...]) -> float | None:
     return float(node) if isinstance(node, (int, float)) and not isinstance(node, bool) else None
 
 
-def compare(current: dict, baseline: dict | None, revision: str, commit: str | None, note: str,
-            max_regression: float) -> dict:
+def compare(
+    current: dict, baseline: dict | None, revision: str, commit: str | None, note: str, max_regression: float
+) -> dict:
     """metrics/eval_regression.json: the relative change of each headline metric, and which ones regressed."""
-    report = {"baseline": revision, "commit": commit, "note": note, "max_regression": max_regression,
-              "metrics": {}, "regressions": [], "throughput_regressions": []}
+    report = {
+        "baseline": revision,
+        "commit": commit,
+        "note": note,
+        "max_regression": max_regression,
+        "metrics": {},
+        "regressions": [],
+        "throughput_regressions": [],
+    }
     if baseline is None:
         return report
     for name, (path, throughput) in HEADLINE.items():
@@ -110,8 +118,10 @@ def regression_lines(report: dict) -> list[str]:
     for name in report["regressions"]:
         m = report["metrics"][name]
         kind = "THROUGHPUT REGRESSION" if name in report["throughput_regressions"] else "REGRESSION"
-        lines.append(f"!!! {kind}: {name} {m['old']:g} -> {m['new']:g} ({m['change']:+.1%}) vs {report['baseline']} "
-                     f"({(report['commit'] or '')[:12]}); evaluate.max_regression = {report['max_regression']:g}")
+        lines.append(
+            f"!!! {kind}: {name} {m['old']:g} -> {m['new']:g} ({m['change']:+.1%}) vs {report['baseline']} "
+            f"({(report['commit'] or '')[:12]}); evaluate.max_regression = {report['max_regression']:g}"
+        )
     return lines
 
 

@@ -147,8 +147,9 @@ def target_generate(target, start: Prefill, max_new_tokens: int, stop_token_ids:
 
 
 @torch.no_grad()
-def speculative_generate(target, drafter: Drafter, start: Prefill, max_new_tokens: int,
-                         stop_token_ids: Sequence[int], profile: bool = False) -> Decoded:
+def speculative_generate(
+    target, drafter: Drafter, start: Prefill, max_new_tokens: int, stop_token_ids: Sequence[int], profile: bool = False
+) -> Decoded:
     """Greedy DFlash decoding from a prefill; `profile` times each part (with a device sync around each)."""
     stop, device, bs = frozenset(stop_token_ids), target.device, drafter.block_size
     layer_ids = list(drafter.target_layer_ids)
@@ -163,19 +164,23 @@ def speculative_generate(target, drafter: Drafter, start: Prefill, max_new_token
         size = min(bs, max_new_tokens - len(result.tokens) + 1)
         proposals = drafter.draft(anchor)[: size - 1]
         t1 = clock(device) if profile else 0.0
-        out = target(torch.cat([anchor.view(1), proposals]).view(1, size), past_key_values=cache, use_cache=True,
-                     output_hidden_states=True)
+        out = target(
+            torch.cat([anchor.view(1), proposals]).view(1, size),
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
         t2 = clock(device) if profile else 0.0
         posterior = out.logits[0].argmax(-1)  # [size]: the target's token after each block position
         matches = (proposals == posterior[:-1]).cumprod(0).sum()
         # One transfer to the host per step: the accepted count and the target's tokens together.
         host = torch.cat([matches.view(1), posterior]).tolist()
         accepted = host[0]
-        new = host[1:accepted + 2]  # the accepted proposals equal the target's tokens; then the bonus
-        new = new[:max_new_tokens - len(result.tokens)]
+        new = host[1 : accepted + 2]  # the accepted proposals equal the target's tokens; then the bonus
+        new = new[: max_new_tokens - len(result.tokens)]
         cut = _first_stop(new, stop)
         if cut is not None:
-            new = new[:cut + 1]
+            new = new[: cut + 1]
         result.accepted.append(accepted)
         result.produced.append(len(new))
         result.sizes.append(size)
@@ -186,7 +191,7 @@ def speculative_generate(target, drafter: Drafter, start: Prefill, max_new_token
             rejected = size - accepted - 1
             if rejected:
                 cache.crop(-rejected)  # transformers 5: a negative count of positions to drop from the end
-            features = target_features(out.hidden_states, layer_ids)[:, :accepted + 1]
+            features = target_features(out.hidden_states, layer_ids)[:, : accepted + 1]
             t3 = clock(device) if profile else 0.0
             drafter.extend(features)
             timing["extend_s"] += (clock(device) - t3) if profile else 0.0

@@ -7,5 +7,14 @@ from dflashpipe.model.features import spaced_target_layer_ids, target_features
 from dflashpipe.model.loss import DraftLoss
 from dflashpipe.model.mask import dflash_mask_mod
 
-__all__ = ["DFlashConfig", "DFlashDrafter", "DraftContext", "DraftLoss", "TargetHead", "dflash_mask_mod",
-           "sample_anchor_positions", "spaced_target_layer_ids", "target_features"]
+__all__ = [
+    "DFlashConfig",
+    "DFlashDrafter",
+    "DraftContext",
+    "DraftLoss",
+    "TargetHead",
+    "dflash_mask_mod",
+    "sample_anchor_positions",
+    "spaced_target_layer_ids",
+    "target_features",
+]

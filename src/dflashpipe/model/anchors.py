@@ -17,8 +17,9 @@ def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
     return candidates
 
 
-def sample_anchor_positions(loss_mask: torch.Tensor, num_anchors: int,
-                            generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchor_positions(
+    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to `num_anchors` distinct candidate positions per sequence, uniformly at random, sorted.
 
     Returns (anchors [B, A] long, valid [B, A] bool). A sequence with fewer candidates

@@ -34,15 +34,22 @@ def compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def build_mask(mask_mod: MaskMod, backend: Backend, batch: int, q_len: int, kv_len: int,
-               device: torch.device) -> BlockMask | torch.Tensor:
+def build_mask(
+    mask_mod: MaskMod, backend: Backend, batch: int, q_len: int, kv_len: int, device: torch.device
+) -> BlockMask | torch.Tensor:
     if backend == "flex":
         return flex_block_mask(mask_mod, batch, q_len, kv_len, device)
     return dense_mask(mask_mod, batch, q_len, kv_len, device)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | torch.Tensor | None,
-           backend: Backend, compiled: bool = True) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: BlockMask | torch.Tensor | None,
+    backend: Backend,
+    compiled: bool = True,
+) -> torch.Tensor:
     """Scaled dot-product attention of q [B, Hq, Q, D] over k, v [B, Hkv, KV, D]; mask None = see all."""
     if backend == "sdpa":
         if isinstance(mask, BlockMask):

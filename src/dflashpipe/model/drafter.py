@@ -79,9 +79,16 @@ class DraftContext:
 
 
 class DFlashDrafter(nn.Module):
-    def __init__(self, config: DFlashConfig, target: TargetHead, *,
-                 attention: Literal["auto", "flex", "sdpa"] = "auto", gamma: float | None = None,
-                 compile_flex: bool = True, generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self,
+        config: DFlashConfig,
+        target: TargetHead,
+        *,
+        attention: Literal["auto", "flex", "sdpa"] = "auto",
+        gamma: float | None = None,
+        compile_flex: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.target = target  # a plain attribute, not a submodule: no weights of the target in our state dict
@@ -109,7 +116,9 @@ class DFlashDrafter(nn.Module):
         """Start `norm` as the target's final norm and keep it frozen, after checking it is a plain RMSNorm."""
         weight = getattr(final_norm, "weight", None)
         if weight is None or weight.shape != (self.config.hidden_size,):
-            raise SourceError(f"the target's final norm ({type(final_norm).__name__}) is not an RMSNorm of the hidden size")
+            raise SourceError(
+                f"the target's final norm ({type(final_norm).__name__}) is not an RMSNorm of the hidden size"
+            )
         with torch.no_grad():
             self.norm.weight.copy_(weight.to(self.norm.weight.dtype))
             # A Gemma-style (1 + w) norm or a LayerNorm would pass the shape test and still differ.
@@ -142,8 +151,14 @@ class DFlashDrafter(nn.Module):
         block = anchor_ids.new_full((*anchor_ids.shape, self.config.block_size), self.config.mask_token_id)
         return torch.cat([anchor_ids[..., None], block[..., 1:]], dim=-1)
 
-    def _run_layers(self, x: torch.Tensor, context: torch.Tensor | DraftContext, block_positions: torch.Tensor,
-                    mask: BlockMask | torch.Tensor | None, backend: Backend) -> torch.Tensor:
+    def _run_layers(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | DraftContext,
+        block_positions: torch.Tensor,
+        mask: BlockMask | torch.Tensor | None,
+        backend: Backend,
+    ) -> torch.Tensor:
         cos, sin = self.rotary(block_positions, x.dtype)
         if isinstance(context, torch.Tensor):
             ctx_positions = torch.arange(context.shape[1], device=x.device).expand(context.shape[0], -1)
@@ -164,7 +179,8 @@ class DFlashDrafter(nn.Module):
         num_anchors, bs = anchors.shape[1], self.config.block_size
         if features.shape != (batch, seq_len, self.config.feature_size) or anchors.shape[0] != batch:
             raise ValueError(
-                f"features {tuple(features.shape)}, input_ids {tuple(input_ids.shape)}, anchors {tuple(anchors.shape)}: "
+                f"features {tuple(features.shape)}, input_ids {tuple(input_ids.shape)}, "
+                f"anchors {tuple(anchors.shape)}: "
                 f"expected [B, S, {self.config.feature_size}], [B, S], [B, A]"
             )
         x = self.embed(self._block_ids(input_ids.gather(1, anchors)).flatten(1))  # [B, A*bs, H]
@@ -175,8 +191,14 @@ class DFlashDrafter(nn.Module):
         hidden = self._run_layers(x, self.fuse(features), block_positions, mask, backend)
         return hidden.view(batch, num_anchors, bs, -1)
 
-    def forward(self, features: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                anchors: torch.Tensor, anchor_valid: torch.Tensor) -> DraftLoss:
+    def forward(
+        self,
+        features: torch.Tensor,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        anchors: torch.Tensor,
+        anchor_valid: torch.Tensor,
+    ) -> DraftLoss:
         """Training step's forward: features [B, S, n*H], ids and loss_mask [B, S], anchors and valid [B, A]."""
         if self.gamma is None:
             raise ValueError("this drafter was built without gamma: pass gamma=params.model.gamma to train it")
@@ -246,11 +268,13 @@ class DFlashDrafter(nn.Module):
         return drafter
 
     @classmethod
-    def for_target(cls, target_model: nn.Module, tokenizer: Any, params: ModelParams,
-                   generator: torch.Generator | None = None) -> DFlashDrafter:
+    def for_target(
+        cls, target_model: nn.Module, tokenizer: Any, params: ModelParams, generator: torch.Generator | None = None
+    ) -> DFlashDrafter:
         """A freshly initialised drafter sized for a Hugging Face target, configured by params.yaml's model."""
         embed = target_model.get_input_embeddings()
         mask_token_id = resolve_mask_token_id(tokenizer, embed.num_embeddings, params.mask_token)
         config = DFlashConfig.for_target(target_model.config, params, mask_token_id)
-        return cls(config, TargetHead.of(target_model), attention=params.attention, gamma=params.gamma,
-                   generator=generator)
+        return cls(
+            config, TargetHead.of(target_model), attention=params.attention, gamma=params.gamma, generator=generator
+        )

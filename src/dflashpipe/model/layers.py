@@ -39,8 +39,10 @@ class Rotary:
         """cos, sin for integer positions [B, N]: each [B, 1, N, head_dim], ready to broadcast over heads."""
         # Angles in float32 (float64 for float64 models): bf16 positions past 256 are not even integers.
         work = torch.float64 if dtype == torch.float64 else torch.float32
-        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=positions.device).to(work) / self.head_dim
-        inv_freq = 1.0 / (self.theta ** exponent)
+        exponent = (
+            torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=positions.device).to(work) / self.head_dim
+        )
+        inv_freq = 1.0 / (self.theta**exponent)
         angles = positions.to(work)[..., None] * inv_freq
         angles = torch.cat([angles, angles], dim=-1)[:, None]
         return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -72,9 +74,17 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rotary(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, context_k: torch.Tensor, context_v: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, mask: BlockMask | torch.Tensor | None, backend: Backend,
-                compiled: bool) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        context_k: torch.Tensor,
+        context_v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: BlockMask | torch.Tensor | None,
+        backend: Backend,
+        compiled: bool,
+    ) -> torch.Tensor:
         b, n, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, n, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rotary(q, cos, sin)
@@ -104,8 +114,16 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config)
 
-    def forward(self, x: torch.Tensor, context_k: torch.Tensor, context_v: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, mask: BlockMask | torch.Tensor | None, backend: Backend,
-                compiled: bool) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        context_k: torch.Tensor,
+        context_v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: BlockMask | torch.Tensor | None,
+        backend: Backend,
+        compiled: bool,
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), context_k, context_v, cos, sin, mask, backend, compiled)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -23,8 +23,14 @@ class DraftLoss(NamedTuple):
         return self.slot_correct / self.slot_count.clamp_min(1)
 
 
-def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
-                 anchor_valid: torch.Tensor, block_size: int, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+def block_labels(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    block_size: int,
+    gamma: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels and weights [B, A, block_size - 1] for slots k = 1..block_size-1 (slot 0 is the given anchor).
 
     Slot k predicts the token at anchor + k. Its weight is validity (a real anchor, a position
@@ -58,4 +64,3 @@ def decay_weighted_loss(logits: torch.Tensor, labels: torch.Tensor, weights: tor
         slot_correct = correct.flatten(0, 1).sum(0).to(torch.float32)
         slot_count = counted.flatten(0, 1).sum(0).to(torch.float32)
     return DraftLoss(loss, slot_correct, slot_count)
-

@@ -52,8 +52,12 @@ class ChatTokenizer:
         """The text `apply_chat_template(conversation, tokenize=False)` gives, from the same function."""
         from transformers.utils.chat_template_utils import render_jinja_template
 
-        rendered, _ = render_jinja_template(conversations=[conversation], chat_template=self.template,
-                                            add_generation_prompt=add_generation_prompt, **self.template_kwargs)
+        rendered, _ = render_jinja_template(
+            conversations=[conversation],
+            chat_template=self.template,
+            add_generation_prompt=add_generation_prompt,
+            **self.template_kwargs,
+        )
         return rendered[0]
 
 
@@ -84,8 +88,12 @@ def load_chat_tokenizer(target_dir: Path | str) -> ChatTokenizer:
             f"rendered with the target's own template, so use an instruct/chat target"
         )
     specials = sorted((t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len, reverse=True)
-    return ChatTokenizer(tokenizer, template, dict(tokenizer.special_tokens_map),
-                         re.compile("|".join(map(re.escape, specials)) or "(?!)"))
+    return ChatTokenizer(
+        tokenizer,
+        template,
+        dict(tokenizer.special_tokens_map),
+        re.compile("|".join(map(re.escape, specials)) or "(?!)"),
+    )
 
 
 class ReplyLocator:
@@ -142,15 +150,16 @@ class ReplyLocator:
                 continue
             try:
                 head = self.chat.render(conversation[:i], add_generation_prompt=True)
-                through = self.chat.render(conversation[:i + 1])
+                through = self.chat.render(conversation[: i + 1])
             except template_errors():
                 return None
             if not (through.startswith(head) and text.startswith(through)):
                 return None
-            reply = through[len(head):]
+            reply = through[len(head) :]
             content = turn["content"]
-            shown = next((c for c in (content, content.strip(), content.rstrip(), content.lstrip())
-                          if reply.startswith(c)), "")
+            shown = next(
+                (c for c in (content, content.strip(), content.rstrip(), content.lstrip()) if reply.startswith(c)), ""
+            )
             end = self._end_of_turn(reply, len(shown))
             spans.append((len(head), len(head) + (end if end > len(shown) else len(reply))))
         return spans
@@ -159,7 +168,7 @@ class ReplyLocator:
         """Where the end-of-turn token after `after` ends: the first special token, if only
         whitespace precedes it; else `after` (the reply has no end-of-turn token)."""
         match = self.chat.special.search(text, after)
-        if match is None or text[after:match.start()].strip():
+        if match is None or text[after : match.start()].strip():
             return after
         return match.end()
 

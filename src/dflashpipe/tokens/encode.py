@@ -15,8 +15,14 @@ import numpy as np
 from dflashpipe.params import TokenizeParams
 from dflashpipe.tokens.chat import ChatTokenizer, ReplyLocator, template_errors
 
-SKIP_REASONS = ("no_assistant_turn", "template_error", "empty_render", "unplaceable_turn", "too_long",
-                "too_few_supervised")
+SKIP_REASONS = (
+    "no_assistant_turn",
+    "template_error",
+    "empty_render",
+    "unplaceable_turn",
+    "too_long",
+    "too_few_supervised",
+)
 """Why a sample has no row; summary.json counts each, so samples in = out + skipped."""
 EXAMPLES_PER_REASON = 3
 
@@ -71,7 +77,7 @@ class TokenStats:
         _add_counts(self.mask_method, other.mask_method)
         for reason, examples in other.skipped_examples.items():
             shown = self.skipped_examples.setdefault(reason, [])
-            shown.extend(examples[:EXAMPLES_PER_REASON - len(shown)])
+            shown.extend(examples[: EXAMPLES_PER_REASON - len(shown)])
         for name, theirs in other.sources.items():
             ours = self.sources.setdefault(name, SourceCounts())
             for key in ("samples_in", "samples_out", "tokens", "supervised_tokens"):
@@ -162,14 +168,17 @@ class SampleEncoder:
             return
         # Token ranges of the replies, [first, last + 1): the tokens holding a reply's first and
         # last characters, so a token that overlaps a reply at all is supervised.
-        token_spans = [(_token_at(encoding, start, length), _token_at(encoding, end - 1, length) + 1)
-                       for start, end in spans if end > start]
+        token_spans = [
+            (_token_at(encoding, start, length), _token_at(encoding, end - 1, length) + 1)
+            for start, end in spans
+            if end > start
+        ]
         if length > params.max_length:
             fits = [k for k, (_, stop) in enumerate(token_spans) if stop <= params.max_length]
             if params.truncation == "drop" or not fits:
                 stats.skip(source, "too_long", f"{sample_id}: {length} tokens")
                 return
-            token_spans, truncated = token_spans[:fits[-1] + 1], True
+            token_spans, truncated = token_spans[: fits[-1] + 1], True
             length = token_spans[-1][1]
         supervised = token_spans if params.assistant_turns == "all" else token_spans[-1:]
         mask = np.zeros(length, dtype=np.uint8)

@@ -53,8 +53,10 @@ class ManifestShard:
 def read_manifest(manifest_dir: Path) -> list[ManifestShard]:
     """The manifest's training shards, after the manifest's own check of every file's sha256."""
     summary = verify_manifest(manifest_dir)
-    return [ManifestShard(index, manifest_dir / e["file"], e["samples"], e["sha256"])
-            for index, e in enumerate(summary["shards"])]
+    return [
+        ManifestShard(index, manifest_dir / e["file"], e["samples"], e["sha256"])
+        for index, e in enumerate(summary["shards"])
+    ]
 
 
 # --- running it across processes -----------------------------------------------------------
@@ -74,15 +76,24 @@ def _encode_task(task: tuple[int, str, int, int]) -> tuple[int, EncodedRows, Tok
     if _WORKER.get("path") != path:
         _WORKER["path"], _WORKER["table"] = path, pq.read_table(path, columns=["id", "source", "conversation"])
     part = _WORKER["table"].slice(start, stop - start)
-    samples = list(zip(part.column("id").to_pylist(), part.column("source").to_pylist(),
-                       part.column("conversation").to_pylist(), strict=True))
+    samples = list(
+        zip(
+            part.column("id").to_pylist(),
+            part.column("source").to_pylist(),
+            part.column("conversation").to_pylist(),
+            strict=True,
+        )
+    )
     rows, stats = _WORKER["encoder"].encode(samples)
     return index, rows, stats
 
 
 def _tasks(shards: list[ManifestShard]) -> list[tuple[int, str, int, int]]:
-    return [(s.index, str(s.path), start, min(start + CHUNK_SAMPLES, s.samples))
-            for s in shards for start in range(0, s.samples, CHUNK_SAMPLES)]
+    return [
+        (s.index, str(s.path), start, min(start + CHUNK_SAMPLES, s.samples))
+        for s in shards
+        for start in range(0, s.samples, CHUNK_SAMPLES)
+    ]
 
 
 @contextlib.contextmanager
@@ -164,8 +175,13 @@ def _reused_stats(path: Path, key: str | None) -> TokenStats | None:
         return None
 
 
-def tokenize_manifest(params: TokenizeParams, manifest_dir: Path | str, target_dir: Path | str,
-                      out_dir: Path | str, key: StageKey | None = None) -> TokenizeRun:
+def tokenize_manifest(
+    params: TokenizeParams,
+    manifest_dir: Path | str,
+    target_dir: Path | str,
+    out_dir: Path | str,
+    key: StageKey | None = None,
+) -> TokenizeRun:
     """Bring `out_dir` to one tokens shard per manifest shard, then summary.json, then files.json.
 
     `key` is what decides every shard besides its own input: the stage's key from dvc.yaml (see
@@ -194,8 +210,13 @@ def tokenize_manifest(params: TokenizeParams, manifest_dir: Path | str, target_d
         stats = empty_stats()
         for _, part_stats in parts:
             stats.merge(part_stats)
-        write_shard(out_dir / shard_name(shard.index), concat_rows([p[0] for p in parts]), stats,
-                    keys[shard.index], {"file": shard.path.name, "sha256": shard.sha256})
+        write_shard(
+            out_dir / shard_name(shard.index),
+            concat_rows([p[0] for p in parts]),
+            stats,
+            keys[shard.index],
+            {"file": shard.path.name, "sha256": shard.sha256},
+        )
         stats_by_shard[shard.index] = stats
 
     num_proc = params.num_proc or available_cores()
@@ -205,8 +226,10 @@ def tokenize_manifest(params: TokenizeParams, manifest_dir: Path | str, target_d
         if tasks_left[s.index] == 0:  # an empty manifest shard still gets its (empty) tokens shard
             finish(s, [])
     pending: dict[int, list[tuple[EncodedRows, TokenStats]]] = {}
-    with _results(tasks, chat, params, num_proc) as results, \
-            tqdm(total=sum(s.samples for s in todo), desc="tokenize", unit="sample", mininterval=1.0) as bar:
+    with (
+        _results(tasks, chat, params, num_proc) as results,
+        tqdm(total=sum(s.samples for s in todo), desc="tokenize", unit="sample", mininterval=1.0) as bar,
+    ):
         for index, rows, stats in results:
             bar.update(stats.samples_in)
             pending.setdefault(index, []).append((rows, stats))
@@ -219,15 +242,29 @@ def tokenize_manifest(params: TokenizeParams, manifest_dir: Path | str, target_d
     for s in shards:
         total.merge(stats_by_shard[s.index])
         path = out_dir / shard_name(s.index)
-        entries.append({"file": path.name, "samples": stats_by_shard[s.index].samples_out,
-                        "sha256": file_sha256(path), "key": keys[s.index],
-                        "input": {"file": s.path.name, "sha256": s.sha256}})
+        entries.append(
+            {
+                "file": path.name,
+                "samples": stats_by_shard[s.index].samples_out,
+                "sha256": file_sha256(path),
+                "key": keys[s.index],
+                "input": {"file": s.path.name, "sha256": s.sha256},
+            }
+        )
     summary = {"length_histogram_max_tokens": length_edges(params.max_length), **total.to_json(), "shards": entries}
     write_json_atomic(out_dir / SUMMARY_FILE, summary)
     write_file_listing(out_dir)  # last: a directory without it is not a complete output
-    run = TokenizeRun(summary, sorted(shard_name(s.index) for s in todo), reused_names,
-                      sum(s.samples for s in todo), sum(stats_by_shard[s.index].tokens for s in todo),
-                      num_proc, time.perf_counter() - began)
-    print(f"tokenize: encoded {len(run.encoded_shards)} shard(s), reused {len(reused_names)}; "
-          f"{total.samples_out} of {total.samples_in} samples kept, {total.tokens} tokens")
+    run = TokenizeRun(
+        summary,
+        sorted(shard_name(s.index) for s in todo),
+        reused_names,
+        sum(s.samples for s in todo),
+        sum(stats_by_shard[s.index].tokens for s in todo),
+        num_proc,
+        time.perf_counter() - began,
+    )
+    print(
+        f"tokenize: encoded {len(run.encoded_shards)} shard(s), reused {len(reused_names)}; "
+        f"{total.samples_out} of {total.samples_in} samples kept, {total.tokens} tokens"
+    )
     return run

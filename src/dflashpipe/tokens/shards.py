@@ -29,13 +29,15 @@ from dflashpipe.errors import SourceError
 if TYPE_CHECKING:
     from dflashpipe.tokens.encode import EncodedRows, TokenStats
 
-SCHEMA = pa.schema([
-    ("id", pa.string()),
-    ("source", pa.string()),
-    ("input_ids", pa.list_(pa.int32())),
-    ("loss_mask", pa.list_(pa.uint8())),
-    ("truncated", pa.bool_()),
-])
+SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("source", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.uint8())),
+        ("truncated", pa.bool_()),
+    ]
+)
 METADATA_KEY = b"dflashpipe.tokens"
 SUMMARY_FILE = "summary.json"
 """Both the manifest's and this stage's."""
@@ -60,13 +62,16 @@ def rows_table(rows: EncodedRows) -> pa.Table:
     def flat(parts: list[np.ndarray], dtype) -> np.ndarray:
         return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
-    return pa.Table.from_arrays([
-        pa.array(rows.ids, pa.string()),
-        pa.array(rows.sources, pa.string()),
-        pa.ListArray.from_arrays(offsets, pa.array(flat(rows.input_ids, np.int32))),
-        pa.ListArray.from_arrays(offsets, pa.array(flat(rows.loss_mask, np.uint8))),
-        pa.array(rows.truncated, pa.bool_()),
-    ], schema=SCHEMA)
+    return pa.Table.from_arrays(
+        [
+            pa.array(rows.ids, pa.string()),
+            pa.array(rows.sources, pa.string()),
+            pa.ListArray.from_arrays(offsets, pa.array(flat(rows.input_ids, np.int32))),
+            pa.ListArray.from_arrays(offsets, pa.array(flat(rows.loss_mask, np.uint8))),
+            pa.array(rows.truncated, pa.bool_()),
+        ],
+        schema=SCHEMA,
+    )
 
 
 def write_shard(path: Path, rows: EncodedRows, stats: TokenStats, key: str | None, input_entry: dict) -> None:

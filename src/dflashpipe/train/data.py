@@ -68,7 +68,7 @@ def collate(data: TokenData, indices: list[int], seq_len: int, pad_id: int) -> B
         start, end = int(data.offsets[i]), int(data.offsets[i + 1])
         n = min(end - start, seq_len)
         truncated += (end - start) > seq_len
-        ids[row, :n] = torch.from_numpy(data.ids[start:start + n])
-        mask[row, :n] = torch.from_numpy(data.loss_mask[start:start + n])
+        ids[row, :n] = torch.from_numpy(data.ids[start : start + n])
+        mask[row, :n] = torch.from_numpy(data.loss_mask[start : start + n])
         attention[row, :n] = 1
     return Batch(ids, mask, attention, truncated)

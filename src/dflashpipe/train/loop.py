@@ -80,8 +80,12 @@ def head_on(target, device: torch.device) -> TargetHead:
 def replica_mismatches(replicas: list[torch.nn.Module]) -> list[str]:
     """The tensors (as `replica N: name`) in which a replica differs from replica 0; [] when all are identical."""
     first = {k: v.detach().cpu() for k, v in replicas[0].state_dict().items()}
-    return [f"replica {r}: {k}" for r, rep in enumerate(replicas[1:], start=1)
-            for k, v in rep.state_dict().items() if k not in first or not torch.equal(first[k], v.detach().cpu())]
+    return [
+        f"replica {r}: {k}"
+        for r, rep in enumerate(replicas[1:], start=1)
+        for k, v in rep.state_dict().items()
+        if k not in first or not torch.equal(first[k], v.detach().cpu())
+    ]
 
 
 @dataclass(frozen=True)
@@ -155,8 +159,9 @@ class Trainer:
     @property
     def plan(self) -> BatchPlan:
         p = self.inputs
-        return BatchPlan(len(self.data), self.topology.world_size, self.topology.replicas,
-                         p.compile.micro_batch, p.train.seed)
+        return BatchPlan(
+            len(self.data), self.topology.world_size, self.topology.replicas, p.compile.micro_batch, p.train.seed
+        )
 
     def global_replica(self, r: int) -> int:
         return self.topology.rank * self.topology.replicas + r
@@ -174,8 +179,9 @@ class Trainer:
             drafter = drafter.to(device)
             step_fn = compiled_step(drafter) if p.compile.enabled else drafter
             trainable = [t for t in drafter.parameters() if t.requires_grad]
-            optimizer = torch.optim.AdamW(trainable, lr=p.train.lr, betas=(0.9, 0.95),
-                                          weight_decay=p.train.weight_decay)
+            optimizer = torch.optim.AdamW(
+                trainable, lr=p.train.lr, betas=(0.9, 0.95), weight_decay=p.train.weight_decay
+            )
             self.replicas.append(Replica(drafter, step_fn, optimizer, device))
 
     def warm_up_compiled(self) -> float:
@@ -205,10 +211,17 @@ class Trainer:
             results = [rep.result for rep in self.replicas]
             self.truncated += sum(res.truncated for res in results)
             now = time.perf_counter()
-            self.history.append(StepRecord.of(
-                self.step, lr, [res.loss_terms for res in results], self.topology.world_size,
-                seconds=now - step_began, target_busy_s=sum(target_busy),
-                drafter_busy_s=sum(rep.busy_s for rep in self.replicas)))
+            self.history.append(
+                StepRecord.of(
+                    self.step,
+                    lr,
+                    [res.loss_terms for res in results],
+                    self.topology.world_size,
+                    seconds=now - step_began,
+                    target_busy_s=sum(target_busy),
+                    drafter_busy_s=sum(rep.busy_s for rep in self.replicas),
+                )
+            )
             step_began = now
             self.step += 1
             on_step(self)
@@ -242,8 +255,11 @@ class Trainer:
                 batch = collate(self.data, self.plan.indices(step, self.topology.rank, r), p.model.seq_len, self.pad_id)
                 began = time.perf_counter()
                 with torch.no_grad():
-                    out = target(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
-                                 output_hidden_states=True)
+                    out = target(
+                        input_ids=batch.input_ids.to(device),
+                        attention_mask=batch.attention_mask.to(device),
+                        output_hidden_states=True,
+                    )
                     features = target_features(out.hidden_states, layer_ids)
                 drafter_device = self.replicas[r].device
                 features = features.to(drafter_device, feature_dtype(drafter_device))
@@ -258,19 +274,25 @@ class Trainer:
                 began = time.perf_counter()
                 ids, mask = item.batch.input_ids.to(replica.device), item.batch.loss_mask.to(replica.device)
                 anchors, valid = sample_anchor_positions(
-                    mask, p.model.num_anchors, anchor_generator(p.train.seed, step, self.global_replica(r)))
+                    mask, p.model.num_anchors, anchor_generator(p.train.seed, step, self.global_replica(r))
+                )
                 with autocast(replica.device):
-                    out = guard.call(f"drafter step (replica {r})", replica.step_fn, item.features, ids, mask,
-                                     anchors, valid)
+                    out = guard.call(
+                        f"drafter step (replica {r})", replica.step_fn, item.features, ids, mask, anchors, valid
+                    )
                 out.loss.backward()
                 replica.busy_s += time.perf_counter() - began
                 replica.result = StepResult(out, item.batch.truncated)
                 barrier.wait()
 
-        threads = [threading.Thread(target=guarded, args=(target_worker, t), name=f"target-{t}", daemon=True)
-                   for t in range(n_targets)]
-        threads += [threading.Thread(target=guarded, args=(drafter_worker, r), name=f"drafter-{r}", daemon=True)
-                    for r in range(n_replicas)]
+        threads = [
+            threading.Thread(target=guarded, args=(target_worker, t), name=f"target-{t}", daemon=True)
+            for t in range(n_targets)
+        ]
+        threads += [
+            threading.Thread(target=guarded, args=(drafter_worker, r), name=f"drafter-{r}", daemon=True)
+            for r in range(n_replicas)
+        ]
         for th in threads:
             th.start()
         for th in threads:

@@ -39,19 +39,36 @@ class StepRecord:
     """Cumulative, over the drafter replicas of this run."""
 
     @classmethod
-    def of(cls, step: int, lr: float, losses: Sequence[DraftLoss], world_size: int, seconds: float,
-           target_busy_s: float, drafter_busy_s: float) -> StepRecord:
+    def of(
+        cls,
+        step: int,
+        lr: float,
+        losses: Sequence[DraftLoss],
+        world_size: int,
+        seconds: float,
+        target_busy_s: float,
+        drafter_busy_s: float,
+    ) -> StepRecord:
         """One step's record from every replica's loss terms."""
         correct = torch.stack([o.slot_correct.detach().float().cpu() for o in losses]).sum(0)
         count = torch.stack([o.slot_count.detach().float().cpu() for o in losses]).sum(0)
         loss = float(sum(o.loss.detach().float().cpu() for o in losses) / len(losses))
-        return cls(step=step, loss=loss, lr=lr, tokens=int(count.sum()) * world_size, seconds=seconds,
-                   slot_correct=correct.tolist(), slot_count=count.tolist(), target_busy_s=target_busy_s,
-                   drafter_busy_s=drafter_busy_s)
+        return cls(
+            step=step,
+            loss=loss,
+            lr=lr,
+            tokens=int(count.sum()) * world_size,
+            seconds=seconds,
+            slot_correct=correct.tolist(),
+            slot_count=count.tolist(),
+            target_busy_s=target_busy_s,
+            drafter_busy_s=drafter_busy_s,
+        )
 
 
-def train_metrics(trainer: Trainer, before: dict, after: dict, warm_s: float, compile_note: str,
-                  replicas_identical: bool) -> dict:
+def train_metrics(
+    trainer: Trainer, before: dict, after: dict, warm_s: float, compile_note: str, replicas_identical: bool
+) -> dict:
     """metrics/train/metrics.json. `before`/`after`: dynamo_counters() around the run."""
     history = trainer.history
     steady = history[1:] or history  # the first step includes the threads' start: excluded when possible
@@ -87,8 +104,10 @@ def write_plots(history: list[StepRecord], metrics_dir: Path) -> None:
     `plots/` whole: a killed run never leaves a half-written curve."""
     from dvclive import Live
 
-    with atomic_directory(metrics_dir / "plots") as plots, \
-            tempfile.TemporaryDirectory(prefix=f".plots{PARTIAL}live-", dir=metrics_dir) as scratch:
+    with (
+        atomic_directory(metrics_dir / "plots") as plots,
+        tempfile.TemporaryDirectory(prefix=f".plots{PARTIAL}live-", dir=metrics_dir) as scratch,
+    ):
         with Live(scratch, dvcyaml=False, save_dvc_exp=False, report=None) as live:
             for h in history:
                 live.step = h.step

@@ -35,8 +35,7 @@ class TrainPaths:
         return cls(*(root / p for p in (TOKENS, TARGET, COMPILE, DRAFTER, TRAIN_STATE, TRAIN_METRICS_DIR)))
 
 
-def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None,
-                  compile_key: StageKey | None) -> dict:
+def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, compile_key: StageKey | None) -> dict:
     """The whole train stage. Returns the metrics it wrote.
 
     `key`: what decides this run's output (`reuse_key("train")` under DVC); a checkpoint in
@@ -80,8 +79,11 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None,
         if every and t.step % every == 0 and t.step < max_steps:  # the last step's comes with the outputs
             save_checkpoint(t, paths.state, key)
         last = t.history[-1]
-        print(f"train: step {last.step + 1}/{max_steps} loss {last.loss:.4f} lr {last.lr:.2e} "
-              f"{last.tokens / max(last.seconds, 1e-9):.0f} tok/s", flush=True)
+        print(
+            f"train: step {last.step + 1}/{max_steps} loss {last.loss:.4f} lr {last.lr:.2e} "
+            f"{last.tokens / max(last.seconds, 1e-9):.0f} tok/s",
+            flush=True,
+        )
 
     trainer.run(guard, on_step)
     if inputs.compile.enabled:
@@ -91,8 +93,10 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None,
     metrics = train_metrics(trainer, before, after, warm_s, compile_note, replicas_identical=not mismatches)
     if mismatches:  # before any output: a drafter from diverged replicas is no result
         shown = ", ".join(mismatches[:3]) + (f" and {len(mismatches) - 3} more" if len(mismatches) > 3 else "")
-        raise DflashpipeError(f"drafter replicas diverged ({shown} differ from replica 0): their gradients were "
-                              f"not averaged identically, a bug in dflashpipe/train/loop.py; no output written")
+        raise DflashpipeError(
+            f"drafter replicas diverged ({shown} differ from replica 0): their gradients were "
+            f"not averaged identically, a bug in dflashpipe/train/loop.py; no output written"
+        )
     if topology.rank == 0:
         with atomic_directory(paths.drafter) as tmp:
             trainer.replicas[0].drafter.save_pretrained(tmp)

@@ -34,5 +34,9 @@ def check_topology(params: TopologyParams) -> Topology:
                     + ("" if available else ": use [cpu] here, or run on a GPU machine")
                 )
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    return Topology(tuple(torch.device(d) for d in params.target_devices),
-                    tuple(torch.device(d) for d in params.drafter_devices), rank, world_size)
+    return Topology(
+        tuple(torch.device(d) for d in params.target_devices),
+        tuple(torch.device(d) for d in params.drafter_devices),
+        rank,
+        world_size,
+    )
