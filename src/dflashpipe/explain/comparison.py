@@ -1,0 +1,200 @@
+"""Comparing two states along the DAG: each stage's verdict, the root causes, the metric deltas.
+
+Invariant: pure. Given the StageStates that state.py read, the verdicts depend on nothing else; the only
+reads are through the arguments (the cache lookup for outputs the workspace lost, and the metric files of
+the two states via `read_metrics`). Stages are visited upstream first, so a stage's verdict may rely on its
+upstream's; a dep inside an upstream's output is that upstream's doing, never a root cause of its own.
+"""
+
+from __future__ import annotations
+
+import json
+
+from dflashpipe.explain.report import (
+    ALWAYS,
+    DIRECT,
+    DOWNSTREAM,
+    FROZEN,
+    OUTPUTS,
+    RESTORABLE,
+    UNCHANGED,
+    UNKNOWN,
+    Cause,
+    MetricDelta,
+    StageState,
+    Verdict,
+)
+from dflashpipe.explain.state import State, in_cache, read_metrics
+
+
+def upstream_of(stages: dict[str, StageState]) -> dict[str, list[str]]:
+    """For each stage, the stages whose outputs it takes as file deps (params files excluded:
+    a stage that reads keys of another's output depends on those keys, compared one by one)."""
+    producers = {out: s.name for s in stages.values() for out in s.outs}
+    result = {}
+    for s in stages.values():
+        ups = []
+        for dep in s.deps:
+            for out, producer in producers.items():
+                if producer != s.name and (dep == out or dep.startswith(out.rstrip("/") + "/")):
+                    ups.append(producer)
+        result[s.name] = sorted(set(ups))
+    return result
+
+
+def topological(stages: dict[str, StageState], ups: dict[str, list[str]]) -> list[str]:
+    order, seen = [], set()
+
+    def visit(name: str) -> None:
+        if name in seen:
+            return
+        seen.add(name)
+        for u in ups.get(name, []):
+            visit(u)
+        order.append(name)
+
+    for name in stages:
+        visit(name)
+    return order
+
+
+def compare(
+    old: dict[str, StageState], new: dict[str, StageState], recorded: dict, cache, a: str, b: str
+) -> list[Verdict]:
+    ups = upstream_of(new)
+    upstream_outs = {s: {o for u in ups[s] for o in new[u].outs} for s in new}
+    verdicts: dict[str, Verdict] = {}
+    for name in topological(new, ups):
+        st, before = new[name], old.get(name)
+        v = Verdict(name, UNCHANGED)
+        verdicts[name] = v
+        if before is None:
+            v.verdict, v.note = UNKNOWN, f"no stage {name!r} in dvc.yaml at {a}: nothing to compare"
+            continue
+        if not before.locked:
+            v.verdict, v.note = UNKNOWN, f"no dvc.lock entry for {name!r} at {a}: its inputs then are unknowable"
+            continue
+        if st.cmd != before.cmd:
+            v.causes.append(Cause("cmd", name, before.cmd, st.cmd, f"dvc.yaml stages.{name}.cmd"))
+        for path in sorted(set(st.deps) | set(before.deps)):
+            old_md5, new_md5 = before.deps.get(path), st.deps.get(path)
+            if old_md5 == new_md5 or any(
+                path == o or path.startswith(o.rstrip("/") + "/") for o in upstream_outs[name]
+            ):
+                continue
+            v.causes.append(
+                Cause(
+                    "dep",
+                    path,
+                    old_md5,
+                    new_md5,
+                    f"{before.where.get(f'dep:{path}', f'dvc.lock@{a} (not listed)')} vs "
+                    f"{st.where.get(f'dep:{path}', f'{b} (not listed)')}",
+                )
+            )
+        for file in sorted(set(st.params) | set(before.params)):
+            old_values, new_values = before.params.get(file, {}), st.params.get(file, {})
+            for key in sorted(set(old_values) | set(new_values)):
+                if old_values.get(key) != new_values.get(key):
+                    v.causes.append(
+                        Cause(
+                            "param",
+                            f"{file}:{key}",
+                            old_values.get(key),
+                            new_values.get(key),
+                            f"{before.where.get(f'param:{file}:{key}', f'dvc.lock@{a}')} vs "
+                            f"{st.where.get(f'param:{file}:{key}', b)}",
+                        )
+                    )
+        for u in ups[name]:
+            changed_outs = [o for o in new[u].outs if old.get(u) and old[u].outs.get(o) != new[u].outs.get(o)]
+            if verdicts[u].verdict in (DIRECT, DOWNSTREAM) or (changed_outs and not _restorable(verdicts[u])):
+                v.upstream.append(u)
+        if st.frozen:
+            v.verdict, v.note = FROZEN, "frozen in dvc.yaml: `dvc repro` will not rerun it"
+        elif st.always_changed:
+            v.verdict, v.note = ALWAYS, "always_changed: it reruns on every `dvc repro` and observes the machine"
+        elif v.causes:
+            v.verdict = DIRECT
+        elif v.upstream:
+            v.verdict = DOWNSTREAM
+        elif recorded:
+            v.causes.extend(_output_problems(st, recorded.get(name, {}), cache))
+            if v.causes:
+                v.verdict = OUTPUTS
+    return [verdicts[n] for n in topological(new, ups)]
+
+
+def _restorable(v: Verdict) -> bool:
+    """Outputs that `dvc checkout` brings back as recorded: what reads them is not invalidated by their absence."""
+    return v.verdict == OUTPUTS and all(c.kind == "out" and c.evidence.endswith(RESTORABLE) for c in v.causes)
+
+
+def _output_problems(st: StageState, recorded: dict[str, str | None], cache) -> list[Cause]:
+    problems = []
+    for path, locked in recorded.items():
+        now = st.outs.get(path)
+        if locked is None or now == locked:
+            continue
+        restorable = in_cache(cache, locked)
+        fix = RESTORABLE if restorable else f"not in the cache: `dvc repro -f {st.name}` rebuilds it"
+        problems.append(
+            Cause(
+                "out",
+                path,
+                locked,
+                now or "missing",
+                f"dvc.lock (workspace) stages.{st.name}.outs md5 vs the workspace; {fix}",
+            )
+        )
+    return problems
+
+
+def root_causes(verdicts: list[Verdict]) -> list[Cause]:
+    """The direct causes, each once, with every stage it hits directly."""
+    merged: dict[tuple, Cause] = {}
+    for v in verdicts:
+        if v.verdict not in (DIRECT, OUTPUTS):
+            continue
+        for c in v.causes:
+            key = (
+                c.kind,
+                c.what,
+                json.dumps(c.old, sort_keys=True, default=str),
+                json.dumps(c.new, sort_keys=True, default=str),
+            )
+            if key not in merged:
+                merged[key] = Cause(c.kind, c.what, c.old, c.new, c.evidence, [])
+            merged[key].stages.append(v.stage)
+    return list(merged.values())
+
+
+def metric_deltas(
+    sa: State, sb: State, new: dict[str, StageState], verdicts: list[Verdict], ups: dict[str, list[str]]
+) -> list[MetricDelta]:
+    by_stage = {v.stage: v for v in verdicts}
+
+    def causes_reaching(stage: str) -> list[str]:
+        found, todo, seen = [], [stage], set()
+        while todo:
+            s = todo.pop()
+            if s in seen:
+                continue
+            seen.add(s)
+            found.extend(f"{c.what}" for c in by_stage[s].causes if by_stage[s].verdict == DIRECT)
+            todo.extend(ups.get(s, []))
+        return sorted(set(found))
+
+    deltas = []
+    for st in new.values():
+        for path in st.metrics:
+            old, cur = read_metrics(sa, path), read_metrics(sb, path)
+            for key in sorted(set(old) | set(cur)):
+                o, n = old.get(key), cur.get(key)
+                if o == n:
+                    continue
+                change = None
+                if isinstance(o, (int, float)) and isinstance(n, (int, float)) and not isinstance(o, bool) and o != 0:
+                    change = (n - o) / abs(o)
+                deltas.append(MetricDelta(path, key, o, n, change, st.name, causes_reaching(st.name)))
+    return deltas

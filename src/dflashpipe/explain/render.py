@@ -1,0 +1,111 @@
+"""Rendering a Report: text for the terminal (rich), Markdown for an issue or PR, JSON for machines.
+
+Invariant: presentation only. Every statement printed is a field of the Report; nothing is computed or
+read here, so the three forms always agree.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Any
+
+from dflashpipe.explain.report import (
+    DIRECT,
+    DOWNSTREAM,
+    OUTPUTS,
+    UNCHANGED,
+    UNKNOWN,
+    Cause,
+    MetricDelta,
+    Report,
+    Verdict,
+)
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str) if not isinstance(value, str) else value
+    if isinstance(value, str) and len(value) == 32 or (isinstance(value, str) and value.endswith(".dir")):
+        return value[:12]
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def cause_line(c: Cause) -> str:
+    what = {"param": "param", "dep": "dep", "cmd": "cmd of", "out": "output"}[c.kind]
+    return f"{what} {c.what}: {_short(c.old)} -> {_short(c.new)}"
+
+
+def to_json(report: Report) -> str:
+    return json.dumps(asdict(report), indent=2, default=str)
+
+
+def to_markdown(report: Report) -> str:
+    lines = [f"## What changed: {report.a} -> {report.b}", ""]
+    lines.append("### Root causes")
+    if not report.root_causes:
+        lines.append(f"- {_no_causes(report)}")
+    for c in report.root_causes:
+        lines.append(f"- `{cause_line(c)}` — hits {', '.join(c.stages)}  \n  evidence: `{c.evidence}`")
+    lines += ["", "### Stages (DAG order)", "", "| stage | verdict | why |", "|---|---|---|"]
+    for v in report.stages:
+        lines.append(f"| {v.stage} | {v.verdict} | {_why(v)} |")
+    lines += ["", "### Metrics"]
+    if not report.metrics:
+        lines.append("- no metric differs")
+    for m in report.metrics:
+        change, source = metric_line(m)
+        lines.append(f"- `{m.key}` {change} ({source})")
+    return "\n".join(lines) + "\n"
+
+
+def metric_line(m: MetricDelta) -> tuple[str, str]:
+    """'old -> new (+x%)' and where it came from, with the changed inputs behind it."""
+    pct = f" ({m.change:+.0%})" if m.change is not None else ""
+    return (
+        f"{m.old} -> {m.new}{pct}",
+        f"{m.file}, stage {m.stage}; changed inputs: {', '.join(m.causes) or 'none recorded'}",
+    )
+
+
+def _no_causes(report: Report) -> str:
+    unknown = [v.stage for v in report.stages if v.verdict == UNKNOWN]
+    if unknown:
+        return f"none found, but unknowable for {', '.join(unknown)} (no record of them at {report.a})"
+    return "nothing: every stage's recorded inputs are the same"
+
+
+def _why(v: Verdict) -> str:
+    if v.verdict == DIRECT:
+        return "; ".join(cause_line(c) for c in v.causes)
+    if v.verdict == DOWNSTREAM:
+        return f"upstream {', '.join(v.upstream)} changed or will be regenerated"
+    if v.verdict == OUTPUTS:
+        return "; ".join(f"{cause_line(c)} ({c.evidence.split('; ')[-1]})" for c in v.causes)
+    if v.verdict == UNCHANGED:
+        return "none of its deps, params or upstream outputs changed"
+    return v.note
+
+
+def print_text(report: Report) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = Console(highlight=False)
+    console.print(f"[bold]What changed: {report.a} -> {report.b}[/bold]")
+    console.print("\n[bold]Root causes[/bold]")
+    if not report.root_causes:
+        console.print(f"  {escape(_no_causes(report))}")
+    for c in report.root_causes:
+        console.print(f"  • {escape(cause_line(c))}  [dim]hits {', '.join(c.stages)}[/dim]")
+        console.print(f"    [dim]evidence: {escape(c.evidence)}[/dim]")
+    colour = {DIRECT: "red", DOWNSTREAM: "yellow", OUTPUTS: "magenta", UNCHANGED: "green"}
+    console.print("\n[bold]Stages[/bold] (DAG order)")
+    for v in report.stages:
+        style = colour.get(v.verdict, "cyan")
+        console.print(f"  [{style}]{v.stage}: {v.verdict}[/{style}] — {escape(_why(v))}")
+    console.print("\n[bold]Metrics[/bold]")
+    if not report.metrics:
+        console.print("  no metric differs")
+    for m in report.metrics:
+        change, source = metric_line(m)
+        console.print(f"  • {escape(m.key)} {change}  [dim]{escape(source)}[/dim]")

@@ -1,0 +1,76 @@
+"""The vocabulary of `dflashpipe explain`: the verdicts a stage can get and the records a report is made of.
+
+Invariant: plain data only. Nothing here reads a file, talks to DVC or git, or formats text; every other
+module of the package speaks in these types, and a Report turns into JSON with `dataclasses.asdict` alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+UNCHANGED = "unchanged"
+DIRECT = "changed (direct)"
+DOWNSTREAM = "invalidated (downstream)"
+OUTPUTS = "outputs missing/modified"
+FROZEN = "frozen"
+ALWAYS = "always-changed"
+UNKNOWN = "unknown"
+RESTORABLE = "restorable: `dvc checkout` brings the recorded bytes back from the cache"
+
+
+@dataclass
+class StageState:
+    """What one state says about one stage: its definition and the hashes/values it ran with."""
+
+    name: str
+    cmd: str | None = None
+    deps: dict[str, str | None] = field(default_factory=dict)
+    params: dict[str, dict[str, Any]] = field(default_factory=dict)
+    outs: dict[str, str | None] = field(default_factory=dict)
+    metrics: list[str] = field(default_factory=list)
+    frozen: bool = False
+    always_changed: bool = False
+    locked: bool = True
+    """False when the state has no dvc.lock entry for the stage: its hashes are unknowable."""
+    where: dict[str, str] = field(default_factory=dict)
+    """Evidence: for each dep/param/out key, the lock entry (or computation) it came from."""
+
+
+@dataclass
+class Cause:
+    kind: str  # "param", "dep", "cmd", "out"
+    what: str  # the key or path
+    old: Any
+    new: Any
+    evidence: str
+    stages: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Verdict:
+    stage: str
+    verdict: str
+    causes: list[Cause] = field(default_factory=list)
+    upstream: list[str] = field(default_factory=list)
+    note: str = ""
+
+
+@dataclass
+class MetricDelta:
+    file: str
+    key: str
+    old: Any
+    new: Any
+    change: float | None
+    stage: str
+    causes: list[str]
+
+
+@dataclass
+class Report:
+    a: str
+    b: str
+    root_causes: list[Cause]
+    stages: list[Verdict]
+    metrics: list[MetricDelta]
