@@ -1,68 +1,157 @@
-"""Corrupted artifacts: a truncated, bit-flipped, missing, extra or hand-edited manifest file is
-refused by `verify_manifest` / `read_manifest_shard` with a SourceError that names the file and the
-fix; never a pyarrow error from deep inside a reader, never silently wrong numbers."""
+"""Corrupted outputs: every directory output of the pipeline carries a files.json (sha256 and size of
+each file), and its reader checks it before using anything. One table of the outputs (the real ones
+of the shared `pipeline_run`) drives one set of damages — a listed file truncated, one bit flipped
+in any listed file, a listed file deleted, an unlisted file added, files.json missing, truncated, or
+listing a path outside the directory — and each must be refused by the reader's own check with its
+error type, naming the damaged file (or files.json) and the fix; never a pyarrow, safetensors or
+torch error from deep inside a loader, never silently wrong numbers. An intact output passes.
+
+The manifest's semantic checks (counts that do not add up, a summary.json that misdescribes the
+shards) are reached only past files.json, so those tests re-list the directory after editing it:
+they model a writer bug, not disk damage."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflashpipe.artifacts import canonical_json
-from dflashpipe.data.manifest import build_manifest
-from dflashpipe.data.shards import SUMMARY_FILE, read_manifest_shard, verify_manifest
+from dflashpipe.artifacts import FILE_LISTING, canonical_json, write_file_listing
+from dflashpipe.compile.artifact import CompileArtifactError, verify_artifact
+from dflashpipe.data.shards import EVAL_FILE, SUMMARY_FILE, read_manifest_shard, verify_manifest
 from dflashpipe.errors import SourceError
-from dflashpipe.params import DataParams, SourceSpec
+from dflashpipe.evaluate.evaluation import verify_drafter
+from dflashpipe.evaluate.prompts import read_eval_split
+from dflashpipe.pipeline import COMPILE, DRAFTER, MANIFEST, TOKENS, TRAIN_STATE
+from dflashpipe.tokens.shards import load_tokens
+from dflashpipe.train.checkpoint import CHECKPOINT, TrainCheckpointError, verify_checkpoint
 
-FIX = r"restore it with `dvc checkout .*` or rebuild it with `dvc repro -f manifest`"
+
+@dataclass(frozen=True)
+class Output:
+    """A directory output as one of its readers sees it."""
+
+    name: str
+    path: Path
+    """Where the pipeline writes it, under the project."""
+    check: Callable[[Path], object]
+    """The reader's check, given the directory: what runs before anything of it is used."""
+    error: type[Exception]
+    fix: tuple[str, ...]
+    """What a refusal must tell the user to run ({dir}: the directory)."""
+    only: tuple[str, ...] | None = None
+    """The files the reader depends on, when not the whole directory."""
+
+    def checked(self, directory: Path) -> list[str]:
+        """The listed files this reader checks, in files.json's order."""
+        return [f for f in json.loads((directory / FILE_LISTING).read_text()) if self.only is None or f in self.only]
+
+    def fixes(self, directory: Path) -> list[str]:
+        return [f.format(dir=directory) for f in self.fix]
+
+
+OUTPUTS = [
+    Output("manifest", MANIFEST, verify_manifest, SourceError, ("`dvc checkout {dir}`", "`dvc repro -f manifest`")),
+    Output("eval split", MANIFEST, read_eval_split, SourceError, ("`dvc checkout {dir}`", "`dvc repro -f manifest`"),
+           only=(EVAL_FILE,)),
+    Output("tokens", TOKENS, load_tokens, SourceError, ("`dvc checkout {dir}`", "`dvc repro -f tokenize`")),
+    Output("compile artifact", COMPILE, verify_artifact, CompileArtifactError,
+           ("`dvc checkout {dir}`", "`dvc repro -f warmup`")),
+    Output("drafter", DRAFTER, verify_drafter, SourceError, ("`dvc checkout {dir}`", "`dvc repro -f train`")),
+    Output("checkpoint", TRAIN_STATE / CHECKPOINT, verify_checkpoint, TrainCheckpointError, ("`rm -r {dir}`",)),
+]
+each_output = pytest.mark.parametrize("output", OUTPUTS, ids=[o.name for o in OUTPUTS])
+
+
+def copy_output(pipeline_run: Path, output: Output, to: Path) -> Path:
+    directory = to / output.name.replace(" ", "-") / output.path.name
+    shutil.copytree(pipeline_run / output.path, directory)
+    return directory
 
 
 @pytest.fixture(scope="module")
-def pristine(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("pristine") / "manifest"
-    sources = (SourceSpec(name="chitchat", kind="chitchat", weight=1.0, eval=4),
-               SourceSpec(name="python_code", kind="python_code", weight=1.0, eval=2))
-    build_manifest(DataParams(num_samples=30, shard_size=10, on_bad_record="skip", sources=sources), out)
-    return out
+def pristine(pipeline_run, tmp_path_factory) -> dict[str, Path]:
+    """A copy of every output, for tests that change a file and restore it (hypothesis runs many examples)."""
+    root = tmp_path_factory.mktemp("pristine")
+    return {o.name: copy_output(pipeline_run, o, root) for o in OUTPUTS}
 
 
-@pytest.fixture
-def manifest(pristine, tmp_path) -> Path:
-    copy = tmp_path / "manifest"
-    shutil.copytree(pristine, copy)
-    return copy
+def refused(output: Output, directory: Path, prefix: str) -> None:
+    """The reader's check refuses `directory` with its error type: `prefix` (the damaged file and what is
+    wrong with it) first, the fix after it."""
+    with pytest.raises(output.error) as err:
+        output.check(directory)
+    message = str(err.value)
+    assert message.startswith(prefix), f"expected {prefix!r}...\n     got {message!r}"
+    for fix in output.fixes(directory):
+        assert fix in message, f"{fix} not in {message!r}"
 
 
-def summary_of(manifest: Path) -> dict:
-    return json.loads((manifest / SUMMARY_FILE).read_text())
+@each_output
+def test_an_intact_output_passes_its_reader(pristine, output):
+    output.check(pristine[output.name])
 
 
-def refused(manifest: Path, match: str) -> None:
-    with pytest.raises(SourceError, match=match) as err:
-        verify_manifest(manifest)
-    assert "dvc checkout" in str(err.value) and "dvc repro -f manifest" in str(err.value)
-
-
-def test_an_intact_manifest_verifies_and_reads_back(manifest):
+def test_an_intact_manifest_reads_back(pristine):
+    manifest = pristine["manifest"]
     summary = verify_manifest(manifest)
-    assert summary == summary_of(manifest)
-    assert [read_manifest_shard(manifest, e).num_rows for e in summary["shards"]] == [10, 10, 10]
+    assert [read_manifest_shard(manifest, e).num_rows for e in [summary["eval"], *summary["shards"]]] == \
+        [e["samples"] for e in [summary["eval"], *summary["shards"]]]
+    assert len(read_eval_split(manifest)) == summary["eval"]["samples"]
 
 
-@pytest.mark.parametrize("victim", ["train-00001.parquet", "eval.parquet"])
-def test_a_truncated_shard_is_named_with_the_fix(manifest, victim):
-    path = manifest / victim
-    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    refused(manifest, rf"{path}: sha256 .* does not match .* in {manifest / SUMMARY_FILE} \(truncated, bit-flipped or edited\): {FIX}")
-    entry = next(e for e in [summary_of(manifest)["eval"], *summary_of(manifest)["shards"]] if e["file"] == victim)
-    with pytest.raises(SourceError, match=rf"{path}: sha256"):
-        read_manifest_shard(manifest, entry)
+DAMAGES = ["truncated", "deleted", "extra file", "no files.json", "files.json truncated", "files.json escapes"]
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+@each_output
+def test_a_damaged_output_is_refused_naming_the_file_and_the_fix(pipeline_run, tmp_path, output, damage):
+    directory = copy_output(pipeline_run, output, tmp_path)
+    listing = directory / FILE_LISTING
+    checked = output.checked(directory)
+    victim = max(checked, key=lambda f: ((directory / f).stat().st_size, f))  # the biggest file the reader reads
+    path = directory / victim
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        refused(output, directory, f"{path}: does not match its sha256 in {listing} "
+                                   f"(truncated, bit-flipped or edited): ")
+    elif damage == "deleted":
+        path.unlink()
+        refused(output, directory, f"{path}: listed in {listing} but missing: ")
+    elif damage == "extra file":
+        extra = f"{victim}.orig"
+        shutil.copy(path, directory / extra)
+        if output.only is None:
+            refused(output, directory, f"{directory}: holds files that {listing} does not list ({extra}): ")
+        else:  # the reader depends on its own files only: an unrelated file is no reason to refuse them
+            assert extra not in output.only
+            output.check(directory)
+    elif damage == "no files.json":
+        listing.unlink()
+        refused(output, directory, f"{directory}: {FILE_LISTING} missing (not a complete output): ")
+    elif damage == "files.json truncated":
+        listing.write_bytes(listing.read_bytes()[: listing.stat().st_size // 2])
+        refused(output, directory, f"{listing}: unreadable (")
+    else:
+        # The listing vouches for the victim at a path outside the directory, where an identical copy
+        # lies: only the containment check can refuse it (size and sha256 match there).
+        outside = directory.parent / victim
+        outside.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, outside)
+        files = json.loads(listing.read_text())
+        files[f"../{victim}"] = files.pop(victim)
+        listing.write_bytes(canonical_json(files))
+        if output.only is None:
+            refused(output, directory, f"{listing}: lists '../{victim}', a path outside {directory}: ")
+        else:
+            refused(output, directory, f"{listing}: does not list {victim}: ")
 
 
 @contextlib.contextmanager
@@ -79,175 +168,101 @@ def one_bit_flipped(path: Path, data) -> Iterator[bytes]:
         path.write_bytes(original)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@each_output
+@settings(max_examples=15, deadline=None)
 @given(data=st.data())
-def test_any_bit_flipped_in_any_shard_is_caught(pristine, data):
-    summary = summary_of(pristine)
-    entry = data.draw(st.sampled_from([summary["eval"], *summary["shards"]]), label="file")
-    path = pristine / entry["file"]
+def test_any_bit_flipped_in_any_listed_file_is_refused(pristine, output, data):
+    directory = pristine[output.name]
+    path = directory / data.draw(st.sampled_from(output.checked(directory)), label="file")
     with one_bit_flipped(path, data):
-        with pytest.raises(SourceError, match=rf"{path}: sha256 .*{FIX}"):
-            verify_manifest(pristine)
-        with pytest.raises(SourceError, match=rf"{path}: sha256 .*{FIX}"):
-            read_manifest_shard(pristine, entry)
+        refused(output, directory, f"{path}: does not match its sha256 in {directory / FILE_LISTING} "
+                                   f"(truncated, bit-flipped or edited): ")
 
 
-def counted(summary: dict) -> dict:
-    """The numbers a consumer takes from a summary (sources in order: a flipped name is no number)."""
-    sources = [{k: s[k] for k in ("read", "train", "eval")} | {"skipped": s["skipped"]} for s in summary["sources"].values()]
-    return {k: summary[k] for k in ("num_samples", "shards", "eval")} | {"sources": sources}
+# -- the manifest's own checks, past files.json: a writer that lists what it got wrong --
+
+FIX = r"restore it with `dvc checkout .*` or rebuild it with `dvc repro -f manifest`"
 
 
-@settings(max_examples=120, deadline=None)
-@given(data=st.data())
-def test_a_bit_flipped_summary_is_caught_or_changes_no_number(pristine, data):
-    # The summary carries no hash of itself, so a flip inside a skip example's text, a skip reason's name or the
-    # content hash may pass (DVC's record of data/manifest still shows it modified); a flip that changes a
-    # number a consumer reads, or breaks the JSON, must be refused.
-    path = pristine / SUMMARY_FILE
-    with one_bit_flipped(path, data) as original:
-        try:
-            summary = verify_manifest(pristine)
-        except SourceError as err:
-            assert str(pristine) in str(err) and "dvc repro -f manifest" in str(err)
-        else:
-            before, after = counted(json.loads(original)), counted(summary)
-            for s in (*before["sources"], *after["sources"]):
-                s["skipped"] = sum(s["skipped"].values())  # a renamed reason is no changed number
-            assert after == before, "a flipped bit changed a number unnoticed"
+@pytest.fixture
+def manifest(pipeline_run, tmp_path) -> Path:
+    return copy_output(pipeline_run, OUTPUTS[0], tmp_path)
 
 
-def edit_summary(manifest: Path, change) -> None:
-    summary = summary_of(manifest)
-    change(summary)
-    (manifest / SUMMARY_FILE).write_bytes(canonical_json(summary))
+def summary_of(manifest: Path) -> dict:
+    return json.loads((manifest / SUMMARY_FILE).read_text())
+
+
+def relisted(manifest: Path) -> Path:
+    """files.json rewritten over what is there now: the write of a buggy writer, which files.json cannot catch."""
+    write_file_listing(manifest)
+    return manifest
+
+
+def refused_manifest(manifest: Path, match: str) -> None:
+    with pytest.raises(SourceError, match=match) as err:
+        verify_manifest(manifest)
+    assert f"`dvc checkout {manifest}`" in str(err.value) and "`dvc repro -f manifest`" in str(err.value)
+
+
+def first_source(summary: dict) -> dict:
+    return next(iter(summary["sources"].values()))
+
+
+def add_skips(summary: dict) -> None:
+    skipped = first_source(summary)["skipped"]
+    skipped["no_turns"] = skipped.get("no_turns", 0) + 5
 
 
 @pytest.mark.parametrize(("name", "change", "match"), [
-    ("a shard's sha256", lambda s: s["shards"][0].update(sha256="0" * 64), r"train-00000.parquet: sha256"),
-    ("a shard's row count", lambda s: s["shards"][2].update(samples=11), r"counts do not add up"),
-    ("num_samples", lambda s: s.update(num_samples=31), r"counts do not add up"),
-    ("a source's read count", lambda s: s["sources"]["chitchat"].update(read=99), r"source 'chitchat': read 99"),
-    ("a skip count", lambda s: s["sources"]["chitchat"]["skipped"].update(no_turns=5), r"source 'chitchat'"),
-    ("an eval count", lambda s: s["sources"]["python_code"].update(eval=3), r"counts do not add up"),
+    ("a shard's sha256", lambda s: s["shards"][0].update(sha256="0" * 64),
+     r"gives train-00000.parquet the sha256 000000000000\.\.\., but the file's is"),
+    ("a shard's row count", lambda s: s["shards"][2].update(samples=s["shards"][2]["samples"] + 1),
+     r"counts do not add up"),
+    ("num_samples", lambda s: s.update(num_samples=s["num_samples"] + 1), r"counts do not add up"),
+    ("a source's read count", lambda s: first_source(s).update(read=999), r"source '\w+': read 999"),
+    ("a skip count", add_skips, r"source '\w+'"),
+    ("an eval count", lambda s: first_source(s).update(eval=first_source(s)["eval"] + 1), r"counts do not add up"),
     ("a shard file escaping the directory", lambda s: s["shards"][0].update(file="../../etc/passwd"),
      r"not a manifest summary \(file '../../etc/passwd' is not a plain file name\)"),
     ("the shard list", lambda s: s.update(shards={"file": "x"}), r"not a manifest summary"),
     ("an entry's type", lambda s: s["shards"][1].update(samples="10"), r"not a manifest summary"),
 ])
-def test_a_hand_edited_summary_is_refused(manifest, name, change, match):
-    edit_summary(manifest, change)
-    refused(manifest, rf"{manifest}/({SUMMARY_FILE}: .*)?{match}")  # names summary.json, or the shard it misdescribes
+def test_a_summary_whose_numbers_do_not_add_up_is_refused(manifest, name, change, match):
+    summary = summary_of(manifest)
+    change(summary)
+    (manifest / SUMMARY_FILE).write_bytes(canonical_json(summary))
+    refused_manifest(relisted(manifest), rf"{manifest / SUMMARY_FILE}: .*{match}")
 
 
-def test_missing_extra_and_unreadable_files_are_refused(manifest):
+@pytest.mark.parametrize(("name", "contents", "match"), [
+    ("missing", None, r"summary.json not found"),
+    ("not JSON", b'{"num_samples": 30, "shards": [', r"summary.json: not valid JSON .*truncated or edited"),
+    ("a list", b"[]", r"summary.json: not a manifest summary \(a JSON list\)"),
+])
+def test_a_summary_that_is_no_summary_is_refused(manifest, name, contents, match):
+    path = manifest / SUMMARY_FILE
+    if contents is None:
+        path.unlink()
+    else:
+        path.write_bytes(contents)
+    refused_manifest(relisted(manifest), rf"{manifest}/{match}")
+
+
+def test_a_summary_listing_files_that_are_not_there_is_refused(manifest):
     (manifest / "train-00001.parquet").unlink()
-    refused(manifest, rf"{manifest}/train-00001.parquet: listed in .* but missing")
+    refused_manifest(relisted(manifest), rf"{manifest / SUMMARY_FILE}: lists \['train-00001.parquet'\] "
+                                         r"but the directory holds \[\]")
     shutil.copy(manifest / "train-00000.parquet", manifest / "train-00001.parquet")
-    refused(manifest, r"train-00001.parquet: sha256")
-    (manifest / "train-00001.parquet").unlink()
-    shutil.copy(manifest / "train-00000.parquet", manifest / "train-00001.parquet.tmp")
-    refused(manifest, r"holds files that .* does not list \(train-00001.parquet.tmp\)")
-    shutil.rmtree(manifest)
-    manifest.mkdir()
-    refused(manifest, rf"{manifest / SUMMARY_FILE} not found")
-    (manifest / SUMMARY_FILE).write_bytes(b'{"num_samples": 30, "shards": [')
-    refused(manifest, r"summary.json: not valid JSON .*truncated or edited")
-    (manifest / SUMMARY_FILE).write_bytes(b"[]")
-    refused(manifest, r"summary.json: not a manifest summary \(a JSON list\)")
+    shutil.copy(manifest / "train-00000.parquet", manifest / "train-99999.parquet")
+    refused_manifest(relisted(manifest), rf"{manifest / SUMMARY_FILE}: lists \[\] "
+                                         r"but the directory holds \['train-99999.parquet'\]")
 
 
 def test_a_shard_that_matches_its_hash_but_is_not_parquet_is_a_clear_error(manifest):
-    # A summary regenerated over a damaged file (hash and file agree) still never reaches pyarrow's traceback.
-    import hashlib
-
+    # A listing written over a damaged file (hash and file agree) still never reaches pyarrow's traceback.
     path = manifest / "train-00000.parquet"
     path.write_bytes(b"PAR1 not really a parquet file")
-    entry = dict(summary_of(manifest)["shards"][0], sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+    relisted(manifest)
     with pytest.raises(SourceError, match=rf"{path}: not a readable parquet shard .*{FIX}"):
-        read_manifest_shard(manifest, entry)
-
-
-# -- directory outputs checked through their files.json: the compile artifact, the drafter, the checkpoint --
-
-@pytest.fixture(scope="module")
-def drafter_dir(tmp_path_factory) -> Path:
-    """A real drafter checkpoint as `train` writes it: published format plus its files.json."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from dflashpipe.artifacts import write_file_listing
-    from dflashpipe.model import DFlashDrafter, TargetHead
-    from tests.test_model import tiny_config
-
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
-                                          num_attention_heads=4, num_key_value_heads=2)).eval()
-    out = tmp_path_factory.mktemp("drafter") / "drafter"
-    DFlashDrafter(tiny_config(target), TargetHead.of(target)).save_pretrained(out)
-    write_file_listing(out)
-    return out
-
-
-@pytest.fixture
-def drafter(drafter_dir, tmp_path) -> Path:
-    copy = tmp_path / "drafter"
-    shutil.copytree(drafter_dir, copy)
-    return copy
-
-
-def refused_drafter(drafter: Path, match: str) -> None:
-    """evaluate's own entry point refuses the drafter before anything is loaded."""
-    from dflashpipe.evaluate.evaluation import EvaluateInputs, evaluate_drafter
-    from dflashpipe.params import load_params
-    from tests.conftest import ROOT
-
-    p = load_params(ROOT)
-    inputs = EvaluateInputs(evaluate=p["evaluate"], model=p["model"], compile=p["compile"])
-    with pytest.raises(SourceError, match=match) as err:
-        evaluate_drafter(inputs, drafter, drafter / "no-target", drafter / "no-manifest", drafter / "none.json",
-                         drafter / "no-compile", drafter / "metrics")
-    assert f"`dvc checkout {drafter}`" in str(err.value) and "`dvc repro -f train`" in str(err.value)
-
-
-def test_an_intact_drafter_verifies(drafter):
-    from dflashpipe.artifacts import verify_file_listing
-
-    verify_file_listing(drafter, "fix")
-    assert sorted(p.name for p in drafter.iterdir()) == ["config.json", "files.json", "model.safetensors"]
-
-
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data())
-def test_any_bit_flipped_in_the_drafter_is_caught_before_use(drafter_dir, data):
-    victim = drafter_dir / data.draw(st.sampled_from(["config.json", "model.safetensors"]), label="file")
-    with one_bit_flipped(victim, data):
-        refused_drafter(drafter_dir, rf"{victim}: does not match its sha256 in {drafter_dir / 'files.json'} "
-                                     r"\(truncated, bit-flipped or edited\)")
-
-
-@pytest.mark.parametrize(("damage", "match"), [
-    ("truncate", r"model.safetensors: does not match its sha256"),
-    ("delete", r"model.safetensors: listed in .*files.json but missing"),
-    ("extra file", r"holds files that .*files.json does not list \(model.safetensors.bak\)"),
-    ("no listing", r"files.json missing \(not a complete output\)"),
-    ("listing truncated", r"files.json: unreadable"),
-    ("listing escapes", r"files.json: lists '../../etc/passwd', a path outside"),
-])
-def test_a_damaged_drafter_is_refused_naming_the_file_and_the_fix(drafter, damage, match):
-    weights, listing = drafter / "model.safetensors", drafter / "files.json"
-    if damage == "truncate":
-        weights.write_bytes(weights.read_bytes()[:1000])
-    elif damage == "delete":
-        weights.unlink()
-    elif damage == "extra file":
-        shutil.copy(weights, drafter / "model.safetensors.bak")
-    elif damage == "no listing":
-        listing.unlink()
-    elif damage == "listing truncated":
-        listing.write_bytes(listing.read_bytes()[:40])
-    else:
-        files = json.loads(listing.read_text())
-        files["../../etc/passwd"] = files.pop("config.json")
-        listing.write_bytes(canonical_json(files))
-    refused_drafter(drafter, match)
+        read_manifest_shard(manifest, summary_of(manifest)["shards"][0])

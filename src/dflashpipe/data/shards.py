@@ -160,6 +160,12 @@ def verify_manifest(manifest_dir: Path | str) -> dict:
     if listed != present:
         raise SourceError(f"{summary_path}: lists {sorted(listed - present)} but the directory holds "
                           f"{sorted(present - listed)}: {fix}")
+    # tokenize keys each of its shards by the sha256 summary.json gives: it must be the file's own
+    checked = orjson.loads((manifest_dir / FILE_LISTING).read_bytes())
+    for entry in entries:
+        if checked[entry["file"]]["sha256"] != entry["sha256"]:
+            raise SourceError(f"{summary_path}: gives {entry['file']} the sha256 {entry['sha256'][:12]}..., but the "
+                              f"file's is {checked[entry['file']]['sha256'][:12]}...: {fix}")
     return summary
 
 

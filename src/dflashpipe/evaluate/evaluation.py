@@ -38,8 +38,9 @@ def stop_token_ids(target, tokenizer) -> list[int]:
     return sorted({i for i in [*ids, tokenizer.eos_token_id] if i is not None})
 
 
-def decode_prompts(target, drafter: DFlashDrafter, prompts: list[EvalPrompt], max_new_tokens: int,
-                   stop: list[int]) -> list[PromptResult]:
+def decode_prompts(
+    target, drafter: DFlashDrafter, prompts: list[EvalPrompt], max_new_tokens: int, stop: list[int]
+) -> list[PromptResult]:
     """Each prompt: one prefill, then target-only greedy and speculative decoding from copies of it."""
     proposer = DFlashProposer(drafter)
     if prompts:  # one untimed run, so that first-call costs (allocator, kernels) land in no measurement
@@ -50,12 +51,21 @@ def decode_prompts(target, drafter: DFlashDrafter, prompts: list[EvalPrompt], ma
     for prompt in prompts:
         start = prefill(target, prompt.prompt_ids)
         baseline = target_generate(target, start.fork(), max_new_tokens, stop)
-        results.append(PromptResult(prompt, baseline, speculative_generate(target, proposer, start, max_new_tokens, stop)))
+        results.append(
+            PromptResult(prompt, baseline, speculative_generate(target, proposer, start, max_new_tokens, stop))
+        )
     return results
 
 
-def measure_train_step(drafter_dir: Path, target, model: ModelParams, compile: CompileParams, compile_dir: Path,
-                       scratch: Path, compile_key: StageKey | None) -> dict:
+def measure_train_step(
+    drafter_dir: Path,
+    target,
+    model: ModelParams,
+    compile: CompileParams,
+    compile_dir: Path,
+    scratch: Path,
+    compile_key: StageKey | None,
+) -> dict:
     """One drafter training step (forward + backward) timed on its own: no target forward, no data
     loading, no threads, so only the drafter's kernels are in the figure. It runs the path train runs:
     compiled from the warmup artifact (copied into `scratch`) when compile.enabled and the artifact was
@@ -66,8 +76,9 @@ def measure_train_step(drafter_dir: Path, target, model: ModelParams, compile: C
     from dflashpipe.compile.warmup import compiled_step, run_step_once
 
     device = target.device
-    drafter = DFlashDrafter.from_pretrained(drafter_dir, TargetHead.of(target), attention=model.attention,
-                                            gamma=model.gamma)
+    drafter = DFlashDrafter.from_pretrained(
+        drafter_dir, TargetHead.of(target), attention=model.attention, gamma=model.gamma
+    )
     drafter.train()
     step_fn, source = drafter, "eager: compile.enabled is false"
     if compile.enabled:
@@ -80,7 +91,7 @@ def measure_train_step(drafter_dir: Path, target, model: ModelParams, compile: C
     positions = compile.micro_batch * model.seq_len
     return {
         "what": f"{'compiled' if compile.enabled else 'eager'} drafter forward+backward, {runs[0]['backend']} "
-                f"attention, median of {TRAIN_STEP_REPEATS} after 1 warm step; tokens = micro_batch x seq_len positions",
+        f"attention, median of {TRAIN_STEP_REPEATS} after 1 warm step; tokens = micro_batch x seq_len positions",
         "compiled": compile.enabled,
         "compile_source": source,
         "graphs_compiled_while_timed": dynamo_counters()["unique_graphs"] - warm["unique_graphs"],
@@ -101,10 +112,27 @@ def read_train_metrics(path: Path) -> dict:
         raise SourceError(f"{path}: not the train stage's metrics ({exc}): run `dvc repro train`") from None
 
 
-def evaluate_drafter(inputs: EvaluateInputs, drafter_dir: Path | str, target_dir: Path | str,
-                     manifest_dir: Path | str, train_metrics: Path | str, compile_dir: Path | str,
-                     metrics_dir: Path | str, root: Path | str = ".", device: str | None = None, *,
-                     compile_key: StageKey | None = None) -> dict:
+def verify_drafter(drafter_dir: Path | str) -> None:
+    """Check every file of the drafter against its files.json before anything loads it; raise SourceError otherwise."""
+    drafter_dir = Path(drafter_dir)
+    verify_file_listing(
+        drafter_dir, f"restore it with `dvc checkout {drafter_dir}` or retrain with `dvc repro -f train`", SourceError
+    )
+
+
+def evaluate_drafter(
+    inputs: EvaluateInputs,
+    drafter_dir: Path | str,
+    target_dir: Path | str,
+    manifest_dir: Path | str,
+    train_metrics: Path | str,
+    compile_dir: Path | str,
+    metrics_dir: Path | str,
+    root: Path | str = ".",
+    device: str | None = None,
+    *,
+    compile_key: StageKey | None = None,
+) -> dict:
     """Write metrics/eval.json, metrics/eval_regression.json and the plot tables; return the eval metrics.
 
     `compile_key` is warmup's stage key now (pipeline.stage_key("warmup")): the timed train step uses
@@ -115,8 +143,7 @@ def evaluate_drafter(inputs: EvaluateInputs, drafter_dir: Path | str, target_dir
 
     p = inputs.evaluate
     drafter_dir, metrics_dir = Path(drafter_dir), Path(metrics_dir)
-    verify_file_listing(drafter_dir, f"restore it with `dvc checkout {drafter_dir}` or retrain with `dvc repro -f train`",
-                        SourceError)
+    verify_drafter(drafter_dir)
     train = read_train_metrics(Path(train_metrics))
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     target = load_materialised_target(target_dir, device)
@@ -125,38 +152,49 @@ def evaluate_drafter(inputs: EvaluateInputs, drafter_dir: Path | str, target_dir
     drafter = DFlashDrafter.from_pretrained(drafter_dir, TargetHead.of(target), attention="sdpa").eval()
     prompts, skipped = eval_prompts(manifest_dir, chat, p.num_prompts, p.max_prompt_tokens)
     if not prompts:
-        raise SourceError(f"{Path(manifest_dir) / 'eval.parquet'}: no usable eval prompt (skipped: {skipped}); "
-                          f"raise evaluate.max_prompt_tokens or give the sources an eval count (data.sources[*].eval)")
+        raise SourceError(
+            f"{Path(manifest_dir) / 'eval.parquet'}: no usable eval prompt (skipped: {skipped}); "
+            f"raise evaluate.max_prompt_tokens or give the sources an eval count (data.sources[*].eval)"
+        )
     results = decode_prompts(target, drafter, prompts, p.max_new_tokens, stop_token_ids(target, chat.tokenizer))
     decoding, tables = eval_metrics(results, drafter.config.block_size)
     metrics_dir.mkdir(parents=True, exist_ok=True)
     # a partial sibling of eval.json: if this run is killed, the next one's write of eval.json removes it
     with tempfile.TemporaryDirectory(prefix=f".eval.json{PARTIAL}inductor-", dir=metrics_dir) as scratch:
-        train_step = measure_train_step(drafter_dir, target, inputs.model, inputs.compile, Path(compile_dir),
-                                        Path(scratch), compile_key)
+        train_step = measure_train_step(
+            drafter_dir, target, inputs.model, inputs.compile, Path(compile_dir), Path(scratch), compile_key
+        )
     metrics = {
         **decoding,
         "skipped_prompts": skipped,
         "train": train,
         "train_step": train_step,
-        "setup": {"block_size": drafter.config.block_size, "max_new_tokens": p.max_new_tokens,
-                  "num_prompts_per_source": p.num_prompts, "device": device.type,
-                  "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
-                  "temperature": 0},
+        "setup": {
+            "block_size": drafter.config.block_size,
+            "max_new_tokens": p.max_new_tokens,
+            "num_prompts_per_source": p.num_prompts,
+            "device": device.type,
+            "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+            "temperature": 0,
+        },
     }
     baseline, commit, note = regression.read_baseline(p.baseline, root)
     report = regression.compare(metrics, baseline, p.baseline, commit, note, p.max_regression)
     write_plot_tables(tables, metrics_dir)
     write_json_atomic(metrics_dir / "eval.json", metrics)
     write_json_atomic(metrics_dir / "eval_regression.json", report)
-    print(f"evaluate: {len(results)} prompts, tau {metrics['tau']:.3f}, speedup {metrics['speedup']:.3f}x, "
-          f"decode {metrics['decode_tokens_per_s']['speculative']:.1f} tok/s (target alone "
-          f"{metrics['decode_tokens_per_s']['target']:.1f}), lossless: {metrics['lossless']}; baseline: {note}",
-          flush=True)
+    print(
+        f"evaluate: {len(results)} prompts, tau {metrics['tau']:.3f}, speedup {metrics['speedup']:.3f}x, "
+        f"decode {metrics['decode_tokens_per_s']['speculative']:.1f} tok/s (target alone "
+        f"{metrics['decode_tokens_per_s']['target']:.1f}), lossless: {metrics['lossless']}; baseline: {note}",
+        flush=True,
+    )
     for line in regression.regression_lines(report):
         print(line, flush=True)
     if not metrics["lossless"]:
-        print(f"!!! NOT LOSSLESS: speculative output differs from target greedy on {metrics['mismatched_prompts']}",
-              flush=True)
+        print(
+            f"!!! NOT LOSSLESS: speculative output differs from target greedy on {metrics['mismatched_prompts']}",
+            flush=True,
+        )
     regression.check(report, p.fail_on_regression)
     return metrics

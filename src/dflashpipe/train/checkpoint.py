@@ -46,10 +46,28 @@ def save_checkpoint(trainer: Trainer, state_dir: Path, key: StageKey | None) -> 
     with atomic_directory(state_dir / CHECKPOINT) as tmp:
         trainer.replicas[0].drafter.save_pretrained(tmp / "drafter")
         torch.save(trainer.replicas[0].optimizer.state_dict(), tmp / "optimizer.pt")
-        write_json_atomic(tmp / "state.json", {
-            "key": key.to_json() if key is not None else None, "step": trainer.step,
-            "truncated": trainer.truncated, "history": [record.__dict__ for record in trainer.history]})
+        write_json_atomic(
+            tmp / "state.json",
+            {
+                "key": key.to_json() if key is not None else None,
+                "step": trainer.step,
+                "truncated": trainer.truncated,
+                "history": [record.__dict__ for record in trainer.history],
+            },
+        )
         write_file_listing(tmp)
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Check every file of the checkpoint at `path` against its files.json; raise TrainCheckpointError otherwise."""
+    # Written whole or not at all (atomic_directory), so damage here came from outside: say so, never
+    # resume from wrong numbers and never silently throw away hours of training either.
+    verify_file_listing(
+        path,
+        f"delete it to start this run from step 0 (`rm -r {path}`); a checkpoint "
+        f"is not cached by DVC, so it cannot be restored",
+        TrainCheckpointError,
+    )
 
 
 def resume(trainer: Trainer, state_dir: Path, key: StageKey | None) -> bool:
@@ -62,10 +80,7 @@ def resume(trainer: Trainer, state_dir: Path, key: StageKey | None) -> bool:
     if key is None:
         print(f"train: not resuming {path}: this run has no key to check it against; training from step 0")
         return False
-    # Written whole or not at all (atomic_directory), so damage here came from outside: say so, never
-    # resume from wrong numbers and never silently throw away hours of training either.
-    verify_file_listing(path, f"delete it to start this run from step 0 (`rm -r {path}`); a checkpoint "
-                              f"is not cached by DVC, so it cannot be restored", TrainCheckpointError)
+    verify_checkpoint(path)
     state = json.loads((path / "state.json").read_text())
     why_not = mismatch(StageKey.from_json(state.get("key")), key)
     if why_not:
