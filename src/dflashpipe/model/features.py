@@ -44,3 +44,64 @@ def target_features(hidden_states: Sequence[torch.Tensor], target_layer_ids: Seq
     entry 0 is the embedding output, so decoder layer i's output is entry i + 1.
     """
     return torch.cat([hidden_states[i + 1] for i in target_layer_ids], dim=-1)
+
+
+def target_layer_features(
+    target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, target_layer_ids: Sequence[int]
+) -> torch.Tensor:
+    """What `target_features(target(..., output_hidden_states=True).hidden_states, ids)` returns, computed
+    with only decoder layers 0..max(ids): no later layer, no LM head, no logits.
+
+    `target` is a Hugging Face causal LM of the Llama/Qwen3 shape (transformers 5.x): `target.model` holds
+    embed_tokens, rotary_emb, layers and norm. This builds the attention masks and position embeddings with
+    the helpers its decoder's forward calls (no cache, as in a single uncached forward). Hugging Face
+    returns the final-normed output as the last hidden state, so when the last decoder layer is chosen it
+    is normed here too.
+    """
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    ids = list(target_layer_ids)
+    decoder = target.model
+    config = decoder.config
+    num_layers = config.num_hidden_layers
+    if not ids or ids[0] < 0 or ids[-1] >= num_layers or ids != sorted(set(ids)):
+        raise ValueError(f"target layer ids {ids}: give distinct increasing ids from 0 to {num_layers - 1}")
+    last = ids[-1]
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
+
+    hidden = decoder.embed_tokens(input_ids)
+    position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    mask_kwargs = {
+        "config": config,
+        "inputs_embeds": hidden,
+        "attention_mask": attention_mask,
+        "cache": None,
+        "position_ids": position_ids,
+    }
+    masks: dict[str, object] = {}
+    for kind in sorted(set(layer_types[: last + 1])):
+        if kind == "full_attention":
+            masks[kind] = create_causal_mask(**mask_kwargs)
+        elif kind == "sliding_attention":
+            masks[kind] = create_sliding_window_causal_mask(**mask_kwargs)
+        else:
+            raise ValueError(f"target layer type {kind!r}: only full and sliding attention layers are supported")
+    position_embeddings = decoder.rotary_emb(hidden, position_ids=position_ids)
+
+    chosen, out = set(ids), []
+    for i, layer in enumerate(decoder.layers[: last + 1]):
+        hidden = layer(
+            hidden,
+            attention_mask=masks[layer_types[i]],
+            position_embeddings=position_embeddings,
+            position_ids=position_ids,
+            cache=None,
+            use_cache=False,
+        )
+        if isinstance(hidden, tuple):
+            hidden = hidden[0]
+        if i in chosen:
+            out.append(hidden)
+    if last == num_layers - 1 and getattr(config, "tie_last_hidden_states", None) is not False:
+        out[-1] = decoder.norm(out[-1])
+    return torch.cat(out, dim=-1)

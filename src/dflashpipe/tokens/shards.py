@@ -105,7 +105,11 @@ def reusable_shard(path: Path, key: str | None) -> dict | None:
 
 @dataclass(frozen=True)
 class TokenData:
-    """Every training sequence, flat: sequence i is ids[offsets[i]:offsets[i+1]]."""
+    """Every training sequence, flat: sequence i is ids[offsets[i]:offsets[i+1]].
+
+    Kept in the stored dtypes (ids int32, loss_mask uint8; offsets int64): a batch is widened to
+    int64 only when it is collated, not the whole data set.
+    """
 
     ids: np.ndarray
     loss_mask: np.ndarray
@@ -116,7 +120,7 @@ class TokenData:
 
     @property
     def supervised_tokens(self) -> int:
-        return int(self.loss_mask.sum())
+        return int(self.loss_mask.sum(dtype=np.int64))
 
 
 def load_tokens(tokens_dir: Path | str) -> TokenData:
@@ -144,4 +148,8 @@ def load_tokens(tokens_dir: Path | str) -> TokenData:
     if not lengths or sum(len(x) for x in lengths) == 0:
         raise SourceError(f"{tokens_dir}: no training sequences (see its summary.json skip counts)")
     offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int64)
-    return TokenData(np.concatenate(ids).astype(np.int64), np.concatenate(masks).astype(np.int64), offsets)
+    return TokenData(
+        np.concatenate(ids).astype(np.int32, copy=False),
+        np.concatenate(masks).astype(np.uint8, copy=False),
+        offsets,
+    )

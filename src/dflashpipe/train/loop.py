@@ -37,7 +37,8 @@ import torch
 
 from dflashpipe.compile.guard import CompileGuard
 from dflashpipe.compile.warmup import autocast, compiled_step, feature_dtype, run_step_once
-from dflashpipe.model import DFlashDrafter, DraftLoss, TargetHead, sample_anchor_positions, target_features
+from dflashpipe.model import DFlashDrafter, DraftLoss, TargetHead, sample_anchor_positions
+from dflashpipe.model.features import target_layer_features
 from dflashpipe.params import CompileParams, ModelParams, TopologyParams, TrainParams
 from dflashpipe.target import load_materialised_target
 from dflashpipe.tokens.shards import TokenData
@@ -255,12 +256,10 @@ class Trainer:
                 batch = collate(self.data, self.plan.indices(step, self.topology.rank, r), p.model.seq_len, self.pad_id)
                 began = time.perf_counter()
                 with torch.no_grad():
-                    out = target(
-                        input_ids=batch.input_ids.to(device),
-                        attention_mask=batch.attention_mask.to(device),
-                        output_hidden_states=True,
+                    # Only decoder layers 0..max(layer_ids): no later layer, LM head or logits.
+                    features = target_layer_features(
+                        target, batch.input_ids.to(device), batch.attention_mask.to(device), layer_ids
                     )
-                    features = target_features(out.hidden_states, layer_ids)
                 drafter_device = self.replicas[r].device
                 features = features.to(drafter_device, feature_dtype(drafter_device))
                 target_busy[t] += time.perf_counter() - began
