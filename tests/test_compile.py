@@ -35,7 +35,9 @@ SCRIPT = ROOT / "tests" / "scenarios" / "compile_guard.py"
 
 
 def scenario(name: str, artifact) -> dict:
-    proc = subprocess.run([sys.executable, str(SCRIPT), name, str(artifact)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), name, str(artifact)], capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -124,8 +126,12 @@ def warmup_project(tmp_path) -> Path:
     (project / "src/model").mkdir(parents=True)
     for name in ("attention", "layers", "loss", "mask", "norm", "rope", "step"):
         (project / f"src/model/{name}.py").write_text(f"# {name}\n")
-    warmup = {"cmd": "python stages/warmup.py", "deps": ["src/model"], "params": ["model.seq_len"],
-              "outs": ["data/compile"]}
+    warmup = {
+        "cmd": "python stages/warmup.py",
+        "deps": ["src/model"],
+        "params": ["model.seq_len"],
+        "outs": ["data/compile"],
+    }
     (project / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"warmup": warmup}}))
     (project / "params.yaml").write_text("model:\n  seq_len: 64\n")
     return project
@@ -140,7 +146,8 @@ def test_an_artifact_loads_under_the_key_it_was_built_for(warmup_project, tmp_pa
 
 
 def test_an_artifact_built_for_other_inputs_is_refused_naming_them_and_train_and_evaluate_go_cold(
-        warmup_project, tmp_path, inductor_env):
+    warmup_project, tmp_path, inductor_env
+):
     artifact = stand_in_artifact(tmp_path / "compile", {BUILT_FOR: built_for(stage_key("warmup", warmup_project))})
     (warmup_project / "src/model/layers.py").write_text("# layers, edited\n")
     edited = stage_key("warmup", warmup_project)
@@ -162,23 +169,31 @@ def test_a_refusal_names_five_changed_inputs_and_counts_the_rest(warmup_project,
     artifact = stand_in_artifact(tmp_path / "compile", {BUILT_FOR: built_for(stage_key("warmup", warmup_project))})
     for file in (warmup_project / "src/model").iterdir():
         file.write_text("# edited\n")
-    with pytest.raises(CompileArtifactError, match=r"\(src/model/attention.py, src/model/layers.py, src/model/loss.py, "
-                                                    r"src/model/mask.py, src/model/norm.py and 2 more changed\)"):
+    with pytest.raises(
+        CompileArtifactError,
+        match=r"\(src/model/attention.py, src/model/layers.py, src/model/loss.py, "
+        r"src/model/mask.py, src/model/norm.py and 2 more changed\)",
+    ):
         load_artifact(artifact, tmp_path / "work", stage_key("warmup", warmup_project))
 
 
-@pytest.mark.parametrize("report", [{BUILT_FOR: None}, {},
-                                    {"environment": {"torch.version": "2.13.0+cu128"}}],  # before stage keys
-                         ids=["no-key", "no-record", "environment-only"])
+@pytest.mark.parametrize(
+    "report",
+    [{BUILT_FOR: None}, {}, {"environment": {"torch.version": "2.13.0+cu128"}}],  # before stage keys
+    ids=["no-key", "no-record", "environment-only"],
+)
 def test_an_artifact_that_records_no_key_is_refused(warmup_project, tmp_path, inductor_env, report):
     artifact = stand_in_artifact(tmp_path / "compile", report)
-    why = (f"{artifact / REPORT} records no stage key it was built for, so it cannot be checked: "
-           f"`dvc repro -f warmup` rebuilds it")
+    why = (
+        f"{artifact / REPORT} records no stage key it was built for, so it cannot be checked: "
+        f"`dvc repro -f warmup` rebuilds it"
+    )
     with pytest.raises(CompileArtifactError) as err:
         load_artifact(artifact, tmp_path / "work", stage_key("warmup", warmup_project))
     assert str(err.value) == why
     assert load_artifact_or_go_cold(artifact, tmp_path / "work", None).startswith(
-        f"cold compile: {artifact}: no warmup stage key to check it against")
+        f"cold compile: {artifact}: no warmup stage key to check it against"
+    )
 
 
 def test_without_a_key_to_check_against_an_artifact_is_not_used(warmup_project, tmp_path):

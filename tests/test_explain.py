@@ -54,12 +54,20 @@ def test_nothing_changed_says_so(committed):
 def test_growing_the_data_hits_manifest_only_and_costs_are_attributed(committed):
     set_params(committed, data__num_samples=N + 20)
     report = explain("HEAD", "workspace", committed)
-    assert verdicts(report) == {"fingerprint": ALWAYS, "target": UNCHANGED, "manifest": DIRECT, "tokenize": DOWNSTREAM,
-                                "warmup": UNCHANGED, "train": DOWNSTREAM, "evaluate": DOWNSTREAM}
+    assert verdicts(report) == {
+        "fingerprint": ALWAYS,
+        "target": UNCHANGED,
+        "manifest": DIRECT,
+        "tokenize": DOWNSTREAM,
+        "warmup": UNCHANGED,
+        "train": DOWNSTREAM,
+        "evaluate": DOWNSTREAM,
+    }
     assert roots(report) == [("param", "params.yaml:data.num_samples", N, N + 20, ("manifest",))]
     assert report.root_causes[0].evidence == (
         "dvc.lock@HEAD stages.manifest.params['params.yaml']['data.num_samples'] vs "
-        "params.yaml (workspace) data.num_samples")
+        "params.yaml (workspace) data.num_samples"
+    )
 
     run(["dvc", "repro", "manifest"], committed)  # its metrics are what this test reads
     report = explain("HEAD", "workspace", committed)
@@ -77,8 +85,15 @@ def test_a_deleted_output_is_missing_and_restorable(committed):
     shutil.rmtree(committed / "data/manifest")
     report = explain("HEAD", "workspace", committed)
     # restorable: what was computed from it (tokenize, train, evaluate) stays valid
-    assert verdicts(report) == {"fingerprint": ALWAYS, "target": UNCHANGED, "manifest": OUTPUTS, "tokenize": UNCHANGED,
-                                "warmup": UNCHANGED, "train": UNCHANGED, "evaluate": UNCHANGED}
+    assert verdicts(report) == {
+        "fingerprint": ALWAYS,
+        "target": UNCHANGED,
+        "manifest": OUTPUTS,
+        "tokenize": UNCHANGED,
+        "warmup": UNCHANGED,
+        "train": UNCHANGED,
+        "evaluate": UNCHANGED,
+    }
     (cause,) = report.stages[[v.stage for v in report.stages].index("manifest")].causes
     assert (cause.kind, cause.what, cause.new) == ("out", "data/manifest", "missing")
     assert "restorable: `dvc checkout`" in cause.evidence
@@ -104,8 +119,15 @@ def test_an_edited_source_file_hits_the_stages_that_list_it(committed):
     report = explain("HEAD", "workspace", committed)
     # target.py materialises the target (target) and loads it (warmup, train, evaluate list it too);
     # tokenize only reads the target's output, so it is downstream.
-    assert verdicts(report) == {"fingerprint": ALWAYS, "target": DIRECT, "manifest": UNCHANGED,
-                                "tokenize": DOWNSTREAM, "warmup": DIRECT, "train": DIRECT, "evaluate": DIRECT}
+    assert verdicts(report) == {
+        "fingerprint": ALWAYS,
+        "target": DIRECT,
+        "manifest": UNCHANGED,
+        "tokenize": DOWNSTREAM,
+        "warmup": DIRECT,
+        "train": DIRECT,
+        "evaluate": DIRECT,
+    }
     ((kind, what, old, new, stages),) = roots(report)
     assert (kind, what, stages) == ("dep", "src/dflashpipe/target.py", ("target", "warmup", "train", "evaluate"))
     assert old != new
@@ -115,12 +137,21 @@ def test_an_edited_source_file_hits_the_stages_that_list_it(committed):
 def test_a_compile_env_var_names_the_fingerprint_key_and_hits_warmup_not_data(committed):
     run(["dvc", "repro", "fingerprint"], committed, env={"TORCHINDUCTOR_MAX_AUTOTUNE": "1"})
     report = explain("HEAD", "workspace", committed)
-    assert verdicts(report) == {"fingerprint": ALWAYS, "target": UNCHANGED, "manifest": UNCHANGED,
-                                "tokenize": UNCHANGED, "warmup": DIRECT, "train": DIRECT,
-                                "evaluate": DIRECT}
+    assert verdicts(report) == {
+        "fingerprint": ALWAYS,
+        "target": UNCHANGED,
+        "manifest": UNCHANGED,
+        "tokenize": UNCHANGED,
+        "warmup": DIRECT,
+        "train": DIRECT,
+        "evaluate": DIRECT,
+    }
     (cause,) = report.root_causes
     assert (cause.kind, cause.what, cause.new) == (
-        "param", "data/env/fingerprint.json:env", {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"})
+        "param",
+        "data/env/fingerprint.json:env",
+        {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"},
+    )
     # evaluate times a compiled train step on warmup's kernels, so it lists what decides them too
     assert cause.stages == ["warmup", "train", "evaluate"]
 
@@ -130,9 +161,14 @@ def test_an_edited_model_file_hits_warmup_and_train(committed):
         fh.write("\n# an edit\n")
     report = explain("HEAD", "workspace", committed)
     assert {s: v for s, v in verdicts(report).items() if v != UNCHANGED} == {
-        "fingerprint": ALWAYS, "warmup": DIRECT, "train": DIRECT, "evaluate": DIRECT}
+        "fingerprint": ALWAYS,
+        "warmup": DIRECT,
+        "train": DIRECT,
+        "evaluate": DIRECT,
+    }
     assert [(c.what, c.stages) for c in report.root_causes] == [
-        ("src/dflashpipe/model", ["warmup", "train", "evaluate"])]
+        ("src/dflashpipe/model", ["warmup", "train", "evaluate"])
+    ]
 
 
 def test_two_experiments_compare_by_name_and_json_is_complete(committed):
@@ -141,14 +177,18 @@ def test_two_experiments_compare_by_name_and_json_is_complete(committed):
     run(["dvc", "exp", "run", "-n", "fast", "-S", "train.lr=0.01"], committed)
     report = explain("HEAD", "fast", committed)
     assert {s: v for s, v in verdicts(report).items() if v != UNCHANGED} == {
-        "fingerprint": ALWAYS, "train": DIRECT, "evaluate": DOWNSTREAM}
+        "fingerprint": ALWAYS,
+        "train": DIRECT,
+        "evaluate": DOWNSTREAM,
+    }
     assert roots(report) == [("param", "params.yaml:train.lr", lr, 0.01, ("train",))]
 
     run(["dvc", "exp", "run", "-n", "short", "-S", "evaluate.max_new_tokens=8"], committed)
     report = explain("fast", "short", committed)
     assert {s: v for s, v in verdicts(report).items() if v != UNCHANGED} == {"fingerprint": ALWAYS, "evaluate": DIRECT}
-    assert roots(report) == [("param", "params.yaml:evaluate.max_new_tokens", RUN_PROFILE["evaluate__max_new_tokens"],
-                              8, ("evaluate",))]
+    assert roots(report) == [
+        ("param", "params.yaml:evaluate.max_new_tokens", RUN_PROFILE["evaluate__max_new_tokens"], 8, ("evaluate",))
+    ]
 
     proc = run(["dflashpipe", "explain", "HEAD", "fast", "--json"], committed)
     data = json.loads(proc.stdout)
@@ -205,10 +245,12 @@ def lock_of(stages: dict, md5: dict[str, str] | None = None, values: dict[str, o
                 for key in keys:
                     label = key if file == "params.yaml" else f"{file}:{key}"
                     params.setdefault(file, {})[key] = values.get(label, f"value of {label}")
-        lock[name] = {"cmd": d["cmd"], "deps": [{"path": p, "md5": h(p)} for p in _paths(d.get("deps"))],
-                      "params": params,
-                      "outs": [{"path": p, "md5": h(p)}
-                               for k in ("outs", "metrics", "plots") for p in _paths(d.get(k))]}
+        lock[name] = {
+            "cmd": d["cmd"],
+            "deps": [{"path": p, "md5": h(p)} for p in _paths(d.get("deps"))],
+            "params": params,
+            "outs": [{"path": p, "md5": h(p)} for k in ("outs", "metrics", "plots") for p in _paths(d.get(k))],
+        }
     return {"schema": "2.0", "stages": lock}
 
 
@@ -232,8 +274,15 @@ def dag() -> dict:
     return yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
 
 
-QUIET = {"fingerprint": ALWAYS, "target": UNCHANGED, "manifest": UNCHANGED, "tokenize": UNCHANGED,
-         "warmup": UNCHANGED, "train": UNCHANGED, "evaluate": UNCHANGED}
+QUIET = {
+    "fingerprint": ALWAYS,
+    "target": UNCHANGED,
+    "manifest": UNCHANGED,
+    "tokenize": UNCHANGED,
+    "warmup": UNCHANGED,
+    "train": UNCHANGED,
+    "evaluate": UNCHANGED,
+}
 
 
 def test_compare_the_same_lock_is_unchanged_everywhere(dag):
@@ -244,17 +293,24 @@ def test_compare_the_same_lock_is_unchanged_everywhere(dag):
 
 
 def test_compare_growing_the_data_invalidates_its_chain_and_never_warmup(dag):
-    found = compared(dag, lock_of(dag, values={"data.num_samples": 2000}),
-                     lock_of(dag, values={"data.num_samples": 2400}))
-    assert verdict_map(found) == {**QUIET, "manifest": DIRECT, "tokenize": DOWNSTREAM, "train": DOWNSTREAM,
-                                  "evaluate": DOWNSTREAM}
+    found = compared(
+        dag, lock_of(dag, values={"data.num_samples": 2000}), lock_of(dag, values={"data.num_samples": 2400})
+    )
+    assert verdict_map(found) == {
+        **QUIET,
+        "manifest": DIRECT,
+        "tokenize": DOWNSTREAM,
+        "train": DOWNSTREAM,
+        "evaluate": DOWNSTREAM,
+    }
     assert cause_tuples(found) == [("param", "params.yaml:data.num_samples", 2000, 2400, ("manifest",))]
     by_stage = {v.stage: v for v in found}
     assert by_stage["tokenize"].upstream == ["manifest"] and by_stage["train"].upstream == ["tokenize"]
     assert by_stage["evaluate"].upstream == ["manifest", "train"]  # the eval split lives in data/manifest
     assert root_causes(found)[0].evidence == (
         "dvc.lock@HEAD stages.manifest.params['params.yaml']['data.num_samples'] vs "
-        "dvc.lock@new stages.manifest.params['params.yaml']['data.num_samples']")
+        "dvc.lock@new stages.manifest.params['params.yaml']['data.num_samples']"
+    )
 
 
 def test_compare_a_train_param_hits_train_and_evaluate_only(dag):
@@ -265,10 +321,23 @@ def test_compare_a_train_param_hits_train_and_evaluate_only(dag):
 
 def test_compare_an_edited_source_file_hits_the_stages_listing_it_and_their_downstream(dag):
     found = compared(dag, lock_of(dag), lock_of(dag, md5={"src/dflashpipe/target.py": "edited"}))
-    assert verdict_map(found) == {**QUIET, "target": DIRECT, "tokenize": DOWNSTREAM, "warmup": DIRECT,
-                                  "train": DIRECT, "evaluate": DIRECT}
-    assert cause_tuples(found) == [("dep", "src/dflashpipe/target.py", "md5(src/dflashpipe/target.py)", "edited",
-                                    ("target", "warmup", "train", "evaluate"))]
+    assert verdict_map(found) == {
+        **QUIET,
+        "target": DIRECT,
+        "tokenize": DOWNSTREAM,
+        "warmup": DIRECT,
+        "train": DIRECT,
+        "evaluate": DIRECT,
+    }
+    assert cause_tuples(found) == [
+        (
+            "dep",
+            "src/dflashpipe/target.py",
+            "md5(src/dflashpipe/target.py)",
+            "edited",
+            ("target", "warmup", "train", "evaluate"),
+        )
+    ]
 
 
 def test_compare_a_dep_inside_an_upstream_output_is_that_upstream_not_a_root_cause(dag):
@@ -278,7 +347,10 @@ def test_compare_a_dep_inside_an_upstream_output_is_that_upstream_not_a_root_cau
     assert verdict_map(found) == {**QUIET, "tokenize": DOWNSTREAM, "evaluate": DOWNSTREAM, "train": DOWNSTREAM}
     assert root_causes(found) == []
     assert {v.stage: v.upstream for v in found if v.upstream} == {
-        "tokenize": ["manifest"], "train": ["tokenize"], "evaluate": ["manifest", "train"]}
+        "tokenize": ["manifest"],
+        "train": ["tokenize"],
+        "evaluate": ["manifest", "train"],
+    }
 
 
 def test_compare_a_kernel_environment_key_hits_only_the_stages_naming_it(dag):
@@ -290,8 +362,14 @@ def test_compare_a_kernel_environment_key_hits_only_the_stages_naming_it(dag):
 def test_compare_a_library_version_key_hits_the_stages_naming_it_and_their_downstream(dag):
     key = "data/env/fingerprint.json:transformers.version"
     found = compared(dag, lock_of(dag, values={key: "5.24.0"}), lock_of(dag, values={key: "5.25.0"}))
-    assert verdict_map(found) == {**QUIET, "target": DIRECT, "tokenize": DIRECT, "warmup": DOWNSTREAM,
-                                  "train": DOWNSTREAM, "evaluate": DOWNSTREAM}
+    assert verdict_map(found) == {
+        **QUIET,
+        "target": DIRECT,
+        "tokenize": DIRECT,
+        "warmup": DOWNSTREAM,
+        "train": DOWNSTREAM,
+        "evaluate": DOWNSTREAM,
+    }
     assert cause_tuples(found) == [("param", key, "5.24.0", "5.25.0", ("target", "tokenize"))]
 
 
@@ -321,8 +399,7 @@ def test_compare_a_param_hits_every_stage_naming_it_and_downstream_only():
 
 
 def test_compare_a_changed_cmd_added_param_and_removed_dep_are_each_a_cause():
-    changed = {**SMALL, "b": {**SMALL["b"], "cmd": "python b.py --fast", "params": ["b.n", "b.m"],
-                              "deps": ["out/a"]}}
+    changed = {**SMALL, "b": {**SMALL["b"], "cmd": "python b.py --fast", "params": ["b.n", "b.m"], "deps": ["out/a"]}}
     old = read_revision_state(LockState("HEAD", SMALL, lock_of(SMALL)))
     new = read_revision_state(LockState("new", changed, lock_of(changed)))
     found = compare(old, new, {}, None, "HEAD", "new")

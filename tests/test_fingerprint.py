@@ -25,15 +25,28 @@ def test_the_stage_writes_the_same_bytes_twice_and_records_compile_env_vars(dvc_
     assert facts["transformers"]["version"] == metadata.version("transformers")
 
     run(["python", "stages/fingerprint.py"], dvc_project, env={"TORCHINDUCTOR_MAX_AUTOTUNE": "1"})
-    assert json.loads((dvc_project / "data/env/fingerprint.json").read_text())["env"]["TORCHINDUCTOR_MAX_AUTOTUNE"] == "1"
+    assert (
+        json.loads((dvc_project / "data/env/fingerprint.json").read_text())["env"]["TORCHINDUCTOR_MAX_AUTOTUNE"] == "1"
+    )
 
 
 def test_compile_environment_keeps_only_compile_relevant_variables():
-    env = {"TORCHINDUCTOR_MAX_AUTOTUNE": "1", "TORCH_COMPILE_DEBUG": "1", "TORCHDYNAMO_VERBOSE": "1",
-           "CUDA_VISIBLE_DEVICES": "0,1", "HOME": "/root", "PATH": "/bin",
-           "TORCHINDUCTOR_CACHE_DIR": "/c", "TRITON_CACHE_DIR": "/t"}  # where, not what: left out
-    assert compile_environment(env) == {"CUDA_VISIBLE_DEVICES": "0,1", "TORCHDYNAMO_VERBOSE": "1",
-                                        "TORCHINDUCTOR_MAX_AUTOTUNE": "1", "TORCH_COMPILE_DEBUG": "1"}
+    env = {
+        "TORCHINDUCTOR_MAX_AUTOTUNE": "1",
+        "TORCH_COMPILE_DEBUG": "1",
+        "TORCHDYNAMO_VERBOSE": "1",
+        "CUDA_VISIBLE_DEVICES": "0,1",
+        "HOME": "/root",
+        "PATH": "/bin",
+        "TORCHINDUCTOR_CACHE_DIR": "/c",
+        "TRITON_CACHE_DIR": "/t",
+    }  # where, not what: left out
+    assert compile_environment(env) == {
+        "CUDA_VISIBLE_DEVICES": "0,1",
+        "TORCHDYNAMO_VERBOSE": "1",
+        "TORCHINDUCTOR_MAX_AUTOTUNE": "1",
+        "TORCH_COMPILE_DEBUG": "1",
+    }
 
 
 def _record_line(root, rel: str) -> str:

@@ -17,8 +17,9 @@ from dflashpipe.params import DataParams, SourceSpec
 
 
 def conv(i: int, extra: str = "") -> dict:
-    return {"conversations": [{"from": "human", "value": f"question {i}{extra}"},
-                              {"from": "gpt", "value": f"answer {i}"}]}
+    return {
+        "conversations": [{"from": "human", "value": f"question {i}{extra}"}, {"from": "gpt", "value": f"answer {i}"}]
+    }
 
 
 def write_jsonl(path: Path, records: list) -> Path:
@@ -28,8 +29,9 @@ def write_jsonl(path: Path, records: list) -> Path:
 
 
 def params(sources, num_samples=40, shard_size=10, on_bad_record="skip") -> DataParams:
-    return DataParams(num_samples=num_samples, shard_size=shard_size, on_bad_record=on_bad_record,
-                      sources=tuple(sources))
+    return DataParams(
+        num_samples=num_samples, shard_size=shard_size, on_bad_record=on_bad_record, sources=tuple(sources)
+    )
 
 
 def user_source(name="mine", path="data/sources/mine.jsonl", weight=1.0, eval=0, kind="jsonl") -> SourceSpec:
@@ -49,8 +51,12 @@ def train_rows(out: Path) -> list[dict]:
     return [r for s in summary["shards"] for r in rows(out / s["file"])]
 
 
-DEFAULT_MIX = [builtin("sharegpt", 0.5, 4), builtin("chitchat", 0.3, 4), builtin("python_code", 0.2, 2),
-               builtin("humaneval", 0.0, 5)]
+DEFAULT_MIX = [
+    builtin("sharegpt", 0.5, 4),
+    builtin("chitchat", 0.3, 4),
+    builtin("python_code", 0.2, 2),
+    builtin("humaneval", 0.0, 5),
+]
 
 
 def test_two_builds_give_the_same_bytes(tmp_path):
@@ -58,8 +64,11 @@ def test_two_builds_give_the_same_bytes(tmp_path):
     build_manifest(params(DEFAULT_MIX), a)
     build_manifest(params(DEFAULT_MIX), b)
     names = sorted(p.name for p in a.iterdir())
-    assert names == sorted(p.name for p in b.iterdir()) == sorted(
-        [EVAL_FILE, SUMMARY_FILE, FILE_LISTING] + [shard_name(i) for i in range(4)])
+    assert (
+        names
+        == sorted(p.name for p in b.iterdir())
+        == sorted([EVAL_FILE, SUMMARY_FILE, FILE_LISTING] + [shard_name(i) for i in range(4)])
+    )
     for name in names:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
@@ -80,7 +89,12 @@ def test_weights_set_each_source_share_and_eval_never_overlaps_training(tmp_path
     counts = {name: s["train"] for name, s in summary["sources"].items()}
     assert counts == {"sharegpt": 50, "chitchat": 30, "python_code": 20, "humaneval": 0}
     eval_rows = rows(tmp_path / "m" / EVAL_FILE)
-    assert len(eval_rows) == 15 and {r["source"] for r in eval_rows} == {"sharegpt", "chitchat", "python_code", "humaneval"}
+    assert len(eval_rows) == 15 and {r["source"] for r in eval_rows} == {
+        "sharegpt",
+        "chitchat",
+        "python_code",
+        "humaneval",
+    }
     train_hashes = {r["hash"] for r in train_rows(tmp_path / "m")}
     assert len(train_hashes) == 100
     assert not train_hashes & {r["hash"] for r in eval_rows}
@@ -91,19 +105,37 @@ def test_each_sample_has_a_stable_id_source_turns_and_content_hash(tmp_path):
     build_manifest(params([user_source()], num_samples=5), tmp_path / "m", root=tmp_path)
     first = train_rows(tmp_path / "m")[0]
     assert first["id"] == "mine/1" and first["source"] == "mine"
-    assert first["conversation"] == [{"role": "user", "content": "question 0"}, {"role": "assistant", "content": "answer 0"}]
+    assert first["conversation"] == [
+        {"role": "user", "content": "question 0"},
+        {"role": "assistant", "content": "answer 0"},
+    ]
     assert len(first["hash"]) == 64
 
 
 def test_bad_records_are_counted_by_reason_with_file_and_line(tmp_path):
-    records = [conv(0), b"{not json", {"conversations": []}, {"messages": [{"role": "wizard", "content": "x"}]},
-               b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', conv(0), {"messages": [{"role": "user", "content": 5}]},
-               conv(1), {"text": "no turns here"}, conv(2)]
+    records = [
+        conv(0),
+        b"{not json",
+        {"conversations": []},
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        b'{"messages": [{"role": "user", "content": "caf\xe9"}]}',
+        conv(0),
+        {"messages": [{"role": "user", "content": 5}]},
+        conv(1),
+        {"text": "no turns here"},
+        conv(2),
+    ]
     write_jsonl(tmp_path / "data/sources/mine.jsonl", records)
     summary = build_manifest(params([user_source()], num_samples=3), tmp_path / "m", root=tmp_path)
     mine = summary["sources"]["mine"]
-    assert mine["skipped"] == {"malformed_json": 1, "no_turns": 2, "unknown_role": 1, "invalid_utf8": 1,
-                               "duplicate": 1, "bad_turn": 1}
+    assert mine["skipped"] == {
+        "malformed_json": 1,
+        "no_turns": 2,
+        "unknown_role": 1,
+        "invalid_utf8": 1,
+        "duplicate": 1,
+        "bad_turn": 1,
+    }
     assert mine["read"] == len(records) == mine["train"] + mine["eval"] + sum(mine["skipped"].values())
     assert mine["skipped_examples"]["malformed_json"][0].startswith("data/sources/mine.jsonl:2:")
     assert mine["skipped_examples"]["invalid_utf8"][0].startswith("data/sources/mine.jsonl:5:")
@@ -160,16 +192,28 @@ def test_parquet_and_saved_datasets_in_both_shapes(tmp_path):
     import datasets
     import pyarrow as pa
 
-    openai = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]} for i in range(3)]
+    openai = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+        for i in range(3)
+    ]
     sharegpt = [conv(i, "!") for i in range(3)]
     (tmp_path / "data/sources").mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist(openai), tmp_path / "data/sources/chat.parquet")
     datasets.Dataset.from_list(sharegpt).save_to_disk(str(tmp_path / "data/sources/saved"))
-    specs = [user_source("pq", "data/sources/chat.parquet", kind="parquet"),
-             user_source("hf", "data/sources/saved", kind="hf_disk")]
+    specs = [
+        user_source("pq", "data/sources/chat.parquet", kind="parquet"),
+        user_source("hf", "data/sources/saved", kind="hf_disk"),
+    ]
     build_manifest(params(specs, num_samples=6), tmp_path / "m", root=tmp_path)
     got = [(r["source"], r["conversation"][0]["content"]) for r in train_rows(tmp_path / "m")]
-    assert got == [("pq", "q0"), ("hf", "question 0!"), ("pq", "q1"), ("hf", "question 1!"), ("pq", "q2"), ("hf", "question 2!")]
+    assert got == [
+        ("pq", "q0"),
+        ("hf", "question 0!"),
+        ("pq", "q1"),
+        ("hf", "question 1!"),
+        ("pq", "q2"),
+        ("hf", "question 2!"),
+    ]
 
 
 def test_the_real_sharegpt_is_recovered_whole():

@@ -16,7 +16,6 @@ import pytest
 import torch
 import yaml
 from torch.nn.attention.flex_attention import create_block_mask
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflashpipe.errors import ParamsError, SourceError
 from dflashpipe.model import DFlashConfig, DFlashDrafter, TargetHead, sample_anchor_positions
@@ -28,51 +27,16 @@ from dflashpipe.model.mask import dense_mask, dflash_mask_mod
 from dflashpipe.model.mask_token import resolve_mask_token_id
 from dflashpipe.params import load_params
 from tests.conftest import ROOT
+from tests.tiny import (
+    MASK_ID,
+    VOCAB,
+    random_batch,
+    tiny_config,  # noqa: F401 - tests/reliability/test_corrupted.py imports it from here
+    tiny_drafter,
+    tiny_target,
+)
 
-VOCAB, MASK_ID = 97, 96
 CPU = torch.device("cpu")
-
-
-def tiny_target(seed: int = 0, dtype: torch.dtype = torch.float32, hidden: int = 32, heads: int = 4,
-                kv_heads: int = 2, vocab: int = VOCAB) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=8,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
-                         rms_norm_eps=1e-5)
-    model = LlamaForCausalLM(config).to(dtype).eval()
-    with torch.no_grad():
-        # A non-trivial final norm, so that copying it (not leaving ones) is what the tests see.
-        model.model.norm.weight.uniform_(0.5, 1.5)
-        # A trained LM head's scale (init's 0.02 caps every logit near 0.6, so no CE could fall far).
-        model.lm_head.weight.normal_(0.0, 0.5)
-    return model
-
-
-def tiny_config(target: LlamaForCausalLM, layers: int = 2, block_size: int = 4, n_target: int = 3) -> DFlashConfig:
-    c = target.config
-    return DFlashConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_layers=layers,
-                        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                        head_dim=c.hidden_size // c.num_attention_heads, rms_norm_eps=c.rms_norm_eps,
-                        rope_theta=10000.0, max_position_embeddings=256, vocab_size=c.vocab_size,
-                        num_target_layers=c.num_hidden_layers,
-                        target_layer_ids=tuple(spaced_target_layer_ids(c.num_hidden_layers, n_target)),
-                        block_size=block_size, mask_token_id=c.vocab_size - 1)
-
-
-def tiny_drafter(target=None, attention="sdpa", seed=1, **config_kw) -> DFlashDrafter:
-    target = target if target is not None else tiny_target()
-    return DFlashDrafter(tiny_config(target, **config_kw), TargetHead.of(target), attention=attention, gamma=4.0,
-                         generator=torch.Generator().manual_seed(seed))
-
-
-def random_batch(drafter: DFlashDrafter, batch=2, seq_len=32, num_anchors=3, seed=0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    features = torch.randn(batch, seq_len, drafter.config.feature_size, generator=g, dtype=dtype)
-    input_ids = torch.randint(0, drafter.config.vocab_size - 1, (batch, seq_len), generator=g)
-    loss_mask = torch.ones(batch, seq_len)
-    loss_mask[:, :4] = 0  # a "prompt" that is not supervised
-    anchors, valid = sample_anchor_positions(loss_mask, num_anchors, g)
-    return features, input_ids, loss_mask, anchors, valid
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -105,8 +69,10 @@ def mask_by_loops(anchors: torch.Tensor, context_len: int, block_size: int) -> t
     return out
 
 
-@pytest.mark.parametrize(("batch", "context_len", "num_anchors", "block_size"),
-                         [(1, 8, 2, 3), (2, 40, 5, 4), (3, 130, 9, 16), (2, 300, 17, 8)])
+@pytest.mark.parametrize(
+    ("batch", "context_len", "num_anchors", "block_size"),
+    [(1, 8, 2, 3), (2, 40, 5, 4), (3, 130, 9, 16), (2, 300, 17, 8)],
+)
 def test_dense_mask_and_block_mask_both_follow_the_dflash_rule(batch, context_len, num_anchors, block_size):
     g = torch.Generator().manual_seed(context_len)
     anchors = torch.sort(torch.randint(0, context_len, (batch, num_anchors), generator=g), dim=1).values
@@ -166,8 +132,11 @@ def test_compiled_flex_matches_sdpa_and_compiles_once_for_a_run():
     for step in range(3):  # new anchors each step, as in training: the same compiled graph
         batch = random_batch(drafter, seed=step)
         with torch.no_grad():
-            errors.append(rel_err(flex.block_hidden(batch[0], batch[1], batch[3]),
-                                  drafter.block_hidden(batch[0], batch[1], batch[3])))
+            errors.append(
+                rel_err(
+                    flex.block_hidden(batch[0], batch[1], batch[3]), drafter.block_hidden(batch[0], batch[1], batch[3])
+                )
+            )
     print(f"compiled flex vs sdpa, block hidden states: max relative error {max(errors):.2e}")
     assert max(errors) < 1e-5
     assert counters["stats"]["unique_graphs"] - graphs_before == 1
@@ -186,18 +155,18 @@ def test_flex_refuses_to_train_on_the_cpu():
 def test_gradients_match_finite_differences_in_float64():
     target = tiny_target(hidden=8, heads=2, kv_heads=1, vocab=13).double()
     drafter = tiny_drafter(target, layers=1, block_size=3, n_target=2).double()
-    features, input_ids, loss_mask, anchors, valid = random_batch(drafter, batch=1, seq_len=8, num_anchors=2,
-                                                                  dtype=torch.float64)
+    features, input_ids, loss_mask, anchors, valid = random_batch(
+        drafter, batch=1, seq_len=8, num_anchors=2, dtype=torch.float64
+    )
     names = [n for n, p in drafter.named_parameters() if p.requires_grad]
     params = tuple(p.detach().clone().requires_grad_(True) for n, p in drafter.named_parameters() if p.requires_grad)
     features.requires_grad_(True)
 
     def loss(features, *params):
-        state = dict(zip(names, params))
+        state = dict(zip(names, params, strict=True))
         return torch.func.functional_call(drafter, state, (features, input_ids, loss_mask, anchors, valid)).loss
 
-    assert torch.autograd.gradcheck(loss, (features, *params), eps=1e-6, atol=1e-7, rtol=1e-5,
-                                    fast_mode=True)
+    assert torch.autograd.gradcheck(loss, (features, *params), eps=1e-6, atol=1e-7, rtol=1e-5, fast_mode=True)
 
 
 def test_loss_goes_down_on_a_tiny_batch():
@@ -211,8 +180,10 @@ def test_loss_goes_down_on_a_tiny_batch():
         out.loss.backward()
         optimizer.step()
     last = drafter(*batch)
-    print(f"overfit: loss {first.loss.item():.3f} -> {last.loss.item():.3f}, "
-          f"accuracy {first.slot_accuracy.mean().item():.2f} -> {last.slot_accuracy.mean().item():.2f}")
+    print(
+        f"overfit: loss {first.loss.item():.3f} -> {last.loss.item():.3f}, "
+        f"accuracy {first.slot_accuracy.mean().item():.2f} -> {last.slot_accuracy.mean().item():.2f}"
+    )
     assert last.loss.item() < 0.3 * first.loss.item()
     assert last.slot_accuracy.mean() > 0.8
 
@@ -247,8 +218,14 @@ def test_labels_are_same_position_and_weights_decay_with_the_slot():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(1, 3, 3, 120, generator=g)
     out = decay_weighted_loss(logits, labels, weights)
-    by_hand = sum(weights[0, a, k] * -torch.log_softmax(logits[0, a, k], -1)[labels[0, a, k]]
-                  for a in range(3) for k in range(3)) / weights.sum()
+    by_hand = (
+        sum(
+            weights[0, a, k] * -torch.log_softmax(logits[0, a, k], -1)[labels[0, a, k]]
+            for a in range(3)
+            for k in range(3)
+        )
+        / weights.sum()
+    )
     assert out.loss.item() == pytest.approx(by_hand.item(), rel=1e-6)
     assert out.slot_count.tolist() == [2.0, 1.0, 1.0]
 
@@ -300,8 +277,9 @@ def test_save_and_load_round_trip_gives_identical_logits(tmp_path):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
     loaded = DFlashDrafter.from_pretrained(tmp_path / "a", TargetHead.of(target), attention="sdpa", gamma=4.0)
     with torch.no_grad():
-        assert torch.equal(loaded.block_hidden(batch[0], batch[1], batch[3]),
-                           drafter.block_hidden(batch[0], batch[1], batch[3]))
+        assert torch.equal(
+            loaded.block_hidden(batch[0], batch[1], batch[3]), drafter.block_hidden(batch[0], batch[1], batch[3])
+        )
         assert torch.equal(loaded(*batch).loss, drafter(*batch).loss)
 
     config = json.loads((tmp_path / "a" / "config.json").read_text())
@@ -331,17 +309,25 @@ def test_the_reference_dflash_loads_our_checkpoint_and_drafts_the_same(tmp_path)
             for i, anchor in enumerate(anchors[b].tolist()):
                 block = torch.tensor([[input_ids[b, anchor].item()] + [reference.mask_token_id] * (bs - 1)])
                 # The reference drafts one block from the features of every position before the anchor.
-                theirs = reference(target_hidden=features[b:b + 1, :anchor], noise_embedding=embed[block],
-                                   position_ids=torch.arange(anchor + bs)[None])
+                theirs = reference(
+                    target_hidden=features[b : b + 1, :anchor],
+                    noise_embedding=embed[block],
+                    position_ids=torch.arange(anchor + bs)[None],
+                )
                 errors.append((ours[b, i] - theirs[0]).abs().max().item())
-                logit_errors.append((drafter.logits(ours[b, i, 1:]) - reference.compute_logits(
-                    theirs[0, 1:], target.lm_head)).abs().max().item())
+                logit_errors.append(
+                    (drafter.logits(ours[b, i, 1:]) - reference.compute_logits(theirs[0, 1:], target.lm_head))
+                    .abs()
+                    .max()
+                    .item()
+                )
                 # Our speculative-decoding path, with the context encoded in two pieces, agrees too.
-                context = drafter.encode_context(features[b:b + 1, :anchor // 2])
-                context = drafter.encode_context(features[b:b + 1, anchor // 2:anchor], context)
-                drafted = drafter.draft_logits(context, input_ids[b:b + 1, anchor])
-                logit_errors.append((drafted[0] - reference.compute_logits(theirs[0, 1:], target.lm_head))
-                                    .abs().max().item())
+                context = drafter.encode_context(features[b : b + 1, : anchor // 2])
+                context = drafter.encode_context(features[b : b + 1, anchor // 2 : anchor], context)
+                drafted = drafter.draft_logits(context, input_ids[b : b + 1, anchor])
+                logit_errors.append(
+                    (drafted[0] - reference.compute_logits(theirs[0, 1:], target.lm_head)).abs().max().item()
+                )
     print(f"ours vs dflash reference: hidden max abs error {max(errors):.2e}, logits {max(logit_errors):.2e}")
     assert max(errors) < 1e-5 and max(logit_errors) < 1e-5
 
@@ -436,4 +422,3 @@ def test_explicit_target_layer_ids_must_fit_the_target():
         DFlashConfig.for_target(tiny_target().config, explicit, MASK_ID)
     ok = DFlashConfig.for_target(tiny_target().config, replace(explicit, target_layer_ids=(2, 7)), MASK_ID)
     assert ok.target_layer_ids == (2, 7) and ok.feature_size == 64
-

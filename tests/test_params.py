@@ -52,7 +52,7 @@ def test_a_stage_cannot_read_a_section_it_does_not_declare(project):
     params = load_stage_params("target", project)
     assert params.target.dtype in ("bfloat16", "float16", "float32")
     with pytest.raises(ParamsError, match="reads params section 'data'.*does not declare"):
-        params.data
+        _ = params.data
 
 
 @pytest.mark.parametrize(
@@ -63,14 +63,25 @@ def test_a_stage_cannot_read_a_section_it_does_not_declare(project):
         (lambda d: d["data"].update(num_samples="many"), r"data.num_samples = 'many': expected an integer"),
         (lambda d: d["data"].update(num_samples=True), r"data.num_samples = True: expected an integer"),
         (lambda d: d["data"].update(num_samples=-3), r"data.num_samples = -3: must be between 1"),
-        (lambda d: d["data"].update(on_bad_record="ignore"), r"data.on_bad_record = 'ignore': allowed values are \['error', 'skip'\]"),
+        (
+            lambda d: d["data"].update(on_bad_record="ignore"),
+            r"data.on_bad_record = 'ignore': allowed values are \['error', 'skip'\]",
+        ),
         (lambda d: d["data"].update(sources=[]), r"data.sources is empty"),
         (lambda d: d["data"]["sources"][0].update(weight=-1), r"data.sources\[sharegpt\].weight = -1.0"),
-        (lambda d: d["data"]["sources"][0].update(kind="csv"), r"data.sources\[sharegpt\].kind = 'csv': allowed values"),
+        (
+            lambda d: d["data"]["sources"][0].update(kind="csv"),
+            r"data.sources\[sharegpt\].kind = 'csv': allowed values",
+        ),
         (lambda d: d["data"]["sources"][0].update(path="x.jsonl"), r"data.sources\[sharegpt\].path is set"),
-        (lambda d: d["data"]["sources"].append({"name": "mine", "kind": "jsonl", "weight": 1, "eval": 0}),
-         r"data.sources\[mine\].path is required"),
-        (lambda d: d["data"]["sources"].append(dict(d["data"]["sources"][0])), r"duplicate source names \['sharegpt'\]"),
+        (
+            lambda d: d["data"]["sources"].append({"name": "mine", "kind": "jsonl", "weight": 1, "eval": 0}),
+            r"data.sources\[mine\].path is required",
+        ),
+        (
+            lambda d: d["data"]["sources"].append(dict(d["data"]["sources"][0])),
+            r"duplicate source names \['sharegpt'\]",
+        ),
         (lambda d: d["target"].update(dtype="int8"), r"target.dtype = 'int8': allowed values"),
         (lambda d: d.update(extra={"a": 1}), r"unknown section\(s\) \['extra'\]"),
         (lambda d: d.pop("target"), r"missing section\(s\) \['target'\]"),

@@ -104,8 +104,11 @@ def outputs(stage: dict) -> list[str]:
 
 
 def fingerprint_keys(stage: dict) -> list[str] | None:
-    named = [item[FINGERPRINT_FILE] for item in stage.get("params", []) or []
-             if isinstance(item, dict) and FINGERPRINT_FILE in item]
+    named = [
+        item[FINGERPRINT_FILE]
+        for item in stage.get("params", []) or []
+        if isinstance(item, dict) and FINGERPRINT_FILE in item
+    ]
     return named[0] if named else None
 
 
@@ -125,9 +128,14 @@ def module_file(module: str) -> Path | None:
 def _imported(tree: ast.Module, file: Path) -> set[str]:
     """Every module an import statement anywhere in `tree` (functions included) may load, but not
     those only under `if TYPE_CHECKING:`; `from pkg import name` yields pkg and pkg.name."""
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-            and isinstance(node.test, ast.Name | ast.Attribute) and "TYPE_CHECKING" in ast.unparse(node.test)
-            for n in ast.walk(node)}
+    skip = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If)
+        and isinstance(node.test, ast.Name | ast.Attribute)
+        and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
     package = file.parent.relative_to(SRC).as_posix().replace("/", ".") if file.is_relative_to(SRC) else ""
     found = set()
     for node in ast.walk(tree):
@@ -180,8 +188,18 @@ def stage_code(script: Path) -> set[str]:
 def test_every_output_path_the_code_names_is_written_by_exactly_one_stage(stages):
     from dflashpipe import pipeline
 
-    names = ("FINGERPRINT", "TARGET", "MANIFEST", "TOKENS", "COMPILE", "DRAFTER", "TRAIN_STATE", "MANIFEST_METRICS",
-             "TOKENIZE_METRICS", "TRAIN_METRICS")
+    names = (
+        "FINGERPRINT",
+        "TARGET",
+        "MANIFEST",
+        "TOKENS",
+        "COMPILE",
+        "DRAFTER",
+        "TRAIN_STATE",
+        "MANIFEST_METRICS",
+        "TOKENIZE_METRICS",
+        "TRAIN_METRICS",
+    )
     for name in names:
         path = getattr(pipeline, name).as_posix()
         writers = [stage for stage, entry in stages.items() if path in outputs(entry)]

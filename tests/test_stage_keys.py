@@ -45,7 +45,9 @@ def project(tmp_path_factory) -> Path:
 
 def files_under(project: Path, dep: str) -> list[Path]:
     path = project / dep
-    return [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    return (
+        [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    )
 
 
 def changed_value(value):

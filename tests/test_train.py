@@ -14,51 +14,72 @@ from safetensors.torch import load_file
 
 from dflashpipe.errors import DflashpipeError, ParamsError
 from dflashpipe.params import TopologyParams
-from dflashpipe.pipeline import StageKey
+from dflashpipe.pipeline import COMPILE, TRAIN_STATE, StageKey
 from dflashpipe.train.checkpoint import checkpoint_key, mismatch
 from dflashpipe.train.data import BatchPlan
 from dflashpipe.train.loop import replica_mismatches
 from dflashpipe.train.topology import check_topology
 from tests.conftest import ROOT
+from tests.tiny import manifest_params, model_params, tokenize_params
 
 SCRIPT = ROOT / "tests" / "scenarios" / "train_run.py"
-MODEL = {"layers": 1, "block_size": 4, "target_layers": 2, "target_layer_ids": [], "num_anchors": 4,
-         "seq_len": 64, "gamma": 4.0, "attention": "auto", "mask_token": "<empty_output>"}
-TRAIN = {"max_steps": 6, "lr": 3e-3, "warmup_steps": 1, "min_lr_ratio": 0.1, "weight_decay": 0.0, "grad_clip": 1.0,
-         "seed": 3, "checkpoint_every": 2, "prefetch": 2}
+MODEL = model_params()  # the shared run's: test_compiled_training_... loads its kernels
+TRAIN = {
+    "max_steps": 6,
+    "lr": 3e-3,
+    "warmup_steps": 1,
+    "min_lr_ratio": 0.1,
+    "weight_decay": 0.0,
+    "grad_clip": 1.0,
+    "seed": 3,
+    "checkpoint_every": 2,
+    "prefetch": 2,
+}
 
 
 def config(name, drafters=2, targets=1, compiled=False, **train) -> dict:
-    return {"name": name, "model": MODEL, "compile": {"enabled": compiled, "micro_batch": 2, "guard": "error"},
-            "topology": {"target_devices": ["cpu"] * targets, "drafter_devices": ["cpu"] * drafters,
-                         "allow_shared_devices": True},
-            "train": {**TRAIN, **train}}
+    return {
+        "name": name,
+        "model": MODEL,
+        "compile": {"enabled": compiled, "micro_batch": 2, "guard": "error"},
+        "topology": {
+            "target_devices": ["cpu"] * targets,
+            "drafter_devices": ["cpu"] * drafters,
+            "allow_shared_devices": True,
+        },
+        "train": {**TRAIN, **train},
+    }
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory, tiny_target_dir):
     """Real inputs: a manifest of real chat data, tokenized with the real tokenizer, and a tiny real target."""
     from dflashpipe.data.manifest import build_manifest
-    from dflashpipe.params import DataParams, SourceSpec, TargetParams, TokenizeParams
+    from dflashpipe.params import TargetParams
     from dflashpipe.target import materialise_target
     from dflashpipe.tokens.run import tokenize_manifest
 
     work = tmp_path_factory.mktemp("train")
-    materialise_target(TargetParams(source=tiny_target_dir.name, dtype="float32"), work / "target", root=tiny_target_dir.parent)
-    build_manifest(DataParams(num_samples=48, shard_size=24, on_bad_record="skip",
-                              sources=(SourceSpec(name="chitchat", kind="chitchat", weight=1.0, eval=0),)),
-                   work / "manifest")
-    tokenize_manifest(TokenizeParams(max_length=256, truncation="turn", assistant_turns="all",
-                                     min_supervised_tokens=8, num_proc=1), work / "manifest", work / "target",
-                      work / "tokens")
+    materialise_target(
+        TargetParams(source=tiny_target_dir.name, dtype="float32"), work / "target", root=tiny_target_dir.parent
+    )
+    build_manifest(manifest_params(48, 24), work / "manifest")
+    tokenize_manifest(tokenize_params(), work / "manifest", work / "target", work / "tokens")
     return work
 
 
 def train_process(workdir, cfg, nproc=1) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(SCRIPT), str(workdir), json.dumps(cfg)]
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(29500 + os.getpid() % 1000)] + cmd[1:]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-port",
+            str(29500 + os.getpid() % 1000),
+        ] + cmd[1:]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
 
 
@@ -88,7 +109,8 @@ def test_replicas_stay_identical_and_two_processes_equal_one(workdir):
     assert_same_weights(weights(workdir, "single"), weights(workdir, "two-procs"))
     # A different seed trains different weights: the comparison above can fail.
     train(workdir, config("other-seed", drafters=2, seed=4))
-    assert any((weights(workdir, "single")[k] != weights(workdir, "other-seed")[k]).any() for k in weights(workdir, "single"))
+    single, other = weights(workdir, "single"), weights(workdir, "other-seed")
+    assert any((single[k] != other[k]).any() for k in single)
 
 
 # Killed and resumed to the same weights: tests/reliability/test_killed.py, under DVC, on the compiled path.
@@ -111,8 +133,9 @@ def test_a_finished_run_is_not_resumed_once_an_input_changed(workdir):
     assert edited.returncode == 0, edited.stderr[-4000:]
     assert "resumed" not in edited.stdout
     checkpoint = workdir / "edited" / "state" / "checkpoint"
-    assert (f"train: not resuming {checkpoint}: its inputs differ (src/dflashpipe/train/data.py changed)"
-            in edited.stdout), edited.stdout
+    assert (
+        f"train: not resuming {checkpoint}: its inputs differ (src/dflashpipe/train/data.py changed)" in edited.stdout
+    ), edited.stdout
     assert len(step_lines(edited.stdout)) == 4  # every step trained again, from step 0
 
     same = train_process(workdir, {**cfg, "key_inputs": {"dep:src/dflashpipe/train/data.py": "edited"}})
@@ -128,7 +151,8 @@ def test_a_checkpoint_key_names_what_changed_and_counts_the_processes():
     assert mismatch(one, checkpoint_key(base, world_size=2)) == "its inputs differ (world_size changed)"
     many = StageKey("train", {f"dep:src/{i}.py": "b" for i in range(5)} | {"param:params.yaml:train.lr": "0.002"})
     assert mismatch(one, checkpoint_key(many, 1)) == (
-        "its inputs differ (src/0.py, src/1.py, src/2.py and 4 more changed)")
+        "its inputs differ (src/0.py, src/1.py, src/2.py and 4 more changed)"
+    )
     assert mismatch(None, one) == "it records no key (saved by an older version)"
     assert checkpoint_key(None, world_size=2) is None  # no key: never resumed
 
@@ -153,13 +177,16 @@ def test_diverged_replicas_fail_the_stage_and_write_no_drafter(workdir, monkeypa
     from dflashpipe.train.stage import TrainPaths, train_drafter
 
     cfg = config("diverged", drafters=2, max_steps=2, checkpoint_every=0)
-    inputs = TrainInputs(model=build(ModelParams, cfg["model"], "model"),
-                         compile=build(CompileParams, cfg["compile"], "compile"),
-                         topology=build(TopologyParams, cfg["topology"], "topology"),
-                         train=build(TrainParams, cfg["train"], "train"))
+    inputs = TrainInputs(
+        model=build(ModelParams, cfg["model"], "model"),
+        compile=build(CompileParams, cfg["compile"], "compile"),
+        topology=build(TopologyParams, cfg["topology"], "topology"),
+        train=build(TrainParams, cfg["train"], "train"),
+    )
     out = workdir / "diverged"
-    paths = TrainPaths(workdir / "tokens", workdir / "target", workdir / "compile",
-                       out / "drafter", out / "state", out / "metrics")
+    paths = TrainPaths(
+        workdir / "tokens", workdir / "target", workdir / "compile", out / "drafter", out / "state", out / "metrics"
+    )
     monkeypatch.setattr(Trainer, "average_gradients", lambda self: None)
     with pytest.raises(DflashpipeError, match=r"drafter replicas diverged \(replica 1: .* differ from replica 0\)"):
         train_drafter(inputs, paths, key=None, compile_key=None)
@@ -170,7 +197,7 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_fix(workdir, pi
     cfg = config("damaged", drafters=1, max_steps=2)
     checkpoint = workdir / "damaged" / "state" / "checkpoint"
     # a real checkpoint (the shared run's, at its last step): it is verified before anything else is read
-    shutil.copytree(pipeline_run / "data/train-state/checkpoint", checkpoint)
+    shutil.copytree(pipeline_run / TRAIN_STATE / "checkpoint", checkpoint)
     victim = checkpoint / "drafter" / "model.safetensors"
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x10  # inside the weights: safetensors itself would load this without a word
@@ -188,7 +215,7 @@ def test_compiled_training_compiles_nothing_in_worker_threads(workdir, pipeline_
     # The warmup stage's artifact for these very shapes (the shared run's model params are MODEL's), loaded
     # in the main thread; then the real per-step worker code (anchors, mask, compiled step, backward) runs
     # in three threads at once.
-    shutil.copytree(pipeline_run / "data/compile", workdir / "compile", dirs_exist_ok=True)
+    shutil.copytree(pipeline_run / COMPILE, workdir / "compile", dirs_exist_ok=True)
     # The artifact is used only if it was built for warmup's key as it is now: that project's.
     cfg = {**config("compiled", drafters=3, compiled=True, max_steps=12), "compile_key_root": str(pipeline_run)}
     metrics = train(workdir, cfg)
@@ -212,4 +239,6 @@ def test_the_data_order_depends_only_on_seed_and_step():
     first_epoch = [i for s in range(10) for rank in range(2) for r in range(2) for i in plan.indices(s, rank, r)][:10]
     assert sorted(first_epoch) == list(range(10))  # every sequence once per epoch
     threads_view = BatchPlan(num_sequences=10, world_size=1, replicas=4, micro_batch=2, seed=1)
-    assert [threads_view.indices(3, 0, r) for r in range(4)] == [plan.indices(3, k, r) for k in range(2) for r in range(2)]
+    assert [threads_view.indices(3, 0, r) for r in range(4)] == [
+        plan.indices(3, k, r) for k in range(2) for r in range(2)
+    ]

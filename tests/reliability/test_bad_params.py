@@ -156,7 +156,11 @@ def cases(values_of) -> list:
 def test_the_walk_covers_every_section_and_field():
     dotted = {k.dotted(BASE) for k in KEYS}
     assert {f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)} <= dotted
-    assert {f"data.sources[{s['name']}].{f}" for s in BASE["data"]["sources"] for f in ("name", "kind", "weight", "eval", "path")} <= dotted
+    assert {
+        f"data.sources[{s['name']}].{f}"
+        for s in BASE["data"]["sources"]
+        for f in ("name", "kind", "weight", "eval", "path")
+    } <= dotted
     assert load_params(ROOT)
 
 
@@ -175,8 +179,9 @@ def test_a_negative_huge_nan_or_empty_value_is_refused_naming_the_key(tmp_path, 
     refuses_naming(tmp_path, raw, key.dotted(raw))
 
 
-@pytest.mark.parametrize("key", [k for k in KEYS if k.required and not isinstance(k.path[-1], int)],
-                         ids=lambda k: k.dotted(BASE))
+@pytest.mark.parametrize(
+    "key", [k for k in KEYS if k.required and not isinstance(k.path[-1], int)], ids=lambda k: k.dotted(BASE)
+)
 def test_a_missing_key_is_refused_naming_it(tmp_path, key):
     refuses_naming(tmp_path, with_value(BASE, key.path, None, delete=True), key.dotted(BASE))
 

@@ -10,6 +10,7 @@ from dvc.lock import FAILED_TO_LOCK_MESSAGE
 from dflashpipe.data.manifest import build_manifest
 from dflashpipe.data.shards import verify_manifest
 from dflashpipe.params import load_params
+from dflashpipe.pipeline import MANIFEST, MANIFEST_METRICS, TARGET
 from dflashpipe.target import materialise_target
 from tests.conftest import run
 from tests.reliability.harness import group_process, kill_group, start, status, tree_bytes
@@ -42,9 +43,9 @@ def test_a_second_repro_fails_fast_on_the_lock_and_the_first_completes_intact(dv
     params = load_params(project)
     materialise_target(params["target"], tmp_path / "target", root=project)
     build_manifest(params["data"], tmp_path / "manifest", root=project)
-    assert tree_bytes(project / "data/target") == tree_bytes(tmp_path / "target")
-    assert tree_bytes(project / "data/manifest") == tree_bytes(tmp_path / "manifest")
-    verify_manifest(project / "data/manifest")
+    assert tree_bytes(project / TARGET) == tree_bytes(tmp_path / "target")
+    assert tree_bytes(project / MANIFEST) == tree_bytes(tmp_path / "manifest")
+    verify_manifest(project / MANIFEST)
 
 
 def experiment_metrics(project) -> dict[str, dict]:
@@ -55,7 +56,7 @@ def experiment_metrics(project) -> dict[str, dict]:
         if isinstance(node, dict):
             data = node.get("data")
             if isinstance(node.get("name"), str) and isinstance(data, dict):
-                metrics = (data.get("metrics") or {}).get("metrics/manifest.json", {}).get("data")
+                metrics = (data.get("metrics") or {}).get(str(MANIFEST_METRICS), {}).get("data")
                 if metrics:
                     found[node["name"]] = metrics
             for value in node.values():
@@ -77,8 +78,11 @@ def test_two_queued_experiments_run_at_once_with_correct_distinct_metrics(dvc_pr
     most_running, deadline, table = 0, time.monotonic() + 240, ""
     while time.monotonic() < deadline:
         table = run(["dvc", "queue", "status"], project).stdout
-        rows = {line.split()[1]: line.split()[-1] for line in table.splitlines()
-                if len(line.split()) >= 4 and line.split()[1] in sizes}
+        rows = {
+            line.split()[1]: line.split()[-1]
+            for line in table.splitlines()
+            if len(line.split()) >= 4 and line.split()[1] in sizes
+        }
         most_running = max(most_running, sum(state == "Running" for state in rows.values()))
         if len(rows) == 2 and all(state in ("Success", "Failed") for state in rows.values()):
             break
@@ -93,4 +97,4 @@ def test_two_queued_experiments_run_at_once_with_correct_distinct_metrics(dvc_pr
         assert metrics[name]["train_samples"] == n
         assert metrics[name]["shards"] == -(-n // 20)
         assert metrics[name]["records_read"] == n + metrics[name]["eval_samples"] + metrics[name]["records_skipped"]
-    assert not (project / "data/manifest").exists(), "a queued experiment wrote into the workspace"
+    assert not (project / MANIFEST).exists(), "a queued experiment wrote into the workspace"

@@ -59,11 +59,22 @@ class Output:
 
 OUTPUTS = [
     Output("manifest", MANIFEST, verify_manifest, SourceError, ("`dvc checkout {dir}`", "`dvc repro -f manifest`")),
-    Output("eval split", MANIFEST, read_eval_split, SourceError, ("`dvc checkout {dir}`", "`dvc repro -f manifest`"),
-           only=(EVAL_FILE,)),
+    Output(
+        "eval split",
+        MANIFEST,
+        read_eval_split,
+        SourceError,
+        ("`dvc checkout {dir}`", "`dvc repro -f manifest`"),
+        only=(EVAL_FILE,),
+    ),
     Output("tokens", TOKENS, load_tokens, SourceError, ("`dvc checkout {dir}`", "`dvc repro -f tokenize`")),
-    Output("compile artifact", COMPILE, verify_artifact, CompileArtifactError,
-           ("`dvc checkout {dir}`", "`dvc repro -f warmup`")),
+    Output(
+        "compile artifact",
+        COMPILE,
+        verify_artifact,
+        CompileArtifactError,
+        ("`dvc checkout {dir}`", "`dvc repro -f warmup`"),
+    ),
     Output("drafter", DRAFTER, verify_drafter, SourceError, ("`dvc checkout {dir}`", "`dvc repro -f train`")),
     Output("checkpoint", TRAIN_STATE / CHECKPOINT, verify_checkpoint, TrainCheckpointError, ("`rm -r {dir}`",)),
 ]
@@ -102,8 +113,9 @@ def test_an_intact_output_passes_its_reader(pristine, output):
 def test_an_intact_manifest_reads_back(pristine):
     manifest = pristine["manifest"]
     summary = verify_manifest(manifest)
-    assert [read_manifest_shard(manifest, e).num_rows for e in [summary["eval"], *summary["shards"]]] == \
-        [e["samples"] for e in [summary["eval"], *summary["shards"]]]
+    assert [read_manifest_shard(manifest, e).num_rows for e in [summary["eval"], *summary["shards"]]] == [
+        e["samples"] for e in [summary["eval"], *summary["shards"]]
+    ]
     assert len(read_eval_split(manifest)) == summary["eval"]["samples"]
 
 
@@ -120,8 +132,9 @@ def test_a_damaged_output_is_refused_naming_the_file_and_the_fix(pipeline_run, t
     path = directory / victim
     if damage == "truncated":
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-        refused(output, directory, f"{path}: does not match its sha256 in {listing} "
-                                   f"(truncated, bit-flipped or edited): ")
+        refused(
+            output, directory, f"{path}: does not match its sha256 in {listing} (truncated, bit-flipped or edited): "
+        )
     elif damage == "deleted":
         path.unlink()
         refused(output, directory, f"{path}: listed in {listing} but missing: ")
@@ -175,8 +188,11 @@ def test_any_bit_flipped_in_any_listed_file_is_refused(pristine, output, data):
     directory = pristine[output.name]
     path = directory / data.draw(st.sampled_from(output.checked(directory)), label="file")
     with one_bit_flipped(path, data):
-        refused(output, directory, f"{path}: does not match its sha256 in {directory / FILE_LISTING} "
-                                   f"(truncated, bit-flipped or edited): ")
+        refused(
+            output,
+            directory,
+            f"{path}: does not match its sha256 in {directory / FILE_LISTING} (truncated, bit-flipped or edited): ",
+        )
 
 
 # -- the manifest's own checks, past files.json: a writer that lists what it got wrong --
@@ -214,20 +230,32 @@ def add_skips(summary: dict) -> None:
     skipped["no_turns"] = skipped.get("no_turns", 0) + 5
 
 
-@pytest.mark.parametrize(("name", "change", "match"), [
-    ("a shard's sha256", lambda s: s["shards"][0].update(sha256="0" * 64),
-     r"gives train-00000.parquet the sha256 000000000000\.\.\., but the file's is"),
-    ("a shard's row count", lambda s: s["shards"][2].update(samples=s["shards"][2]["samples"] + 1),
-     r"counts do not add up"),
-    ("num_samples", lambda s: s.update(num_samples=s["num_samples"] + 1), r"counts do not add up"),
-    ("a source's read count", lambda s: first_source(s).update(read=999), r"source '\w+': read 999"),
-    ("a skip count", add_skips, r"source '\w+'"),
-    ("an eval count", lambda s: first_source(s).update(eval=first_source(s)["eval"] + 1), r"counts do not add up"),
-    ("a shard file escaping the directory", lambda s: s["shards"][0].update(file="../../etc/passwd"),
-     r"not a manifest summary \(file '../../etc/passwd' is not a plain file name\)"),
-    ("the shard list", lambda s: s.update(shards={"file": "x"}), r"not a manifest summary"),
-    ("an entry's type", lambda s: s["shards"][1].update(samples="10"), r"not a manifest summary"),
-])
+@pytest.mark.parametrize(
+    ("name", "change", "match"),
+    [
+        (
+            "a shard's sha256",
+            lambda s: s["shards"][0].update(sha256="0" * 64),
+            r"gives train-00000.parquet the sha256 000000000000\.\.\., but the file's is",
+        ),
+        (
+            "a shard's row count",
+            lambda s: s["shards"][2].update(samples=s["shards"][2]["samples"] + 1),
+            r"counts do not add up",
+        ),
+        ("num_samples", lambda s: s.update(num_samples=s["num_samples"] + 1), r"counts do not add up"),
+        ("a source's read count", lambda s: first_source(s).update(read=999), r"source '\w+': read 999"),
+        ("a skip count", add_skips, r"source '\w+'"),
+        ("an eval count", lambda s: first_source(s).update(eval=first_source(s)["eval"] + 1), r"counts do not add up"),
+        (
+            "a shard file escaping the directory",
+            lambda s: s["shards"][0].update(file="../../etc/passwd"),
+            r"not a manifest summary \(file '../../etc/passwd' is not a plain file name\)",
+        ),
+        ("the shard list", lambda s: s.update(shards={"file": "x"}), r"not a manifest summary"),
+        ("an entry's type", lambda s: s["shards"][1].update(samples="10"), r"not a manifest summary"),
+    ],
+)
 def test_a_summary_whose_numbers_do_not_add_up_is_refused(manifest, name, change, match):
     summary = summary_of(manifest)
     change(summary)
@@ -235,11 +263,14 @@ def test_a_summary_whose_numbers_do_not_add_up_is_refused(manifest, name, change
     refused_manifest(relisted(manifest), rf"{manifest / SUMMARY_FILE}: .*{match}")
 
 
-@pytest.mark.parametrize(("name", "contents", "match"), [
-    ("missing", None, r"summary.json not found"),
-    ("not JSON", b'{"num_samples": 30, "shards": [', r"summary.json: not valid JSON .*truncated or edited"),
-    ("a list", b"[]", r"summary.json: not a manifest summary \(a JSON list\)"),
-])
+@pytest.mark.parametrize(
+    ("name", "contents", "match"),
+    [
+        ("missing", None, r"summary.json not found"),
+        ("not JSON", b'{"num_samples": 30, "shards": [', r"summary.json: not valid JSON .*truncated or edited"),
+        ("a list", b"[]", r"summary.json: not a manifest summary \(a JSON list\)"),
+    ],
+)
 def test_a_summary_that_is_no_summary_is_refused(manifest, name, contents, match):
     path = manifest / SUMMARY_FILE
     if contents is None:
@@ -251,12 +282,18 @@ def test_a_summary_that_is_no_summary_is_refused(manifest, name, contents, match
 
 def test_a_summary_listing_files_that_are_not_there_is_refused(manifest):
     (manifest / "train-00001.parquet").unlink()
-    refused_manifest(relisted(manifest), rf"{manifest / SUMMARY_FILE}: lists \['train-00001.parquet'\] "
-                                         r"but the directory holds \[\]")
+    refused_manifest(
+        relisted(manifest),
+        rf"{manifest / SUMMARY_FILE}: lists \['train-00001.parquet'\] "
+        r"but the directory holds \[\]",
+    )
     shutil.copy(manifest / "train-00000.parquet", manifest / "train-00001.parquet")
     shutil.copy(manifest / "train-00000.parquet", manifest / "train-99999.parquet")
-    refused_manifest(relisted(manifest), rf"{manifest / SUMMARY_FILE}: lists \[\] "
-                                         r"but the directory holds \['train-99999.parquet'\]")
+    refused_manifest(
+        relisted(manifest),
+        rf"{manifest / SUMMARY_FILE}: lists \[\] "
+        r"but the directory holds \['train-99999.parquet'\]",
+    )
 
 
 def test_a_shard_that_matches_its_hash_but_is_not_parquet_is_a_clear_error(manifest):

@@ -8,27 +8,54 @@ from __future__ import annotations
 
 import yaml
 
+from dflashpipe.pipeline import (
+    COMPILE,
+    DRAFTER,
+    FINGERPRINT,
+    MANIFEST,
+    MANIFEST_METRICS,
+    METRICS,
+    TARGET,
+    TOKENIZE_METRICS,
+    TOKENS,
+    TRAIN_METRICS,
+    TRAIN_METRICS_DIR,
+    TRAIN_STATE,
+)
 from tests.conftest import run
 from tests.reliability.harness import comparable_outputs, lock_outs, tree_bytes
 
 BYTES, TIMED, KERNELS = "byte-identical", "identical but for measured times", "same kernels, other bytes"
+EVAL = METRICS / "eval"
 OUTPUTS = {
-    "fingerprint": {"data/env/fingerprint.json": BYTES},  # on one machine: it observes the machine
-    "target": {"data/target": BYTES},
-    "manifest": {"data/manifest": BYTES, "metrics/manifest.json": BYTES},
-    "tokenize": {"data/tokens": BYTES, "metrics/tokenize.json": TIMED},
-    "warmup": {"data/compile": KERNELS},  # report.json: graphs, shapes, counters, environment; not seconds
-    "train": {"data/drafter": BYTES, "data/train-state": KERNELS, "metrics/train/metrics.json": TIMED,
-              "metrics/train/plots/metrics": TIMED},  # loss, lr and accuracy plots are byte-identical
-    "evaluate": {"metrics/eval.json": TIMED, "metrics/eval_regression.json": TIMED, "metrics/eval/tau_per_source.json": BYTES,
-                 "metrics/eval/slot_acceptance.json": BYTES, "metrics/eval/speedup_per_prompt.json": TIMED},
+    "fingerprint": {FINGERPRINT: BYTES},  # on one machine: it observes the machine
+    "target": {TARGET: BYTES},
+    "manifest": {MANIFEST: BYTES, MANIFEST_METRICS: BYTES},
+    "tokenize": {TOKENS: BYTES, TOKENIZE_METRICS: TIMED},
+    "warmup": {COMPILE: KERNELS},  # report.json: graphs, shapes, counters, environment; not seconds
+    "train": {
+        DRAFTER: BYTES,
+        TRAIN_STATE: KERNELS,
+        TRAIN_METRICS: TIMED,
+        TRAIN_METRICS_DIR / "plots" / "metrics": TIMED,
+    },  # loss, lr and accuracy plots are byte-identical
+    "evaluate": {
+        METRICS / "eval.json": TIMED,
+        METRICS / "eval_regression.json": TIMED,
+        EVAL / "tau_per_source.json": BYTES,
+        EVAL / "slot_acceptance.json": BYTES,
+        EVAL / "speedup_per_prompt.json": TIMED,
+    },
 }
 
 
 def declared_outputs(project, stage: str) -> list[str]:
     entry = yaml.safe_load((project / "dvc.yaml").read_text())["stages"][stage]
-    return sorted(next(iter(o)) if isinstance(o, dict) else o for kind in ("outs", "metrics", "plots")
-                  for o in entry.get(kind, []))
+    return sorted(
+        next(iter(o)) if isinstance(o, dict) else o
+        for kind in ("outs", "metrics", "plots")
+        for o in entry.get(kind, [])
+    )
 
 
 def test_two_clean_clones_write_the_same_outputs(pipeline_run, tmp_path):
@@ -39,7 +66,7 @@ def test_two_clean_clones_write_the_same_outputs(pipeline_run, tmp_path):
 
     assert set(OUTPUTS) == set(yaml.safe_load((a / "dvc.yaml").read_text())["stages"])
     for stage, outputs in OUTPUTS.items():
-        assert declared_outputs(a, stage) == sorted(outputs), f"classify every output of {stage} in OUTPUTS"
+        assert declared_outputs(a, stage) == sorted(map(str, outputs)), f"classify every output of {stage} in OUTPUTS"
         for path, kind in outputs.items():
             prefix = f"{path}/" if (a / path).is_dir() else ""
             files_a, files_b = ({prefix + k: v for k, v in tree_bytes(clone / path).items()} for clone in (a, b))
@@ -48,6 +75,7 @@ def test_two_clean_clones_write_the_same_outputs(pipeline_run, tmp_path):
                 assert files_a == files_b, f"{path} differs between two clean runs"
             else:
                 assert comparable_outputs(files_a) == comparable_outputs(files_b), (
-                    f"{path} differs between two clean runs beyond measured times and kernel bytes")
+                    f"{path} differs between two clean runs beyond measured times and kernel bytes"
+                )
         if all(kind == BYTES for kind in outputs.values()):
             assert lock_outs(a, stage) == lock_outs(b, stage)

@@ -16,6 +16,19 @@ from dflashpipe.artifacts import PARTIAL, canonical_json
 from dflashpipe.data.manifest import build_manifest
 from dflashpipe.data.shards import manifest_metrics, verify_manifest
 from dflashpipe.params import load_params
+from dflashpipe.pipeline import (
+    COMPILE,
+    DRAFTER,
+    FINGERPRINT,
+    MANIFEST,
+    MANIFEST_METRICS,
+    METRICS,
+    TARGET,
+    TOKENS,
+    TRAIN_METRICS,
+    TRAIN_METRICS_DIR,
+    TRAIN_STATE,
+)
 from dflashpipe.target import materialise_target
 from tests.conftest import copy_project, run, set_params
 from tests.reliability.harness import (
@@ -33,13 +46,18 @@ MANIFEST_SAMPLES, GROWN_SAMPLES, SHARD_SIZE = 3000, 4000, 50
 """Big enough that writing the shards takes a while, so a kill lands among them."""
 
 
-def outputs(project: Path, *paths: str) -> dict[str, bytes]:
-    return {f"{p}/{k}" if (project / p).is_dir() else p: v
-            for p in paths if (project / p).exists() for k, v in tree_bytes(project / p).items()}
+def outputs(project: Path, *paths: Path | str) -> dict[str, bytes]:
+    return {
+        f"{p}/{k}" if (project / p).is_dir() else str(p): v
+        for p in paths
+        if (project / p).exists()
+        for k, v in tree_bytes(project / p).items()
+    }
 
 
-def assert_killed_cleanly(project: Path, stage: str, out: str, recorded: dict | None,
-                          complete: list[dict[str, bytes]], point: str) -> None:
+def assert_killed_cleanly(
+    project: Path, stage: str, out: Path, recorded: dict | None, complete: list[dict[str, bytes]], point: str
+) -> None:
     """What a kill at `point` may leave: DVC's old record, and the output absent or a complete one."""
     assert lock_outs(project, stage) == recorded, f"{point}: dvc.lock changed for a killed run"
     assert stage in status(project, stage), f"{point}: dvc status shows {stage} up to date after a kill"
@@ -48,7 +66,16 @@ def assert_killed_cleanly(project: Path, stage: str, out: str, recorded: dict | 
         assert not [p for p in path.rglob("*") if PARTIAL in p.name], f"{point}: a partial file inside {out}"
         now = {f"{out}/{k}": v for k, v in tree_bytes(path).items()}
         assert any(now == {k: v for k, v in c.items() if k.startswith(f"{out}/")} for c in complete), (
-            f"{point}: {out} holds something other than a complete output")
+            f"{point}: {out} holds something other than a complete output"
+        )
+
+
+EVAL = METRICS / "eval"
+
+
+def partials_of(project: Path, out: Path) -> list[Path]:
+    """What an atomic write of the output `out` leaves while it is under way (or after a kill)."""
+    return partials((project / out).parent, out.name)
 
 
 def repro(project: Path, stage: str) -> None:
@@ -60,20 +87,23 @@ def repro(project: Path, stage: str) -> None:
 def manifest_reference(project: Path, tmp: Path) -> dict[str, bytes]:
     """What an uninterrupted run of the manifest stage writes, built in-process from the same params."""
     summary = build_manifest(load_params(project)["data"], tmp, root=project)
-    return {**{f"data/manifest/{k}": v for k, v in tree_bytes(tmp).items()},
-            "metrics/manifest.json": canonical_json(manifest_metrics(summary))}
+    return {
+        **{f"{MANIFEST}/{k}": v for k, v in tree_bytes(tmp).items()},
+        str(MANIFEST_METRICS): canonical_json(manifest_metrics(summary)),
+    }
 
 
 def shards_in_partial(project: Path, at_least: int) -> Callable[[int], bool]:
-    return lambda _: any(len(list(d.glob("train-*.parquet"))) >= at_least for d in partials(project / "data", "manifest"))
+    return lambda _: any(len(list(d.glob("train-*.parquet"))) >= at_least for d in partials_of(project, MANIFEST))
 
 
 def manifest_in_place(project: Path, num_samples: int) -> Callable[[int], bool]:
     def reached(_: int) -> bool:
         try:
-            return json.loads((project / "data/manifest/summary.json").read_bytes())["num_samples"] == num_samples
+            return json.loads((project / MANIFEST / "summary.json").read_bytes())["num_samples"] == num_samples
         except (OSError, ValueError):
             return False
+
     return reached
 
 
@@ -89,6 +119,7 @@ def stage_imported_torch(script: str) -> Callable[[int], bool]:
             return pid is not None and "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
         except OSError:
             return False
+
     return reached
 
 
@@ -105,56 +136,72 @@ def test_manifest_killed_at_six_points_loses_nothing(fingerprinted_project, tmp_
     set_params(project, data__num_samples=MANIFEST_SAMPLES, data__shard_size=SHARD_SIZE)
     first = manifest_reference(project, tmp_path / "ref-first")
     fresh_points = {
-        "partial directory created": lambda _: bool(partials(project / "data", "manifest")),
-        "eval split written": lambda _: any((d / "eval.parquet").exists() for d in partials(project / "data", "manifest")),
+        "partial directory created": lambda _: bool(partials_of(project, MANIFEST)),
+        "eval split written": lambda _: any((d / "eval.parquet").exists() for d in partials_of(project, MANIFEST)),
         "10 of 60 shards written": shards_in_partial(project, 10),
         "45 of 60 shards written": shards_in_partial(project, 45),
     }
     for point, reached in fresh_points.items():
         kill_at(cmd, project, tmp_path / "log", point, reached)
-        assert_killed_cleanly(project, "manifest", "data/manifest", None, [first], point)
+        assert_killed_cleanly(project, "manifest", MANIFEST, None, [first], point)
     repro(project, "manifest")
-    assert outputs(project, "data/manifest", "metrics/manifest.json") == first
+    assert outputs(project, MANIFEST, MANIFEST_METRICS) == first
     recorded = lock_outs(project, "manifest")
 
     set_params(project, data__num_samples=GROWN_SAMPLES)
     grown = manifest_reference(project, tmp_path / "ref-grown")
-    kill_at(cmd, project, tmp_path / "log", "70 of 80 shards, the old manifest recorded", shards_in_partial(project, 70))
-    assert_killed_cleanly(project, "manifest", "data/manifest", recorded, [first, grown], "grown, mid-way")
-    kill_at(cmd, project, tmp_path / "log", "renamed into place, not yet recorded", manifest_in_place(project, GROWN_SAMPLES))
+    kill_at(
+        cmd, project, tmp_path / "log", "70 of 80 shards, the old manifest recorded", shards_in_partial(project, 70)
+    )
+    assert_killed_cleanly(project, "manifest", MANIFEST, recorded, [first, grown], "grown, mid-way")
+    kill_at(
+        cmd,
+        project,
+        tmp_path / "log",
+        "renamed into place, not yet recorded",
+        manifest_in_place(project, GROWN_SAMPLES),
+    )
     if lock_outs(project, "manifest") == recorded:  # DVC had not yet written its record: it must not trust it
-        assert_killed_cleanly(project, "manifest", "data/manifest", recorded, [grown], "renamed, unrecorded")
+        assert_killed_cleanly(project, "manifest", MANIFEST, recorded, [grown], "renamed, unrecorded")
     repro(project, "manifest")
-    assert outputs(project, "data/manifest", "metrics/manifest.json") == grown
-    verify_manifest(project / "data/manifest")
+    assert outputs(project, MANIFEST, MANIFEST_METRICS) == grown
+    verify_manifest(project / MANIFEST)
 
 
 def test_target_killed_at_three_points_loses_nothing(fingerprinted_project, tmp_path):
     project, cmd = fingerprinted_project, ["dvc", "repro", "-s", "target"]
     materialise_target(load_params(project)["target"], tmp_path / "ref", root=project)
-    reference = {f"data/target/{k}": v for k, v in tree_bytes(tmp_path / "ref").items()}
+    reference = {f"{TARGET}/{k}": v for k, v in tree_bytes(tmp_path / "ref").items()}
     points = {
-        "partial directory created": lambda _: bool(partials(project / "data", "target")),
-        "model.safetensors written": lambda _: any((d / "model.safetensors").exists()
-                                                   for d in partials(project / "data", "target")),
+        "partial directory created": lambda _: bool(partials_of(project, TARGET)),
+        "model.safetensors written": lambda _: any(
+            (d / "model.safetensors").exists() for d in partials_of(project, TARGET)
+        ),
     }
     for point, reached in points.items():
         kill_at(cmd, project, tmp_path / "log", point, reached)
-        assert_killed_cleanly(project, "target", "data/target", None, [reference], point)
-    kill_at(cmd, project, tmp_path / "log", "renamed into place, not yet recorded",
-            lambda _: (project / "data/target/source.json").exists())
+        assert_killed_cleanly(project, "target", TARGET, None, [reference], point)
+    kill_at(
+        cmd,
+        project,
+        tmp_path / "log",
+        "renamed into place, not yet recorded",
+        lambda _: (project / TARGET / "source.json").exists(),
+    )
     if lock_outs(project, "target") is None:
-        assert_killed_cleanly(project, "target", "data/target", None, [reference], "renamed, unrecorded")
+        assert_killed_cleanly(project, "target", TARGET, None, [reference], "renamed, unrecorded")
     repro(project, "target")
-    assert outputs(project, "data/target") == reference
+    assert outputs(project, TARGET) == reference
 
 
 def test_fingerprint_killed_at_three_points_loses_nothing(dvc_project, fingerprint_bytes, tmp_path):
     project, cmd = dvc_project, ["dvc", "repro", "fingerprint"]
-    out = project / "data/env/fingerprint.json"
+    out = project / FINGERPRINT
 
-    points = {"stage process started": lambda pgid: group_process(pgid, "stages/fingerprint.py") is not None,
-              "torch imported, hashing its installed files": stage_imported_torch("stages/fingerprint.py")}
+    points = {
+        "stage process started": lambda pgid: group_process(pgid, "stages/fingerprint.py") is not None,
+        "torch imported, hashing its installed files": stage_imported_torch("stages/fingerprint.py"),
+    }
     for point, reached in points.items():
         kill_at(cmd, project, tmp_path / "log", point, reached)
         assert lock_outs(project, "fingerprint") is None, point
@@ -162,10 +209,15 @@ def test_fingerprint_killed_at_three_points_loses_nothing(dvc_project, fingerpri
     run(cmd, project)
     assert out.read_bytes() == fingerprint_bytes
     inode = out.stat().st_ino
-    kill_at(cmd, project, tmp_path / "log", "written, not yet recorded",
-            lambda pgid: out.exists() and out.stat().st_ino != inode)
+    kill_at(
+        cmd,
+        project,
+        tmp_path / "log",
+        "written, not yet recorded",
+        lambda pgid: out.exists() and out.stat().st_ino != inode,
+    )
     # Same machine, same bytes: whatever DVC recorded or left is the one complete fingerprint.
-    assert lock_outs(project, "fingerprint") == {"data/env/fingerprint.json": md5(fingerprint_bytes)}
+    assert lock_outs(project, "fingerprint") == {str(FINGERPRINT): md5(fingerprint_bytes)}
     assert not out.exists() or out.read_bytes() == fingerprint_bytes
     assert not partials(out.parent, out.name)
     run(cmd, project)
@@ -174,8 +226,10 @@ def test_fingerprint_killed_at_three_points_loses_nothing(dvc_project, fingerpri
 
 # -- the stages downstream of the data: each one killed while rerunning in a copy of a finished run --
 
-def assert_rerun_killed_cleanly(project: Path, stage: str, recorded: dict, compared: tuple[str, ...],
-                                reference: dict[str, bytes], point: str) -> None:
+
+def assert_rerun_killed_cleanly(
+    project: Path, stage: str, recorded: dict, compared: tuple[Path, ...], reference: dict[str, bytes], point: str
+) -> None:
     """What a kill of a stage that DVC had recorded may leave: that record, and in its output paths only
     complete files, each one as the uninterrupted run wrote it (measured times aside). A `.partial-`
     sibling may remain until the next run removes it."""
@@ -193,8 +247,14 @@ def finished(pipeline_run, tmp_path) -> Path:
     return copy_project(pipeline_run, tmp_path / "project")
 
 
-def kill_then_repro(project: Path, stage: str, points: dict[str, Callable[[int], bool]], log: Path,
-                    compared: tuple[str, ...], prepare: Callable[[], None] = lambda: None) -> str:
+def kill_then_repro(
+    project: Path,
+    stage: str,
+    points: dict[str, Callable[[int], bool]],
+    log: Path,
+    compared: tuple[Path, ...],
+    prepare: Callable[[], None] = lambda: None,
+) -> str:
     """Kill `dvc repro -s -f STAGE` at each point and check what is left; then run it to the end.
 
     `prepare` runs once, before the first kill. Returns the last run's output, having checked that it
@@ -217,35 +277,47 @@ def kill_then_repro(project: Path, stage: str, points: dict[str, Callable[[int],
 
 def test_tokenize_killed_at_four_points_reuses_the_shards_it_completed(finished, tmp_path):
     project, log = finished, tmp_path / "log"
-    tokens = project / "data/tokens"
+    tokens = project / TOKENS
     shards = len(list(tokens.glob("*.parquet")))
 
     def shards_written(n: int) -> Callable[[int], bool]:
         return lambda _: len(list(tokens.glob("*.parquet"))) >= n
 
-    completed = kill_then_repro(project, "tokenize", {
-        "tokenizer loading": lambda pgid: group_process(pgid, "stages/tokens.py") is not None,
-        "3 shards written": shards_written(3),
-        f"{shards - 3} of {shards} shards written": shards_written(shards - 3),
-        "summary written, not yet recorded": written(tokens / "summary.json"),
-    }, log, ("data/tokens",),  # metrics/tokenize.json reports what this very run encoded and reused
+    completed = kill_then_repro(
+        project,
+        "tokenize",
+        {
+            "tokenizer loading": lambda pgid: group_process(pgid, "stages/tokens.py") is not None,
+            "3 shards written": shards_written(3),
+            f"{shards - 3} of {shards} shards written": shards_written(shards - 3),
+            "summary written, not yet recorded": written(tokens / "summary.json"),
+        },
+        log,
+        (TOKENS,),  # metrics/tokenize.json reports what this very run encoded and reused
         # from nothing: DVC keeps a persist output, so -f alone would reuse every shard
-        prepare=lambda: shutil.rmtree(tokens))
+        prepare=lambda: shutil.rmtree(tokens),
+    )
     # what the killed runs completed was checked (key and parquet checksums) and reused, not encoded again
     assert f"encoded 0 shard(s), reused {shards}" in completed, completed
 
 
 def test_warmup_killed_while_compiling_leaves_no_artifact_and_no_cache_behind(finished, tmp_path):
     project, log = finished, tmp_path / "log"
-    kill_then_repro(project, "warmup", {
-        "target and drafter loading": stage_imported_torch("stages/warmup.py"),
-        "inductor running the C++ compiler": lambda pgid: group_process(pgid, "g++") is not None,
-    }, log, ("data/compile",))
+    kill_then_repro(
+        project,
+        "warmup",
+        {
+            "target and drafter loading": stage_imported_torch("stages/warmup.py"),
+            "inductor running the C++ compiler": lambda pgid: group_process(pgid, "g++") is not None,
+        },
+        log,
+        (COMPILE,),
+    )
 
 
 def test_train_killed_at_two_points_resumes_to_the_same_weights(finished, tmp_path):
     project, log = finished, tmp_path / "log"
-    checkpoint = project / "data/train-state/checkpoint"
+    checkpoint = project / TRAIN_STATE / "checkpoint"
 
     def checkpointed(step: int) -> Callable[[int], bool]:
         def reached(_: int) -> bool:
@@ -253,17 +325,25 @@ def test_train_killed_at_two_points_resumes_to_the_same_weights(finished, tmp_pa
                 return json.loads((checkpoint / "state.json").read_text())["step"] >= step
             except (OSError, ValueError):  # the checkpoint directory is replaced whole
                 return False
+
         return reached
 
-    completed = kill_then_repro(project, "train", {
-        "checkpoint of step 4 written": checkpointed(4),
-        # DVC removes the finished run's outputs before the stage starts: a file seen after that is new
-        "drafter in place, not yet recorded": both(printed(log, "train: step 6/6"),
-                                                   written(project / "data/drafter/files.json")),
-    }, log, ("data/drafter", "metrics/train/metrics.json", "metrics/train/plots"),
+    completed = kill_then_repro(
+        project,
+        "train",
+        {
+            "checkpoint of step 4 written": checkpointed(4),
+            # DVC removes the finished run's outputs before the stage starts: a file seen after that is new
+            "drafter in place, not yet recorded": both(
+                printed(log, "train: step 6/6"), written(project / DRAFTER / "files.json")
+            ),
+        },
+        log,
+        (DRAFTER, TRAIN_METRICS, TRAIN_METRICS_DIR / "plots"),
         # the finished run's own checkpoint would let the rerun skip every step
-        prepare=lambda: shutil.rmtree(checkpoint))
-    assert f"train: resumed from {Path('data/train-state/checkpoint')} at step" in completed, completed
+        prepare=lambda: shutil.rmtree(checkpoint),
+    )
+    assert f"train: resumed from {TRAIN_STATE / 'checkpoint'} at step" in completed, completed
 
 
 def test_evaluate_killed_at_three_points_loses_nothing(finished, tmp_path):
@@ -272,9 +352,18 @@ def test_evaluate_killed_at_three_points_loses_nothing(finished, tmp_path):
     # an uninterrupted rerun here.
     run(["dvc", "repro", "-s", "-f", "evaluate"], project)
     running = stage_imported_torch("stages/evaluate.py")  # by then DVC has removed the finished run's metrics
-    kill_then_repro(project, "evaluate", {
-        "target and drafter loading": running,
-        "plot tables written, eval.json not yet": both(running, written(project / "metrics/eval/tau_per_source.json")),
-        "eval.json written, not yet recorded": both(running, written(project / "metrics/eval.json")),
-    }, log, ("metrics/eval.json", "metrics/eval_regression.json", *(f"metrics/eval/{table}.json" for table in
-                                                                   ("tau_per_source", "slot_acceptance", "speedup_per_prompt"))))
+    kill_then_repro(
+        project,
+        "evaluate",
+        {
+            "target and drafter loading": running,
+            "plot tables written, eval.json not yet": both(running, written(project / EVAL / "tau_per_source.json")),
+            "eval.json written, not yet recorded": both(running, written(project / METRICS / "eval.json")),
+        },
+        log,
+        (
+            METRICS / "eval.json",
+            METRICS / "eval_regression.json",
+            *(EVAL / f"{table}.json" for table in ("tau_per_source", "slot_acceptance", "speedup_per_prompt")),
+        ),
+    )

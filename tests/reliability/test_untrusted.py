@@ -14,10 +14,11 @@ import pytest
 
 from dflashpipe.data.manifest import build_manifest
 from dflashpipe.errors import SourceError
-from dflashpipe.params import DataParams, SourceSpec, TargetParams
-from dflashpipe.pipeline import ALLOW_OUTSIDE_PROJECT
+from dflashpipe.params import DataParams, TargetParams
+from dflashpipe.pipeline import ALLOW_OUTSIDE_PROJECT, MANIFEST
 from dflashpipe.target import materialise_target
 from tests.conftest import ROOT, run, set_params
+from tests.tiny import TARGET_SHAPE, manifest_params, source
 
 
 class Payload:
@@ -40,8 +41,12 @@ def crafted_model_dir(tiny_target_dir: Path, project: Path, weights_name: str) -
 
 def test_a_pickle_checkpoint_as_the_target_is_refused_and_never_unpickled(tmp_path, tiny_target_dir):
     crafted_model_dir(tiny_target_dir, tmp_path, "pytorch_model.bin")
-    with pytest.raises(SourceError, match=r"models/evil: the target ships no safetensors weights \(pytorch_model.bin\); "
-                                          r"pickle checkpoints are refused .*convert it .*safe_serialization=True"):
+    with pytest.raises(
+        SourceError,
+        match=r"models/evil: the target ships no safetensors weights "
+        r"\(pytorch_model.bin\); pickle checkpoints are refused "
+        r".*convert it .*safe_serialization=True",
+    ):
         materialise_target(TargetParams(source="models/evil", dtype="float32"), tmp_path / "out", root=tmp_path)
     assert not (tmp_path / "PWNED").exists() and not (tmp_path / "out").exists()
 
@@ -64,8 +69,7 @@ def outside(tmp_path) -> tuple[Path, Path]:
 
 
 def manifest_from(path: str) -> DataParams:
-    return DataParams(num_samples=1, shard_size=1, on_bad_record="skip",
-                      sources=(SourceSpec(name="mine", kind="jsonl", weight=1.0, eval=0, path=path),))
+    return manifest_params(1, 1, source("jsonl", name="mine", path=path))
 
 
 @pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink"])
@@ -76,8 +80,11 @@ def test_a_source_path_outside_the_project_is_refused_unless_allowed(outside, ho
     if how == "symlink":
         (project / "data/sources/link.jsonl").symlink_to(secret)
     path = {"dotdot": "../elsewhere/secret.jsonl", "absolute": str(secret), "symlink": "data/sources/link.jsonl"}[how]
-    with pytest.raises(SourceError, match=rf"params.yaml: data.sources\[mine\].path = '{path}' resolves to {secret}, "
-                                          rf"outside the project {project}: .*{ALLOW_OUTSIDE_PROJECT}=1"):
+    with pytest.raises(
+        SourceError,
+        match=rf"params.yaml: data.sources\[mine\].path = '{path}' resolves to {secret}, "
+        rf"outside the project {project}: .*{ALLOW_OUTSIDE_PROJECT}=1",
+    ):
         build_manifest(manifest_from(path), project / "m", root=project)
     assert not (project / "m").exists()
 
@@ -95,18 +102,24 @@ def test_a_target_outside_the_project_is_refused_unless_allowed(outside, tiny_ta
     with pytest.raises(SourceError, match=rf"target.source = '{source}' resolves to {model}, outside the project"):
         materialise_target(TargetParams(source=source, dtype="float32"), project / "t", root=project)
     monkeypatch.setenv(ALLOW_OUTSIDE_PROJECT, "1")
-    assert materialise_target(TargetParams(source=source, dtype="float32"), project / "t", root=project)["num_hidden_layers"] == 6
+    summary = materialise_target(TargetParams(source=source, dtype="float32"), project / "t", root=project)
+    assert summary["num_hidden_layers"] == TARGET_SHAPE["num_hidden_layers"] == 6
 
 
 def test_the_stage_refuses_an_escaping_path_with_one_line(dvc_project, tmp_path, monkeypatch):
     (tmp_path / "secret.jsonl").write_text('{"messages": [{"role": "user", "content": "x"}]}\n')
-    set_params(dvc_project, data__sources=[{"name": "mine", "kind": "jsonl", "weight": 1.0, "eval": 0,
-                                            "path": "../secret.jsonl"}])
+    set_params(
+        dvc_project,
+        data__sources=[{"name": "mine", "kind": "jsonl", "weight": 1.0, "eval": 0, "path": "../secret.jsonl"}],
+    )
     monkeypatch.delenv(ALLOW_OUTSIDE_PROJECT, raising=False)
     proc = run(["python", "stages/manifest.py"], dvc_project, check=False)
     assert proc.returncode == 2, proc.stderr
-    assert "dflashpipe manifest: error: params.yaml: data.sources[mine].path = '../secret.jsonl' resolves to" in proc.stderr
-    assert "Traceback" not in proc.stderr and not (dvc_project / "data/manifest").exists()
+    assert (
+        "dflashpipe manifest: error: params.yaml: data.sources[mine].path = '../secret.jsonl' resolves to"
+        in proc.stderr
+    )
+    assert "Traceback" not in proc.stderr and not (dvc_project / MANIFEST).exists()
 
 
 UNSAFE_MODULES = {"pickle", "cPickle", "dill", "marshal", "shelve", "joblib", "cloudpickle"}
@@ -127,10 +140,11 @@ def unsafe_calls(path: Path, base: Path = ROOT) -> list[str]:
         keywords = {k.arg: ast.unparse(k.value) for k in node.keywords}
         if name in ("eval", "exec", "compile", "__import__"):
             found.append(f"{where}: {name}()")
-        if name.endswith("torch.load") or name == "load" and "weights_only" in keywords:
-            if keywords.get("weights_only") != "True":
-                found.append(f"{where}: {name}() without weights_only=True")
-        if name in ("yaml.load", "yaml.unsafe_load", "yaml.full_load") and "SafeLoader" not in keywords.get("Loader", ""):
+        torch_load = name.endswith("torch.load") or name == "load" and "weights_only" in keywords
+        if torch_load and keywords.get("weights_only") != "True":
+            found.append(f"{where}: {name}() without weights_only=True")
+        yaml_load = name in ("yaml.load", "yaml.unsafe_load", "yaml.full_load")
+        if yaml_load and "SafeLoader" not in keywords.get("Loader", ""):
             found.append(f"{where}: {name}() without yaml.SafeLoader")
     return found
 
@@ -143,10 +157,16 @@ def test_no_code_path_unpickles_evals_or_execs_what_it_reads():
 
 def test_the_scan_finds_each_unsafe_call(tmp_path):
     bad = tmp_path / "probe.py"
-    bad.write_text("import pickle\nimport torch, yaml\ntorch.load('x')\ntorch.load('x', weights_only=False)\n"
-                       "eval('1')\nexec('x=1')\nyaml.load('a')\ntorch.load('x', weights_only=True)\n"
-                   "yaml.load('a', Loader=yaml.SafeLoader)\n")
+    bad.write_text(
+        "import pickle\nimport torch, yaml\ntorch.load('x')\ntorch.load('x', weights_only=False)\n"
+        "eval('1')\nexec('x=1')\nyaml.load('a')\ntorch.load('x', weights_only=True)\n"
+        "yaml.load('a', Loader=yaml.SafeLoader)\n"
+    )
     assert unsafe_calls(bad, tmp_path) == [
-        "probe.py:1: imports pickle", "probe.py:3: torch.load() without weights_only=True",
-        "probe.py:4: torch.load() without weights_only=True", "probe.py:5: eval()", "probe.py:6: exec()",
-        "probe.py:7: yaml.load() without yaml.SafeLoader"]
+        "probe.py:1: imports pickle",
+        "probe.py:3: torch.load() without weights_only=True",
+        "probe.py:4: torch.load() without weights_only=True",
+        "probe.py:5: eval()",
+        "probe.py:6: exec()",
+        "probe.py:7: yaml.load() without yaml.SafeLoader",
+    ]

@@ -27,8 +27,9 @@ from dflashpipe.compile.guard import COUNTER, CompileGuard, dynamo_counters  # n
 from dflashpipe.pipeline import StageKey  # noqa: E402
 
 SEQ = 256
-KEY = StageKey("warmup", {"dep:tests/scenarios/compile_guard.py": "flex-causal-256",
-                         "param:params.yaml:model.seq_len": "256"})
+KEY = StageKey(
+    "warmup", {"dep:tests/scenarios/compile_guard.py": "flex-causal-256", "param:params.yaml:model.seq_len": "256"}
+)
 """The stage key the `cold` scenario's artifact is built for and the others load it under (as warmup and train do)."""
 
 
@@ -68,7 +69,7 @@ def drafter_threads(steps: int) -> dict:
     trained `steps` steps each in its own thread under the armed guard."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from dflashpipe.compile.warmup import compiled_step
-    from tests.test_model import random_batch, tiny_drafter
+    from tests.tiny import random_batch, tiny_drafter
 
     point_inductor_at(Path(tempfile.mkdtemp()))
     COUNTER.install()
@@ -88,8 +89,11 @@ def drafter_threads(steps: int) -> dict:
 
     errors = in_threads(3, train)
     after = dynamo_counters()
-    return {"errors": errors, "new_graphs": after["unique_graphs"] - before["unique_graphs"],
-            "compiles_outside_main_thread": after["compiles_outside_main_thread"]}
+    return {
+        "errors": errors,
+        "new_graphs": after["unique_graphs"] - before["unique_graphs"],
+        "compiles_outside_main_thread": after["compiles_outside_main_thread"],
+    }
 
 
 def main(scenario: str, arg: str) -> dict:
@@ -113,11 +117,15 @@ def main(scenario: str, arg: str) -> dict:
     guard.arm()
     before = dynamo_counters()
     if scenario in ("warm", "threads"):
-        result["errors"] = in_threads(3, lambda i: [guard.call("flex", flex, q, q, q, block_mask=mask) for _ in range(20)])
+        result["errors"] = in_threads(
+            3, lambda i: [guard.call("flex", flex, q, q, q, block_mask=mask) for _ in range(20)]
+        )
     elif scenario == "new_shape":
         bigger = torch.randn(1, 2, SEQ * 2, 16)
         big_mask = create_block_mask(causal, None, None, SEQ * 2, SEQ * 2, device="cpu")
-        result["errors"] = in_threads(1, lambda i: guard.call("flex", flex, bigger, bigger, bigger, block_mask=big_mask))
+        result["errors"] = in_threads(
+            1, lambda i: guard.call("flex", flex, bigger, bigger, bigger, block_mask=big_mask)
+        )
     elif scenario == "eager_flex":
         result["errors"] = in_threads(1, lambda i: guard.call("flex", eager_flex, q, q, q, block_mask=mask))
     elif scenario == "fx_race":

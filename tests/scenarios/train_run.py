@@ -29,13 +29,16 @@ OPTIONS = ("key_inputs", "compile_key_root")
 
 
 def main(workdir: Path, config: dict) -> None:
-    inputs = TrainInputs(model=build(ModelParams, config["model"], "model"),
-                         compile=build(CompileParams, config["compile"], "compile"),
-                         topology=build(TopologyParams, config["topology"], "topology"),
-                         train=build(TrainParams, config["train"], "train"))
+    inputs = TrainInputs(
+        model=build(ModelParams, config["model"], "model"),
+        compile=build(CompileParams, config["compile"], "compile"),
+        topology=build(TopologyParams, config["topology"], "topology"),
+        train=build(TrainParams, config["train"], "train"),
+    )
     out = workdir / config["name"]
-    paths = TrainPaths(workdir / "tokens", workdir / "target", workdir / "compile",
-                       out / "drafter", out / "state", out / "metrics")
+    paths = TrainPaths(
+        workdir / "tokens", workdir / "target", workdir / "compile", out / "drafter", out / "state", out / "metrics"
+    )
     run_config = {k: v for k, v in config.items() if k not in OPTIONS}
     key = StageKey("train", {"scenario:config": json.dumps(run_config, sort_keys=True), **config.get("key_inputs", {})})
     compile_key = reuse_key("warmup", config["compile_key_root"]) if "compile_key_root" in config else None
