@@ -38,12 +38,15 @@ OUTPUTS = {
         TRAIN_STATE: KERNELS,
         TRAIN_METRICS: TIMED,
         TRAIN_METRICS_DIR / "plots" / "metrics": TIMED,
-    },  # loss, lr and accuracy plots are byte-identical
+        TRAIN_METRICS_DIR / "plots" / "images": TIMED,
+    },  # loss, lr and accuracy plots (tables and images) are byte-identical
     "evaluate": {
         METRICS / "eval.json": TIMED,
         METRICS / "eval_regression.json": TIMED,
         EVAL / "tau_per_source.json": BYTES,
         EVAL / "slot_acceptance.json": BYTES,
+        EVAL / "tau_per_source.png": BYTES,
+        EVAL / "slot_acceptance.png": BYTES,
         EVAL / "speedup_per_prompt.json": TIMED,
     },
 }

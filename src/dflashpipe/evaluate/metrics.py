@@ -1,17 +1,20 @@
-"""From decoded prompts to metrics/eval.json and the plot tables under metrics/eval/."""
+"""From decoded prompts to metrics/eval.json and the plot tables and images under metrics/eval/."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflashpipe.artifacts import write_json_atomic
+from dflashpipe import plots as plotting
+from dflashpipe.artifacts import write_bytes_atomic, write_json_atomic
 from dflashpipe.evaluate.prompts import EvalPrompt
 from dflashpipe.evaluate.speculative import Decoded
 
 PLOTS_DIR = "eval"
 PLOT_TABLES = ("tau_per_source", "slot_acceptance", "speedup_per_prompt")
 """metrics/eval/<name>.json, each declared under the evaluate stage's `plots:` in dvc.yaml."""
+PLOT_IMAGES = ("tau_per_source", "slot_acceptance")
+"""metrics/eval/<name>.png: static images of those tables, also declared (as image plots) in dvc.yaml."""
 
 
 @dataclass
@@ -87,6 +90,28 @@ def eval_metrics(results: list[PromptResult], block_size: int) -> tuple[dict, di
     return metrics, tables
 
 
+def plot_images(tables: dict[str, list[dict]]) -> dict[str, bytes]:
+    """PNG images of tau per source and acceptance per slot: the same tables give the same bytes."""
+    specs = {
+        "tau_per_source": plotting.bar_spec(
+            tables["tau_per_source"], "source", "tau", "tau (tokens per verify step) per source", horizontal=True
+        ),
+        "slot_acceptance": plotting.bar_spec(
+            tables["slot_acceptance"],
+            "slot",
+            "acceptance",
+            "acceptance per block slot",
+            category_title="block slot",
+            value_title="accepted / verified",
+        ),
+    }
+    return {name: plotting.png(specs[name]) for name in PLOT_IMAGES}
+
+
 def write_plot_tables(tables: dict[str, list[dict]], metrics_dir: Path | str) -> None:
+    """The plot tables (JSON) and their images (PNG), each file written atomically."""
+    images = plot_images(tables)  # rendered first: a rendering error writes nothing
     for name in PLOT_TABLES:
         write_json_atomic(Path(metrics_dir) / PLOTS_DIR / f"{name}.json", tables[name])
+    for name in PLOT_IMAGES:
+        write_bytes_atomic(Path(metrics_dir) / PLOTS_DIR / f"{name}.png", images[name])

@@ -1,4 +1,4 @@
-"""What a run reports: one record per step, the stage's metrics.json and its DVCLive plots.
+"""What a run reports: one record per step, the stage's metrics.json, its DVCLive plots and PNG images.
 
 The history of records travels in the resumable checkpoint, so a resumed run reports the whole
 run, not only the steps it trained itself.
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dflashpipe import plots as plotting
 from dflashpipe.artifacts import PARTIAL, atomic_directory
 from dflashpipe.model import DraftLoss
 
@@ -73,9 +74,7 @@ def train_metrics(
     history = trainer.history
     steady = history[1:] or history  # the first step includes the threads' start: excluded when possible
     seconds = sum(h.seconds for h in steady)
-    correct = torch.tensor([h.slot_correct for h in history]).sum(0)
-    count = torch.tensor([h.slot_count for h in history]).sum(0)
-    accuracy = (correct / count.clamp_min(1)).tolist()
+    accuracy = slot_accuracy(history)
     in_workers = after["compiles_outside_main_thread"] - before["compiles_outside_main_thread"]
     return {
         "steps": trainer.step,
@@ -97,11 +96,47 @@ def train_metrics(
     }
 
 
-def write_plots(history: list[StepRecord], metrics_dir: Path) -> None:
-    """Per-step curves through DVCLive, written once at the end from the (resumable) history.
+def slot_accuracy(history: Sequence[StepRecord]) -> list[float]:
+    """Per block slot (1 .. bs-1): the share of the run's supervised tokens at that slot predicted right."""
+    correct = torch.tensor([h.slot_correct for h in history]).sum(0)
+    count = torch.tensor([h.slot_count for h in history]).sum(0)
+    return (correct / count.clamp_min(1)).tolist()
 
-    DVCLive writes in place, so it writes into a scratch directory, and the finished curves replace
-    `plots/` whole: a killed run never leaves a half-written curve."""
+
+IMAGES = ("loss", "slot_accuracy", "tokens_per_s")
+"""metrics/train/plots/images/<name>.png: static images of the key curves (dvc.yaml declares the folder)."""
+
+
+def plot_images(history: Sequence[StepRecord]) -> dict[str, bytes]:
+    """PNG images of the loss, the per-slot accuracy (as in metrics.json) and tokens/s: same history, same bytes."""
+    accuracy = [round(a, 6) for a in slot_accuracy(history)]
+    specs = {
+        "loss": plotting.line_spec([{"step": h.step, "loss": h.loss} for h in history], "step", "loss", "train loss"),
+        "slot_accuracy": plotting.bar_spec(
+            [{"slot": k + 1, "accuracy": a} for k, a in enumerate(accuracy)],
+            "slot",
+            "accuracy",
+            "per-slot accuracy over the run (metrics.json slot_accuracy)",
+            category_title="block slot",
+        ),
+        "tokens_per_s": plotting.line_spec(
+            [{"step": h.step, "tokens_per_s": h.tokens / max(h.seconds, 1e-9)} for h in history],
+            "step",
+            "tokens_per_s",
+            "training throughput",
+            y_title="supervised tokens/s",
+        ),
+    }
+    return {name: plotting.png(specs[name]) for name in IMAGES}
+
+
+def write_plots(history: list[StepRecord], metrics_dir: Path) -> None:
+    """Per-step curves through DVCLive and PNG images of the key ones, written once at the end from the
+    (resumable) history.
+
+    DVCLive writes in place, so it writes into a scratch directory, and the finished curves and images
+    replace `plots/` whole: a killed run never leaves a half-written curve or image."""
+    images = plot_images(history)  # before anything is written: a rendering error leaves the old plots
     from dvclive import Live
 
     with (
@@ -118,3 +153,6 @@ def write_plots(history: list[StepRecord], metrics_dir: Path) -> None:
                 live.log_metric("target_busy_s", h.target_busy_s, plot=True)
                 live.log_metric("drafter_busy_s", h.drafter_busy_s, plot=True)
         shutil.move(Path(scratch) / "plots" / "metrics", plots / "metrics")
+        (plots / "images").mkdir()
+        for name, data in images.items():
+            (plots / "images" / f"{name}.png").write_bytes(data)  # atomic_directory fsyncs and renames
