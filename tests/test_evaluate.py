@@ -71,8 +71,11 @@ def tiny(tmp_path_factory, tiny_target_dir):
         [p.prompt_ids + g for p, g in zip(prompts, greedy, strict=True)],
         [len(p.prompt_ids) for p in prompts],
     )
-    drafter.save_pretrained(work / "drafter")
-    drafter = DFlashDrafter.from_pretrained(work / "drafter", TargetHead.of(target), attention="sdpa").eval()
+    # as train publishes it (bf16) and evaluate loads it on the CPU (in the float32 target's dtype)
+    drafter.save_pretrained(work / "drafter", dtype=torch.bfloat16)
+    drafter = DFlashDrafter.from_pretrained(
+        work / "drafter", TargetHead.of(target), dtype=torch.float32, attention="sdpa"
+    ).eval()
     return {"work": work, "target": target, "chat": chat, "prompts": prompts, "stop": stop, "drafter": drafter}
 
 
@@ -133,7 +136,9 @@ def test_our_tokens_equal_the_reference_dflash_generate(tiny, monkeypatch):
     monkeypatch.setattr(dflash.model, "_cuda_time", time.perf_counter)
 
     target, stop = tiny["target"], tiny["stop"]
-    reference = DFlashDraftModel.from_pretrained(tiny["work"] / "drafter").eval()
+    # the bf16 drafter's weights, computing in float32 like ours and the float32 target
+    reference = DFlashDraftModel.from_pretrained(tiny["work"] / "drafter", dtype=torch.float32).eval()
+    assert json.loads((tiny["work"] / "drafter" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     proposer = DFlashProposer(tiny["drafter"])
     for prompt in tiny["prompts"]:
         ids = torch.tensor([prompt.prompt_ids])

@@ -292,9 +292,10 @@ def test_the_reference_dflash_loads_our_checkpoint_and_drafts_the_same(tmp_path)
     from dflash.model import DFlashDraftModel
 
     target = tiny_target()
-    drafter = tiny_drafter(target)
-    drafter.save_pretrained(tmp_path)
-    reference, info = DFlashDraftModel.from_pretrained(tmp_path, output_loading_info=True)
+    # Through the published bf16 checkpoint: both sides load its bf16 weights and compute in float32.
+    tiny_drafter(target).save_pretrained(tmp_path, dtype=torch.bfloat16)
+    drafter = DFlashDrafter.from_pretrained(tmp_path, TargetHead.of(target), dtype=torch.float32, attention="sdpa")
+    reference, info = DFlashDraftModel.from_pretrained(tmp_path, dtype=torch.float32, output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched weights
     assert reference.target_layer_ids == [1, 3, 5] and reference.block_size == 4
     assert reference.mask_token_id == VOCAB - 1

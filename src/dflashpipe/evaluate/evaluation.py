@@ -76,8 +76,9 @@ def measure_train_step(
     from dflashpipe.compile.warmup import compiled_step, run_step_once
 
     device = target.device
+    # float32 master weights, as train steps them (bf16 on disk loads exactly)
     drafter = DFlashDrafter.from_pretrained(
-        drafter_dir, TargetHead.of(target), attention=model.attention, gamma=model.gamma
+        drafter_dir, TargetHead.of(target), dtype=torch.float32, attention=model.attention, gamma=model.gamma
     )
     drafter.train()
     step_fn, source = drafter, "eager: compile.enabled is false"
@@ -149,7 +150,11 @@ def evaluate_drafter(
     target = load_materialised_target(target_dir, device)
     chat = load_chat_tokenizer(target_dir)
     # sdpa for decoding: every step has a new context length, which a compiled flex kernel would recompile for.
-    drafter = DFlashDrafter.from_pretrained(drafter_dir, TargetHead.of(target), attention="sdpa").eval()
+    # Drafts in the target's dtype, as engines serve it: bf16 on CUDA; on the CPU the bf16 weights in float32.
+    target_dtype = next(target.parameters()).dtype
+    drafter = DFlashDrafter.from_pretrained(
+        drafter_dir, TargetHead.of(target), dtype=target_dtype, attention="sdpa"
+    ).eval()
     prompts, skipped = eval_prompts(manifest_dir, chat, p.num_prompts, p.max_prompt_tokens)
     if not prompts:
         raise SourceError(

@@ -4,6 +4,12 @@ A DFlash checkpoint's config.json is a Qwen3 config (the drafter's decoder layer
 Qwen3 layers whatever the target's family) plus `num_target_layers` and a
 `dflash_config` with the mask token id, the target layer ids and the block size.
 Writing exactly that is what lets a drafter trained here be served by DFlash tools.
+
+Readers differ in where they look, so the keys they read are written everywhere one of them
+looks (same values): `block_size` and `mask_token_id` also at the top level (the reference
+trainers and some engines read `config.block_size`), and the weights' dtype both as
+`dtype` (transformers >= 4.56) and as `torch_dtype` (older transformers, which vLLM and SGLang
+releases pin).
 """
 
 from __future__ import annotations
@@ -104,6 +110,9 @@ class DFlashConfig:
         qwen3.update(
             architectures=[ARCHITECTURE],
             dtype=dtype,
+            torch_dtype=dtype,
+            block_size=self.block_size,
+            mask_token_id=self.mask_token_id,
             num_target_layers=self.num_target_layers,
             dflash_config={
                 "mask_token_id": self.mask_token_id,
@@ -136,7 +145,7 @@ class DFlashConfig:
                 num_target_layers=d["num_target_layers"],
                 target_layer_ids=tuple(dflash["target_layer_ids"]),
                 block_size=int(dflash.get("block_size", d.get("block_size", 16))),
-                mask_token_id=int(dflash["mask_token_id"]),
+                mask_token_id=int(dflash["mask_token_id"] if "mask_token_id" in dflash else d["mask_token_id"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise SourceError(f"{where}: not a DFlash drafter config ({type(exc).__name__}: {exc})") from None

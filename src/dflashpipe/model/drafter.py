@@ -38,6 +38,8 @@ from dflashpipe.params import ModelParams
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+PUBLISHED_DTYPE = torch.bfloat16
+"""The published drafter's (data/drafter) weights on disk: what DFlash drafters are served in, half of fp32's size."""
 
 
 @dataclass(frozen=True)
@@ -238,19 +240,32 @@ class DFlashDrafter(nn.Module):
 
     # -- checkpoint (the published DFlash format) ------------------------------------------------
 
-    def save_pretrained(self, directory: Path | str) -> None:
-        """config.json + model.safetensors, the layout DFlash loaders read (no target weights)."""
+    def save_pretrained(self, directory: Path | str, dtype: torch.dtype | None = None) -> None:
+        """config.json + model.safetensors, the layout DFlash loaders read (no target weights).
+
+        `dtype`: the weights' dtype on disk (config.json's `dtype`/`torch_dtype` says which), e.g.
+        PUBLISHED_DTYPE for a drafter to serve; None keeps the weights exactly as they are (the
+        resumable checkpoint, which must give back the very fp32 numbers it saved)."""
         from safetensors.torch import save
 
         directory = Path(directory)
-        dtype = str(self.fc.weight.dtype).removeprefix("torch.")
-        tensors = {name: t.detach().contiguous().cpu() for name, t in self.state_dict().items()}
+        dtype = self.fc.weight.dtype if dtype is None else dtype
+        tensors = {
+            name: (t.to(dtype) if t.is_floating_point() else t).detach().contiguous().cpu()
+            for name, t in self.state_dict().items()
+        }
         write_bytes_atomic(directory / WEIGHTS_FILE, save(tensors, metadata={"format": "pt"}))
-        write_bytes_atomic(directory / CONFIG_FILE, canonical_json(self.config.to_checkpoint_dict(dtype)))
+        config = self.config.to_checkpoint_dict(str(dtype).removeprefix("torch."))
+        write_bytes_atomic(directory / CONFIG_FILE, canonical_json(config))
 
     @classmethod
-    def from_pretrained(cls, directory: Path | str, target: TargetHead, **kwargs: Any) -> DFlashDrafter:
-        """Load a DFlash checkpoint (ours or published) onto the target's borrowed modules."""
+    def from_pretrained(
+        cls, directory: Path | str, target: TargetHead, *, dtype: torch.dtype | None = None, **kwargs: Any
+    ) -> DFlashDrafter:
+        """Load a DFlash checkpoint (ours or published) onto the target's borrowed modules.
+
+        `dtype`: what the drafter computes in (bf16 weights load exactly into float32); None: the
+        checkpoint's own dtype (config.json's `dtype`, else `torch_dtype`, else float32)."""
         from safetensors.torch import load_file
 
         directory = Path(directory)
@@ -260,7 +275,11 @@ class DFlashDrafter(nn.Module):
         except (OSError, ValueError) as exc:
             raise SourceError(f"{directory}: cannot read a DFlash checkpoint: {exc}") from None
         config = DFlashConfig.from_checkpoint_dict(raw, str(directory / CONFIG_FILE))
-        dtype = getattr(torch, raw.get("dtype") or "float32")
+        if dtype is None:
+            saved = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+            dtype = getattr(torch, saved, None)
+            if not isinstance(dtype, torch.dtype):
+                raise SourceError(f"{directory / CONFIG_FILE}: dtype {saved!r} is not a torch dtype")
         drafter = cls(config, target, **kwargs).to(dtype=dtype, device=target.embed_tokens.weight.device)
         missing, unexpected = drafter.load_state_dict(tensors, strict=False)
         if missing or unexpected:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dflashpipe.artifacts import atomic_directory, write_file_listing, write_json_atomic
 from dflashpipe.compile.artifact import load_artifact_or_go_cold
 from dflashpipe.compile.guard import COUNTER, CompileGuard, dynamo_counters
 from dflashpipe.errors import DflashpipeError
+from dflashpipe.model.card import write_model_card
+from dflashpipe.model.drafter import PUBLISHED_DTYPE
 from dflashpipe.pipeline import COMPILE, DRAFTER, TARGET, TOKENS, TRAIN_METRICS_DIR, TRAIN_STATE, StageKey
 from dflashpipe.tokens.shards import load_tokens
 from dflashpipe.train.checkpoint import checkpoint_key, resume, save_checkpoint
@@ -99,7 +101,11 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
         )
     if topology.rank == 0:
         with atomic_directory(paths.drafter) as tmp:
-            trainer.replicas[0].drafter.save_pretrained(tmp)
+            # bf16 to serve (the checkpoint keeps the exact fp32 weights), with its model card: only what
+            # train's inputs decide (no revision, no dvc.lock hash), so the same inputs give the same bytes
+            trainer.replicas[0].drafter.save_pretrained(tmp, dtype=PUBLISHED_DTYPE)
+            params = {name: asdict(getattr(inputs, name)) for name in ("model", "train", "compile", "topology")}
+            write_model_card(tmp, target_dir=paths.target, tokens_dir=paths.tokens, params=params)
             write_file_listing(tmp)  # evaluate checks the drafter against it before use
         write_plots(trainer.history, paths.metrics)
         write_json_atomic(paths.metrics / "metrics.json", metrics)
