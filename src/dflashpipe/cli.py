@@ -52,3 +52,44 @@ def explain(
         typer.echo(explaining.to_markdown(report), nl=False)
     else:
         explaining.print_text(report)
+
+
+@app.command()
+def report(
+    out: str = typer.Option(None, "--out", help="Where to write (default report.html, or report.md with --md)."),
+    as_md: bool = typer.Option(False, "--md", help="Markdown plus an images folder beside it, instead of HTML."),
+) -> None:
+    """One self-contained page for the current state: the DAG's verdicts, headline metrics, plots, explain."""
+    from dflashpipe.report import write_report
+
+    try:
+        path = write_report(".", out, as_md)
+    except DflashpipeError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {path}")
+
+
+@app.command()
+def export(out: str = typer.Argument(..., help="The directory to write the drafter to, for serving.")) -> None:
+    """Copy data/drafter for serving, with a model card naming its git revision, dvc.lock and tau/speedup."""
+    from dflashpipe.model.card import export_drafter
+
+    try:
+        path = export_drafter(out)
+    except DflashpipeError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"exported {path}")
+
+
+@app.command("plots-template")
+def plots_template(
+    path: str = typer.Argument(..., help="Where to write it (bin/setup: .dvc/plots/offline.html)."),
+) -> None:
+    """Write the offline HTML template for `dvc plots show` / `dvc plots diff` (Vega inlined, no CDN).
+
+    .dvc/config's plots.html_template points at it."""
+    from dflashpipe import plots
+
+    typer.echo(f"wrote {plots.write_template(path)}")

@@ -1,0 +1,104 @@
+"""`dflashpipe report`: the drawing on hand-made tables (fast), then the page for the real tiny pipeline run
+(the shared `pipeline_run`, copied): every stage's verdict, the headline metrics, plots, no network URL."""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflashpipe.explain import ALWAYS, DIRECT, DOWNSTREAM, UNCHANGED
+from dflashpipe.report import _axes, _bar_svg, _line_svg, _spread
+from tests.conftest import copy_project, run, set_params
+
+NETWORK_ATTR = re.compile(r"""\b(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", re.IGNORECASE)
+
+
+def stage_verdicts(page: str) -> dict[str, str]:
+    rows = re.findall(r'<tr><td>([^<]+)</td><td class="v [a-z]+">([^<]+)</td>', page)
+    return {html.unescape(s): html.unescape(v) for s, v in rows}
+
+
+def test_svg_charts_are_plain_polylines_and_bars():
+    line = _line_svg([(0, 3.0), (1, 2.0), (2, None), (3, 1.5)], "step", "loss")
+    assert line.startswith("<svg ") and "<polyline" in line and "http" not in line
+    assert len(re.search(r'points="([^"]+)"', line).group(1).split()) == 3  # the missing value is skipped
+    bar = _bar_svg([("a<b", 1.0), ("c", 0.5)], "tau")
+    assert bar.count("<rect") == 2 and "a&lt;b" in bar
+
+
+def test_bar_axes_follow_dvc_bar_horizontal_and_categories():
+    slots = [{"slot": 1, "acceptance": 0.5}, {"slot": 2, "acceptance": 0.25}]
+    assert _axes(slots, {"x": "acceptance", "y": "slot", "template": "bar_horizontal"}) == ("slot", "acceptance", True)
+    sources = [{"source": "a", "tau": 1.5}]
+    assert _axes(sources, {"x": "source", "y": "tau", "template": "bar_horizontal"}) == ("source", "tau", True)
+    assert _axes(sources, {"x": "tau", "y": "source"}) == ("source", "tau", True)
+    assert _axes([{"step": "0", "loss": "2.5"}], {"x": "step"}) == ("step", "loss", False)
+
+
+def test_spread_is_min_median_max_or_single(tmp_path):
+    (tmp_path / "p.json").write_text(json.dumps([{"speedup": v} for v in (0.5, 0.25, 1.0)]))
+    assert _spread(tmp_path, ("p.json", "speedup", "prompt")).startswith("min 0.25 / median 0.5 / max 1 over 3 prompts")
+    assert _spread(tmp_path, None) == "single measurement"
+    assert _spread(tmp_path, ("absent.json", "speedup", "prompt")) == "single measurement"
+
+
+@pytest.fixture
+def project(pipeline_run, tmp_path):
+    return copy_project(pipeline_run, tmp_path / "project")
+
+
+def report_html(project: Path) -> str:
+    proc = run(["dflashpipe", "report", "--out", "out/report.html"], project)
+    assert proc.returncode == 0 and "wrote out/report.html" in proc.stdout
+    return (project / "out" / "report.html").read_text(encoding="utf-8")
+
+
+def test_report_of_a_run_has_dag_metrics_plots_and_no_network_url(project):
+    page = report_html(project)
+    stages = list(yaml.safe_load((project / "dvc.yaml").read_text())["stages"])
+    verdicts = stage_verdicts(page)
+    assert list(verdicts) == stages  # dvc.yaml order
+    assert verdicts == {s: ALWAYS if s == "fingerprint" else UNCHANGED for s in stages}
+
+    metrics = json.loads((project / "metrics" / "eval.json").read_text())
+    for value in (
+        metrics["tau"],
+        metrics["speedup"],
+        metrics["decode_tokens_per_s"]["speculative"],
+        metrics["decode_tokens_per_s"]["target"],
+        metrics["train_step"]["tokens_per_s"],
+    ):
+        assert f"<b>{json.dumps(value)}</b>" in page
+    assert "over " in page and " prompts (metrics/eval/speedup_per_prompt.json)" in page  # tau/speedup spread
+    assert "single measurement" in page
+
+    assert "<svg" in page or "data:image/png" in page
+    assert "<polyline" in page  # train's per-step tables drawn as lines
+    assert not NETWORK_ATTR.search(page)
+    assert "<script" not in page
+    assert "<pre>## What changed: HEAD -&gt; workspace" in page
+
+    head = run(["git", "rev-parse", "HEAD"], project).stdout.strip()
+    assert f"generated from git revision {head}" in page
+    assert report_html(project) == page  # the same state gives the same bytes
+
+
+def test_report_after_a_param_edit_shows_train_changed_and_evaluate_invalidated(project):
+    lr = yaml.safe_load((project / "params.yaml").read_text())["train"]["lr"]
+    set_params(project, train__lr=lr * 2)
+    verdicts = stage_verdicts(report_html(project))
+    assert verdicts["train"] == DIRECT and verdicts["evaluate"] == DOWNSTREAM
+    assert verdicts["manifest"] == UNCHANGED
+    assert f"param params.yaml:train.lr: {lr} -&gt; {lr * 2}" in report_html(project)
+
+    run(["dflashpipe", "report", "--md", "--out", "out/report.md"], project)
+    text = (project / "out" / "report.md").read_text()
+    assert "| train | changed (direct) |" in text and "| evaluate | invalidated (downstream) |" in text
+    linked = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert linked and all((project / "out" / rel).is_file() for rel in linked)
+    assert all(rel.startswith("report_images/") for rel in linked)
