@@ -84,14 +84,20 @@ def dvc_project(tmp_path, tiny_target_dir) -> Path:
     return make_project(tmp_path / "project", tiny_target_dir)
 
 
-def make_project(project: Path, tiny_target_dir: Path) -> Path:
-    for rel in PROJECT_FILES:
+def copy_from_root(project: Path, rels) -> Path:
+    """Copy these files and directories of this repository (bytecode left out) into `project`."""
+    for rel in rels:
         src, dst = ROOT / rel, project / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         if src.is_dir():
             shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(src, dst)
+    return project
+
+
+def make_project(project: Path, tiny_target_dir: Path) -> Path:
+    copy_from_root(project, PROJECT_FILES)
     shutil.copytree(tiny_target_dir, project / "models" / "tiny")
     set_params(
         project,

@@ -10,14 +10,13 @@ edit to a project file that is not a dep of the stage must not change it either.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 
 from dflashpipe.pipeline import DVC_FILE, PARAMS_FILE, REUSE, reuse_key, stage_names, stage_spec
-from tests.conftest import ROOT
+from tests.conftest import copy_from_root
 
 CODE = ["dvc.yaml", "params.yaml", ".dvcignore", "stages", "src/dflashpipe", "data/env/fingerprint.json"]
 
@@ -25,14 +24,7 @@ CODE = ["dvc.yaml", "params.yaml", ".dvcignore", "stages", "src/dflashpipe", "da
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
     """The project's code and params, with a small stand-in file in every data dep of every stage."""
-    project = tmp_path_factory.mktemp("keys")
-    for rel in CODE:
-        src, dst = ROOT / rel, project / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_dir():
-            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(src, dst)
+    project = copy_from_root(tmp_path_factory.mktemp("keys"), CODE)
     for name in stage_names(project):
         for dep in stage_spec(name, project).deps:
             path = project / dep

@@ -22,7 +22,7 @@ from dflashpipe.tokens.chat import TokenizerError, load_chat_tokenizer
 from dflashpipe.tokens.encode import SampleEncoder
 from dflashpipe.tokens.run import tokenize_manifest
 from dflashpipe.tokens.shards import load_tokens
-from tests.conftest import ROOT, RUN_PROFILE, copy_project, run, set_params
+from tests.conftest import RUN_PROFILE, copy_from_root, copy_project, run, set_params
 from tests.tiny import manifest_params, source, tokenize_params
 
 PARAMS = tokenize_params(max_length=512, min_supervised_tokens=4)  # the counts below are for these
@@ -264,13 +264,7 @@ def test_a_changed_key_encodes_every_shard_and_no_key_reuses_nothing(project, sm
 
 def tokenize_project(root: Path, tokenizer_dir: Path) -> Path:
     """The files dvc.yaml's tokenize stage lists, in a fresh directory (no DVC needed to hash them)."""
-    for rel in ("dvc.yaml", "params.yaml", "stages/tokens.py", "src/dflashpipe/tokens"):
-        src, dst = ROOT / rel, root / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_dir():
-            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(src, dst)
+    copy_from_root(root, ("dvc.yaml", "params.yaml", "stages/tokens.py", "src/dflashpipe/tokens"))
     shutil.copytree(tokenizer_dir, root / TARGET)
     return root
 
