@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dflashpipe import plots
 from dflashpipe.explain import ALWAYS, DIRECT, DOWNSTREAM, UNCHANGED
-from dflashpipe.report import _axes, _bar_svg, _line_svg, _spread
+from dflashpipe.report import _axes, _chart_spec, _spread
 from tests.conftest import copy_project, run, set_params
 
 NETWORK_ATTR = re.compile(r"""\b(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", re.IGNORECASE)
@@ -23,12 +24,15 @@ def stage_verdicts(page: str) -> dict[str, str]:
     return {html.unescape(s): html.unescape(v) for s, v in rows}
 
 
-def test_svg_charts_are_plain_polylines_and_bars():
-    line = _line_svg([(0, 3.0), (1, 2.0), (2, None), (3, 1.5)], "step", "loss")
-    assert line.startswith("<svg ") and "<polyline" in line and "http" not in line
-    assert len(re.search(r'points="([^"]+)"', line).group(1).split()) == 3  # the missing value is skipped
-    bar = _bar_svg([("a<b", 1.0), ("c", 0.5)], "tau")
-    assert bar.count("<rect") == 2 and "a&lt;b" in bar
+def test_svg_charts_are_vega_lines_and_bars_inline_and_offline():
+    line_spec = _chart_spec([(0, 3.0), (1, 2.0), (2, None), (3, 1.5)], "step", "loss", False, "loss by step")
+    line = plots.svg(line_spec)
+    assert line.startswith("<svg ") and "mark-line" in line and not NETWORK_ATTR.search(line)
+    assert line.count('aria-roledescription="point"') == 3  # the missing value is skipped
+    assert all(f"loss: {v}" in line for v in ("3", "2", "1.5"))  # the data's values, as Vega labels them
+    bar = plots.svg(_chart_spec([("a<b", 1.0), ("c", 0.5)], "source", "tau", True, "tau by source"))
+    assert bar.count('aria-roledescription="bar"') == 2 and "a&lt;b" in bar and not NETWORK_ATTR.search(bar)
+    assert plots.svg(line_spec) == line  # the same table gives the same bytes
 
 
 def test_bar_axes_follow_dvc_bar_horizontal_and_categories():
@@ -78,7 +82,7 @@ def test_report_of_a_run_has_dag_metrics_plots_and_no_network_url(project):
     assert "single measurement" in page
 
     assert "<svg" in page or "data:image/png" in page
-    assert "<polyline" in page  # train's per-step tables drawn as lines
+    assert "mark-line" in page  # train's per-step tables drawn as lines (Vega's line marks, inline SVG)
     assert not NETWORK_ATTR.search(page)
     assert "<script" not in page
     assert "<pre>## What changed: HEAD -&gt; workspace" in page

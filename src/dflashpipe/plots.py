@@ -11,8 +11,8 @@ placeholder, so DVC's CDN `<script src=...>` tags (what it substitutes there) ar
 bin/setup writes the template (`dflashpipe plots-template .dvc/plots/offline.html`), and .dvc/config
 points `plots.html_template` at it (`plots/offline.html`: DVC resolves a relative path against .dvc/).
 
-`png()` renders a Vega-Lite spec to PNG with vl-convert (no browser, no network): the same spec gives
-the same bytes, so the images the stages write are stable outputs.
+`png()` and `svg()` render a Vega-Lite spec with vl-convert (no browser, no network): the same spec gives
+the same bytes, so the images the stages write (and the charts `dflashpipe report` inlines) are stable.
 """
 
 from __future__ import annotations
@@ -165,6 +165,13 @@ def png(spec: dict) -> bytes:
     import vl_convert
 
     return vl_convert.vegalite_to_png(spec, scale=1, allowed_base_urls=[])
+
+
+def svg(spec: dict) -> str:
+    """`spec` rendered to an SVG document: the same spec gives the same text. Loads no external data."""
+    import vl_convert
+
+    return vl_convert.vegalite_to_svg(spec, allowed_base_urls=[])
 
 
 def write_png(path: Path | str, spec: dict) -> None:

@@ -2,9 +2,9 @@
 
 The page holds (1) the DAG in dvc.yaml order with each stage's verdict and reason from `explain` HEAD vs the
 workspace, (2) the headline metrics with their spread and HEAD's value beside them, (3) the plots: PNG images
-found under metrics/ and a small SVG chart drawn here for each plot table dvc.yaml names, and (4) the `explain`
-Markdown itself. HTML is one self-contained file (inline CSS, images as data: URIs, no script, no network
-URL); Markdown comes with an images folder beside it.
+found under metrics/ and an inline SVG chart (plots.py's Vega-Lite specs, rendered by vl-convert) for each
+plot table dvc.yaml names, and (4) the `explain` Markdown itself. report_page.py lays it out: HTML, one
+self-contained file (no script, no network URL), or Markdown with an images folder beside it.
 
 Invariant: the same state gives the same bytes. The only varying line is "generated from <git revision>";
 no wall clock, and everything is read in a sorted or dvc.yaml order.
@@ -12,38 +12,37 @@ no wall clock, and everything is read in a sorted or dvc.yaml order.
 
 from __future__ import annotations
 
-import base64
 import csv
-import html
 import io
 import json
-import re
 import statistics
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflashpipe import plots
 from dflashpipe.artifacts import write_bytes_atomic
 from dflashpipe.errors import DflashpipeError
 from dflashpipe.explain import WORKSPACE, Report, explain, to_markdown
 from dflashpipe.explain.render import _why
-from dflashpipe.pipeline import METRICS, TRAIN_METRICS, read_dvc_yaml, stage_names
+from dflashpipe.pipeline import EVAL_METRICS, METRICS, TRAIN_METRICS, TRAIN_METRICS_DIR, read_dvc_yaml, stage_names
+from dflashpipe.report_page import to_html, to_markdown_page
 
-EVAL_METRICS = "metrics/eval.json"
-TRAIN = str(TRAIN_METRICS)
-PER_PROMPT = "metrics/eval/speedup_per_prompt.json"
-TRAIN_TOKENS_PER_STEP = "metrics/train/plots/metrics/tokens_per_s.tsv"
+EVAL = EVAL_METRICS.as_posix()
+TRAIN = TRAIN_METRICS.as_posix()
+PER_PROMPT = (METRICS / "eval" / "speedup_per_prompt.json").as_posix()
+TRAIN_TOKENS_PER_STEP = (TRAIN_METRICS_DIR / "plots" / "metrics" / "tokens_per_s.tsv").as_posix()
 SINGLE = "single measurement"
 
 HEADLINES: list[tuple[str, str, str, tuple[str, str, str] | None]] = [
     # (label, metrics file, dotted key, (spread file, column, what one sample is) or None)
-    ("tau (accepted tokens per verify step)", EVAL_METRICS, "tau", (PER_PROMPT, "tau", "prompt")),
-    ("speedup (speculative vs target alone)", EVAL_METRICS, "speedup", (PER_PROMPT, "speedup", "prompt")),
-    ("decode tokens/s with drafter", EVAL_METRICS, "decode_tokens_per_s.speculative", None),
-    ("decode tokens/s without drafter", EVAL_METRICS, "decode_tokens_per_s.target", None),
+    ("tau (accepted tokens per verify step)", EVAL, "tau", (PER_PROMPT, "tau", "prompt")),
+    ("speedup (speculative vs target alone)", EVAL, "speedup", (PER_PROMPT, "speedup", "prompt")),
+    ("decode tokens/s with drafter", EVAL, "decode_tokens_per_s.speculative", None),
+    ("decode tokens/s without drafter", EVAL, "decode_tokens_per_s.target", None),
     ("train tokens/s", TRAIN, "tokens_per_s", (TRAIN_TOKENS_PER_STEP, "tokens_per_s", "step")),
-    ("train-step tokens/s (compiled step)", EVAL_METRICS, "train_step.tokens_per_s", None),
+    ("train-step tokens/s (compiled step)", EVAL, "train_step.tokens_per_s", None),
     ("final loss", TRAIN, "final_loss", None),
 ]
 SLOT_ACCURACY = (TRAIN, "slot_accuracy")
@@ -65,10 +64,7 @@ class Chart:
     title: str
     source: str
     svg: str
-    """Inline SVG without a namespace attribute (HTML5 needs none); `standalone()` adds it for a file."""
-
-    def standalone(self) -> str:
-        return self.svg.replace("<svg ", '<svg xmlns="http://www.w3.org/2000/svg" ', 1)
+    """A whole SVG document (with its xmlns): inlined as it is in HTML, written as a file for Markdown."""
 
 
 @dataclass
@@ -81,7 +77,6 @@ class RunReport:
     images: list[tuple[str, bytes]]
     explain_md: str
     error: str = ""
-    notes: list[str] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- reading the state
@@ -202,10 +197,8 @@ def _rows(path: Path) -> list[dict[str, Any]]:
 
 
 def _float(v: Any) -> float | None:
-    if isinstance(v, bool):
-        return None
     try:
-        return float(v)
+        return None if isinstance(v, bool) else float(v)
     except (TypeError, ValueError):
         return None
 
@@ -263,173 +256,19 @@ def _charts(root: Path) -> list[Chart]:
             series = _series(rows, x, y)
             if not any(v is not None for _, v in series):
                 continue
-            svg = _bar_svg(series, y) if bar else _line_svg(series, x or "index", y)
-            charts.append(Chart(f"{y} by {x or 'index'}", str(file.relative_to(root)), svg))
+            title = f"{y} by {x or 'index'}"
+            charts.append(Chart(title, str(file.relative_to(root)), plots.svg(_chart_spec(series, x, y, bar, title))))
     return charts
 
 
-# ---------------------------------------------------------------- drawing (dependency-free SVG)
-
-W, H, LEFT, RIGHT, TOP, BOTTOM = 480, 200, 56, 12, 12, 28
-TEXT = 'font-size="10" fill="#444" font-family="sans-serif"'
-"""Text style as attributes, not CSS: the Markdown form's .svg files stand alone."""
-
-
-def _line_svg(series: list[tuple[Any, float | None]], x: str, y: str) -> str:
-    pts = [(_float(xv), yv) for xv, yv in series if yv is not None and _float(xv) is not None]
-    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
-    xspan, yspan = (x1 - x0) or 1.0, (y1 - y0) or 1.0
-    pw, ph = W - LEFT - RIGHT, H - TOP - BOTTOM
-
-    def px(v: float) -> float:
-        return LEFT + (v - x0) / xspan * pw
-
-    def py(v: float) -> float:
-        return TOP + ph - (v - y0) / yspan * ph
-
-    points = " ".join(f"{px(a):.1f},{py(b):.1f}" for a, b in pts)
-    e = html.escape
-    return (
-        f'<svg viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img" aria-label="{e(y)} by {e(x)}">'
-        f'<rect x="{LEFT}" y="{TOP}" width="{pw}" height="{ph}" fill="#fafafa" stroke="#ccc"/>'
-        f'<polyline points="{points}" fill="none" stroke="#1f77b4" stroke-width="1.5"/>'
-        f'<text x="{LEFT - 4}" y="{TOP + 10}" text-anchor="end" {TEXT}>{_num(y1)}</text>'
-        f'<text x="{LEFT - 4}" y="{TOP + ph}" text-anchor="end" {TEXT}>{_num(y0)}</text>'
-        f'<text x="{LEFT}" y="{H - 12}" {TEXT}>{_num(x0)}</text>'
-        f'<text x="{W - RIGHT}" y="{H - 12}" text-anchor="end" {TEXT}>{_num(x1)}</text>'
-        f'<text x="{LEFT + pw / 2:.0f}" y="{H - 2}" text-anchor="middle" {TEXT}>{e(x)}</text>'
-        "</svg>"
-    )
-
-
-def _bar_svg(series: list[tuple[Any, float | None]], y: str) -> str:
-    bars = [(str(xv), yv if yv is not None else 0.0) for xv, yv in series]
-    label_w, bar_h, gap, value_w = 130, 16, 4, 60
-    height = TOP + len(bars) * (bar_h + gap) + 8
-    top = max((abs(v) for _, v in bars), default=0.0) or 1.0
-    span = W - label_w - value_w
-    e = html.escape
-    parts = [f'<svg viewBox="0 0 {W} {height}" width="{W}" height="{height}" role="img" aria-label="{e(y)}">']
-    for i, (label, v) in enumerate(bars):
-        yy = TOP + i * (bar_h + gap)
-        short = label if len(label) <= 20 else label[:19] + "…"
-        parts.append(
-            f'<text x="{label_w - 6}" y="{yy + bar_h - 4}" text-anchor="end" {TEXT}>{e(short)}</text>'
-            f'<rect x="{label_w}" y="{yy}" width="{abs(v) / top * span:.1f}" height="{bar_h}" fill="#1f77b4"/>'
-            f'<text x="{label_w + abs(v) / top * span + 4:.1f}" y="{yy + bar_h - 4}" {TEXT}>{_num(v)}</text>'
-        )
-    parts.append("</svg>")
-    return "".join(parts)
-
-
-# ---------------------------------------------------------------- rendering
-
-CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em;max-width:1100px;color:#222}
-h1{font-size:1.5em}h2{font-size:1.2em;border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.6em}
-table{border-collapse:collapse;font-size:.9em}td,th{border:1px solid #ddd;padding:.3em .6em;text-align:left;
-vertical-align:top}th{background:#f3f3f3}td.why{font-family:ui-monospace,monospace;font-size:.85em;max-width:620px;
-word-break:break-all}.v{font-weight:600;white-space:nowrap}.unchanged{color:#1a7f37}.changed{color:#cf222e}
-.invalidated{color:#9a6700}.outputs{color:#8250df}.other{color:#0969da}.meta{color:#666}
-figure{display:inline-block;margin:.5em 1em .5em 0;vertical-align:top}figcaption{font-size:.85em;color:#444}
-pre{background:#f6f8fa;padding:1em;overflow-x:auto;
-font-size:.85em;white-space:pre-wrap}img{max-width:100%}
-"""
-
-
-def _verdict_class(verdict: str) -> str:
-    for word in ("unchanged", "changed", "invalidated", "outputs"):
-        if verdict.startswith(word):
-            return word
-    return "other"
-
-
-def _value(v: Any) -> str:
-    return json.dumps(v) if not isinstance(v, str) else v
-
-
-def to_html(r: RunReport) -> str:
-    e = html.escape
-    out = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8"><title>dflashpipe run report</title>',
-        f"<style>{CSS}</style></head><body>",
-        "<h1>dflashpipe run report</h1>",
-        f'<p class="meta">generated from git revision {e(r.revision)} (HEAD) and the workspace</p>',
-    ]
-    if r.error:
-        out.append(f"<p><strong>explain HEAD vs workspace failed:</strong> {e(r.error)}</p>")
-    out += ["<h2>Pipeline (dvc.yaml order): HEAD vs workspace</h2>", "<table><tr><th>stage</th><th>verdict</th>"]
-    out.append("<th>why</th><th>outputs in the workspace</th></tr>")
-    for name, verdict, why, outs in r.stages:
-        cls = _verdict_class(verdict)
-        out.append(
-            f'<tr><td>{e(name)}</td><td class="v {cls}">{e(verdict)}</td><td class="why">{e(why)}</td>'
-            f'<td class="{"outputs" if outs.startswith("missing") else ""}">{e(outs)}</td></tr>'
-        )
-    out += [
-        "</table>",
-        "<h2>Headline metrics</h2>",
-        "<table><tr><th>metric</th><th>workspace</th><th>HEAD</th><th>spread</th><th>from</th></tr>",
-    ]
-    for h in r.headlines:
-        out.append(
-            f"<tr><td>{e(h.label)}</td><td><b>{e(_value(h.value))}</b></td><td>{e(h.head)}</td>"
-            f"<td>{e(h.spread)}</td><td>{e(h.file)}: {e(h.key)}</td></tr>"
-        )
-    out += ["</table>", "<h2>Plots</h2>"]
-    if not r.images and not r.charts:
-        out.append("<p>no plots found under metrics/</p>")
-    for name, data in r.images:
-        uri = "data:image/png;base64," + base64.b64encode(data).decode("ascii")
-        out.append(f'<figure><img src="{uri}" alt="{e(name)}"><figcaption>{e(name)}</figcaption></figure>')
-    for c in r.charts:
-        out.append(f"<figure>{c.svg}<figcaption>{e(c.title)} — {e(c.source)}</figcaption></figure>")
-    out += [
-        "<h2>explain: HEAD vs workspace</h2>",
-        f"<pre>{e(r.explain_md)}</pre>",
-        "</body></html>",
-    ]
-    return "\n".join(out) + "\n"
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-")
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def to_markdown_page(r: RunReport, images_dir: str) -> tuple[str, dict[str, bytes]]:
-    """The page as Markdown and the files of its images folder (name -> bytes)."""
-    files: dict[str, bytes] = {}
-    lines = ["# dflashpipe run report", "", f"generated from git revision {r.revision} (HEAD) and the workspace", ""]
-    if r.error:
-        lines += [f"**explain HEAD vs workspace failed:** {r.error}", ""]
-    lines += ["## Pipeline (dvc.yaml order): HEAD vs workspace", ""]
-    lines += ["| stage | verdict | why | outputs in the workspace |", "|---|---|---|---|"]
-    lines += [f"| {n} | {_cell(v)} | {_cell(why)} | {_cell(o)} |" for n, v, why, o in r.stages]
-    lines += ["", "## Headline metrics", "", "| metric | workspace | HEAD | spread | from |", "|---|---|---|---|---|"]
-    for h in r.headlines:
-        lines.append(
-            f"| {_cell(h.label)} | **{_cell(_value(h.value))}** | {_cell(h.head)} | {_cell(h.spread)} "
-            f"| {h.file}: `{h.key}` |"
-        )
-    lines += ["", "## Plots", ""]
-    if not r.images and not r.charts:
-        lines.append("no plots found under metrics/")
-    for name, data in r.images:
-        fname = _slug(name)
-        files[fname] = data
-        lines += [f"![{name}]({images_dir}/{fname})", ""]
-    for c in r.charts:
-        fname = _slug(c.source) + "-" + _slug(c.title) + ".svg"
-        files[fname] = c.standalone().encode()
-        lines += [f"![{c.title} — {c.source}]({images_dir}/{fname})", ""]
-    lines += ["## explain: HEAD vs workspace", "", r.explain_md]
-    return "\n".join(lines).rstrip("\n") + "\n", files
+def _chart_spec(series: list[tuple[Any, float | None]], x: str | None, y: str, bar: bool, title: str) -> dict:
+    """plots.py's Vega-Lite spec for a series; fields "x"/"y" (a column name may hold a dot Vega-Lite would
+    read as a path), with the columns' names as axis titles. Bars run horizontally, as DVC's bar_horizontal."""
+    if bar:
+        rows = [{"x": str(xv), "y": yv} for xv, yv in series]
+        return plots.bar_spec(rows, "x", "y", title, horizontal=True, category_title=x or "index", value_title=y)
+    rows = [{"x": _float(xv), "y": yv} for xv, yv in series if _float(xv) is not None]
+    return plots.line_spec(rows, "x", "y", title, x_title=x or "index", y_title=y)
 
 
 def write_report(root: str | Path = ".", out: str | Path | None = None, md: bool = False) -> Path:
