@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 
 from dflashpipe.artifacts import file_sha256, verify_file_listing, write_file_listing
 from dflashpipe.model import DFlashDrafter, TargetHead
-from dflashpipe.model.card import export_drafter, model_card, safetensors_summary, write_model_card
 from dflashpipe.model.drafter import PUBLISHED_DTYPE
 from dflashpipe.params import load_params
+from dflashpipe.train.card import export_drafter, model_card, safetensors_summary, write_model_card
 from tests.conftest import ROOT
 from tests.tiny import VOCAB, random_batch, tiny_drafter, tiny_target
 

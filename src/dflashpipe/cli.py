@@ -73,7 +73,7 @@ def report(
 @app.command()
 def export(out: str = typer.Argument(..., help="The directory to write the drafter to, for serving.")) -> None:
     """Copy data/drafter for serving, with a model card naming its git revision, dvc.lock and tau/speedup."""
-    from dflashpipe.model.card import export_drafter
+    from dflashpipe.train.card import export_drafter
 
     try:
         path = export_drafter(out)
