@@ -117,6 +117,16 @@ class StageKey:
         names = sorted(set(self.inputs) | set(recorded))
         return [name.split(":", 1)[1] for name in names if self.inputs.get(name) != recorded.get(name)]
 
+    def changes_since(self, recorded: StageKey, shown: int) -> str:
+        """What differs from `recorded`, in one line: `a.py, params.yaml:x and 2 more changed` ("" if nothing)."""
+        if recorded.digest == self.digest:
+            return ""
+        if recorded.stage != self.stage:
+            return f"stage {recorded.stage!r}'s key, not {self.stage!r}'s"
+        changed = self.changed_since(recorded.inputs)
+        more = f" and {len(changed) - shown} more" if len(changed) > shown else ""
+        return f"{', '.join(changed[:shown])}{more} changed"
+
     def to_json(self) -> dict[str, Any]:
         return {"stage": self.stage, "digest": self.digest, "inputs": dict(self.inputs)}
 

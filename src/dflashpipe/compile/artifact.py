@@ -107,18 +107,9 @@ def check_built_for(path: Path, report: dict[str, Any], expected: StageKey | Non
         )
     if recorded.digest != expected.digest:
         raise CompileArtifactError(
-            f"{path} was built for other inputs ({describe_changes(recorded, expected)}): "
+            f"{path} was built for other inputs ({expected.changes_since(recorded, NAMED_CHANGES)}): "
             f"`dvc repro warmup` rebuilds it"
         )
-
-
-def describe_changes(recorded: StageKey, expected: StageKey) -> str:
-    """What differs between two keys, at most NAMED_CHANGES inputs named, e.g. `a.py, params.yaml:x changed`."""
-    if recorded.stage != expected.stage:
-        return f"stage {recorded.stage!r}'s key, not {expected.stage!r}'s"
-    changed = expected.changed_since(recorded.inputs)
-    more = f" and {len(changed) - NAMED_CHANGES} more" if len(changed) > NAMED_CHANGES else ""
-    return f"{', '.join(changed[:NAMED_CHANGES])}{more} changed"
 
 
 def load_artifact(path: Path | str, workdir: Path | str, expected: StageKey | None) -> LoadedArtifact:

@@ -103,10 +103,5 @@ def mismatch(recorded: StageKey | None, key: StageKey, shown: int = 3) -> str:
     """Why a checkpoint saved under `recorded` is not this run's ("" when it is), naming what changed."""
     if recorded is None:
         return "it records no key (saved by an older version)"
-    if recorded.digest == key.digest:
-        return ""
-    changed = key.changed_since(recorded.inputs)
-    if not changed:  # same inputs, another stage's key
-        return f"it was saved for stage {recorded.stage!r}"
-    names = ", ".join(changed[:shown]) + (f" and {len(changed) - shown} more" if len(changed) > shown else "")
-    return f"its inputs differ ({names} changed)"
+    changes = key.changes_since(recorded, shown)
+    return f"its inputs differ ({changes})" if changes else ""
