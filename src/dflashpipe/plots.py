@@ -108,24 +108,23 @@ def _finite(value: float | int | None) -> float | int | None:
     return value
 
 
-def _values(rows: list[dict]) -> list[dict]:
-    return [{k: _finite(v) for k, v in row.items()} for row in rows]
+def _chart(title: str, rows: list[dict], **body) -> dict:
+    """The frame every chart shares (title, size, white background, the data), around `body`."""
+    data = [{k: _finite(v) for k, v in row.items()} for row in rows]
+    return {"title": title, "width": WIDTH, "height": HEIGHT, "background": "white", "data": {"values": data}, **body}
 
 
 def line_spec(rows: list[dict], x: str, y: str, title: str, x_title: str | None = None, y_title: str | None = None):
     """A Vega-Lite line chart of `rows` (one dict per point)."""
-    return {
-        "title": title,
-        "width": WIDTH,
-        "height": HEIGHT,
-        "background": "white",
-        "data": {"values": _values(rows)},
-        "mark": {"type": "line", "point": len(rows) <= 50},
-        "encoding": {
+    return _chart(
+        title,
+        rows,
+        mark={"type": "line", "point": len(rows) <= 50},
+        encoding={
             "x": {"field": x, "type": "quantitative", "title": x_title or x},
             "y": {"field": y, "type": "quantitative", "title": y_title or y, "scale": {"zero": False}},
         },
-    }
+    )
 
 
 def bar_spec(
@@ -150,14 +149,7 @@ def bar_spec(
             "mark": {"type": "text", "baseline": "bottom", "dy": -2},
             "encoding": {"x": cat, "y": val, "text": label},
         }
-    return {
-        "title": title,
-        "width": WIDTH,
-        "height": HEIGHT,
-        "background": "white",
-        "data": {"values": _values(rows)},
-        "layer": [{"mark": "bar", "encoding": bars}, text],
-    }
+    return _chart(title, rows, layer=[{"mark": "bar", "encoding": bars}, text])
 
 
 def png(spec: dict) -> bytes:

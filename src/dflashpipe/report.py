@@ -25,7 +25,7 @@ from dflashpipe import plots
 from dflashpipe.artifacts import write_bytes_atomic
 from dflashpipe.errors import DflashpipeError
 from dflashpipe.explain import WORKSPACE, Report, explain, to_markdown
-from dflashpipe.explain.render import _why
+from dflashpipe.explain.render import verdict_reason
 from dflashpipe.pipeline import EVAL_METRICS, METRICS, TRAIN_METRICS, TRAIN_METRICS_DIR, read_dvc_yaml, stage_names
 from dflashpipe.report_page import to_html, to_markdown_page
 
@@ -112,7 +112,7 @@ def _stage_rows(root: Path, explained: Report | None, error: str) -> list[tuple[
     rows = []
     for name in stage_names(root):
         v = verdicts.get(name)
-        verdict, why = (v.verdict, _why(v)) if v else ("unknown", error or "explain gave no verdict")
+        verdict, why = (v.verdict, verdict_reason(v)) if v else ("unknown", error or "explain gave no verdict")
         rows.append((name, verdict, why, _outputs(root, specs.get(name) or {})))
     return rows
 

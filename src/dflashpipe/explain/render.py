@@ -48,7 +48,7 @@ def to_markdown(report: Report) -> str:
         lines.append(f"- `{cause_line(c)}` — hits {', '.join(c.stages)}  \n  evidence: `{c.evidence}`")
     lines += ["", "### Stages (DAG order)", "", "| stage | verdict | why |", "|---|---|---|"]
     for v in report.stages:
-        lines.append(f"| {v.stage} | {v.verdict} | {_why(v)} |")
+        lines.append(f"| {v.stage} | {v.verdict} | {verdict_reason(v)} |")
     lines += ["", "### Metrics"]
     if not report.metrics:
         lines.append("- no metric differs")
@@ -74,7 +74,7 @@ def _no_causes(report: Report) -> str:
     return "nothing: every stage's recorded inputs are the same"
 
 
-def _why(v: Verdict) -> str:
+def verdict_reason(v: Verdict) -> str:
     if v.verdict == DIRECT:
         return "; ".join(cause_line(c) for c in v.causes)
     if v.verdict == DOWNSTREAM:
@@ -102,7 +102,7 @@ def print_text(report: Report) -> None:
     console.print("\n[bold]Stages[/bold] (DAG order)")
     for v in report.stages:
         style = colour.get(v.verdict, "cyan")
-        console.print(f"  [{style}]{v.stage}: {v.verdict}[/{style}] — {escape(_why(v))}")
+        console.print(f"  [{style}]{v.stage}: {v.verdict}[/{style}] — {escape(verdict_reason(v))}")
     console.print("\n[bold]Metrics[/bold]")
     if not report.metrics:
         console.print("  no metric differs")
