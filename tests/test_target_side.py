@@ -9,7 +9,6 @@ import torch
 from dflashpipe.model.features import target_features, target_layer_features
 from dflashpipe.tokens.shards import TokenData, load_tokens
 from dflashpipe.train.data import collate
-from tests.tiny import manifest_params, tokenize_params
 
 NUM_LAYERS = 6
 
@@ -93,20 +92,9 @@ def test_truncated_target_forward_refuses_layer_ids_the_target_lacks():
 
 
 @pytest.fixture(scope="module")
-def tokens_dir(tmp_path_factory, tiny_target_dir):
+def tokens_dir(train_inputs):
     """A real tokens directory: real chat data tokenized with the real SmolLM2 tokenizer."""
-    from dflashpipe.data.manifest import build_manifest
-    from dflashpipe.params import TargetParams
-    from dflashpipe.target import materialise_target
-    from dflashpipe.tokens.run import tokenize_manifest
-
-    work = tmp_path_factory.mktemp("target-side")
-    materialise_target(
-        TargetParams(source=tiny_target_dir.name, dtype="float32"), work / "target", root=tiny_target_dir.parent
-    )
-    build_manifest(manifest_params(48, 24), work / "manifest")
-    tokenize_manifest(tokenize_params(), work / "manifest", work / "target", work / "tokens")
-    return work / "tokens"
+    return train_inputs / "tokens"
 
 
 def test_load_tokens_keeps_the_stored_dtypes(tokens_dir):

@@ -20,7 +20,7 @@ from dflashpipe.train.data import BatchPlan
 from dflashpipe.train.loop import replica_mismatches
 from dflashpipe.train.topology import check_topology
 from tests.conftest import ROOT
-from tests.tiny import manifest_params, model_params, tokenize_params
+from tests.tiny import model_params
 
 SCRIPT = ROOT / "tests" / "scenarios" / "train_run.py"
 MODEL = model_params()  # the shared run's: test_compiled_training_... loads its kernels
@@ -52,20 +52,9 @@ def config(name, drafters=2, targets=1, compiled=False, **train) -> dict:
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory, tiny_target_dir):
-    """Real inputs: a manifest of real chat data, tokenized with the real tokenizer, and a tiny real target."""
-    from dflashpipe.data.manifest import build_manifest
-    from dflashpipe.params import TargetParams
-    from dflashpipe.target import materialise_target
-    from dflashpipe.tokens.run import tokenize_manifest
-
-    work = tmp_path_factory.mktemp("train")
-    materialise_target(
-        TargetParams(source=tiny_target_dir.name, dtype="float32"), work / "target", root=tiny_target_dir.parent
-    )
-    build_manifest(manifest_params(48, 24), work / "manifest")
-    tokenize_manifest(tokenize_params(), work / "manifest", work / "target", work / "tokens")
-    return work
+def workdir(train_inputs):
+    """Real inputs (target/, manifest/, tokens/); each run writes its outputs to a folder of its own name."""
+    return train_inputs
 
 
 def train_process(workdir, cfg, nproc=1) -> subprocess.CompletedProcess:
