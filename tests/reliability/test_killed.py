@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashpipe.artifacts import PARTIAL, canonical_json
+from dflashpipe.artifacts import FILE_LISTING, PARTIAL, canonical_json
 from dflashpipe.data.manifest import build_manifest
 from dflashpipe.data.shards import manifest_metrics, verify_manifest
 from dflashpipe.params import load_params
@@ -290,7 +290,8 @@ def test_tokenize_killed_at_four_points_reuses_the_shards_it_completed(finished,
             "tokenizer loading": lambda pgid: group_process(pgid, "stages/tokens.py") is not None,
             "3 shards written": shards_written(3),
             f"{shards - 3} of {shards} shards written": shards_written(shards - 3),
-            "summary written, not yet recorded": written(tokens / "summary.json"),
+            # files.json is the stage's last write (after summary.json): past it, only DVC's record is missing
+            "listing written, not yet recorded": written(tokens / FILE_LISTING),
         },
         log,
         (TOKENS,),  # metrics/tokenize.json reports what this very run encoded and reused
