@@ -119,6 +119,16 @@ class TokenData:
         return len(self.offsets) - 1
 
     @property
+    def lengths(self) -> np.ndarray:
+        """Tokens per sequence, [len(self)]."""
+        return np.diff(self.offsets)
+
+    def sequence(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sequence i's ids and loss mask, views at their stored dtypes (no copy)."""
+        start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.ids[start:end], self.loss_mask[start:end]
+
+    @property
     def supervised_tokens(self) -> int:
         return int(self.loss_mask.sum(dtype=np.int64))
 

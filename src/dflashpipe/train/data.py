@@ -65,10 +65,10 @@ def collate(data: TokenData, indices: list[int], seq_len: int, pad_id: int) -> B
     attention = torch.zeros((len(indices), seq_len), dtype=torch.long)
     truncated = 0
     for row, i in enumerate(indices):
-        start, end = int(data.offsets[i]), int(data.offsets[i + 1])
-        n = min(end - start, seq_len)
-        truncated += (end - start) > seq_len
-        ids[row, :n] = torch.from_numpy(data.ids[start : start + n])
-        mask[row, :n] = torch.from_numpy(data.loss_mask[start : start + n])
+        seq_ids, seq_mask = data.sequence(i)
+        n = min(len(seq_ids), seq_len)
+        truncated += len(seq_ids) > seq_len
+        ids[row, :n] = torch.from_numpy(seq_ids[:n])
+        mask[row, :n] = torch.from_numpy(seq_mask[:n])
         attention[row, :n] = 1
     return Batch(ids, mask, attention, truncated)
