@@ -1,0 +1,61 @@
+"""A measured figure with its spread over repeats, and the one rule that tells noise from change.
+
+A throughput figure is recorded as its median under its own key, with a sibling
+`<key>_spread` object {low, high, repeats} (the min and max over the repeats), so
+`dvc metrics diff` shows both. Two figures differ by *change* only when their ranges do
+not overlap; overlapping ranges are *noise*. A side without a recorded spread (one
+repeat, or a record older than spreads) cannot be told apart: *unmeasured*.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+Verdict = Literal["noise", "change", "unmeasured"]
+SUFFIX = "_spread"
+
+
+@dataclass(frozen=True)
+class Spread:
+    median: float
+    low: float
+    high: float
+    repeats: int
+
+    @classmethod
+    def of(cls, samples: Iterable[float]) -> Spread:
+        values = [float(v) for v in samples]
+        if not values:
+            raise ValueError("a spread needs at least one sample")
+        return cls(statistics.median(values), min(values), max(values), len(values))
+
+    def to_json(self, digits: int = 2) -> dict:
+        return {"low": round(self.low, digits), "high": round(self.high, digits), "repeats": self.repeats}
+
+    def record(self, key: str, digits: int = 2) -> dict:
+        """{key: median, key_spread: {low, high, repeats}}: how a metrics file holds this figure."""
+        return {key: round(self.median, digits), key + SUFFIX: self.to_json(digits)}
+
+    @classmethod
+    def read(cls, metrics: dict, key: str) -> Spread | None:
+        """The figure `key` of a metrics dict with its `<key>_spread`; None when either is missing or malformed."""
+        value, spread = metrics.get(key), metrics.get(key + SUFFIX)
+        if not isinstance(value, int | float) or not isinstance(spread, dict):
+            return None
+        try:
+            return cls(float(value), float(spread["low"]), float(spread["high"]), int(spread["repeats"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def describe(self) -> str:
+        return f"{self.median:g} (range {self.low:g}..{self.high:g}, {self.repeats} repeats)"
+
+
+def compare(before: Spread | None, after: Spread | None) -> Verdict:
+    """noise: the two ranges overlap; change: they do not; unmeasured: a side has no spread of 2+ repeats."""
+    if before is None or after is None or before.repeats < 2 or after.repeats < 2:
+        return "unmeasured"
+    return "noise" if before.low <= after.high and after.low <= before.high else "change"
