@@ -54,32 +54,41 @@ def eager_flex():
 # -- the mask -----------------------------------------------------------------------------------
 
 
-def mask_by_loops(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
-    """The DFlash rule written out position by position: the oracle for the mask_mod."""
+def mask_by_loops(
+    anchors: torch.Tensor, context_len: int, block_size: int, documents: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The DFlash rule written out position by position: the oracle for the mask_mod. With `documents`
+    (a packed row), a block sees only context of its anchor's document."""
     batch, num_anchors = anchors.shape
     q_len = num_anchors * block_size
     out = torch.zeros(batch, 1, q_len, context_len + q_len, dtype=torch.bool)
     for b in range(batch):
         for q in range(q_len):
             block = q // block_size
+            anchor = anchors[b, block]
             for kv in range(context_len):
-                out[b, 0, q, kv] = kv < anchors[b, block]
+                same = documents is None or documents[b, kv] == documents[b, anchor]
+                out[b, 0, q, kv] = kv < anchor and same
             for slot in range(block_size):
                 out[b, 0, q, context_len + block * block_size + slot] = True
     return out
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize(
     ("batch", "context_len", "num_anchors", "block_size"),
     [(1, 8, 2, 3), (2, 40, 5, 4), (3, 130, 9, 16), (2, 300, 17, 8)],
 )
-def test_dense_mask_and_block_mask_both_follow_the_dflash_rule(batch, context_len, num_anchors, block_size):
+def test_dense_mask_and_block_mask_both_follow_the_dflash_rule(batch, context_len, num_anchors, block_size, packed):
     g = torch.Generator().manual_seed(context_len)
     anchors = torch.sort(torch.randint(0, context_len, (batch, num_anchors), generator=g), dim=1).values
-    mask_mod = dflash_mask_mod(anchors, context_len, block_size)
+    documents = None
+    if packed:  # documents start at random positions (a new one at 0 and wherever the draw is 1)
+        documents = torch.randint(0, 4, (batch, context_len), generator=g).eq(1).long().cumsum(dim=1)
+    mask_mod = dflash_mask_mod(anchors, context_len, block_size, documents)
     q_len, kv_len = num_anchors * block_size, context_len + num_anchors * block_size
     dense = dense_mask(mask_mod, batch, q_len, kv_len, CPU)
-    assert torch.equal(dense, mask_by_loops(anchors, context_len, block_size))
+    assert torch.equal(dense, mask_by_loops(anchors, context_len, block_size, documents))
 
     # The BlockMask, tile by tile: a tile is computed iff some entry is visible, "full" iff all are.
     tile = 16

@@ -64,27 +64,46 @@ def in_threads(n, fn):
     return errors
 
 
+def packed_batch(drafter, step: int) -> tuple:
+    """The train loop's 7 step inputs for a packed row whose documents (and so anchors) change with `step`."""
+    import torch
+
+    from dflashpipe.model import sample_anchor_positions
+    from tests.tiny import random_batch
+
+    features, ids, loss_mask, _, _ = random_batch(drafter)
+    g = torch.Generator().manual_seed(step)
+    starts = torch.rand(ids.shape, generator=g) < 0.15
+    starts[:, 0] = True
+    documents = starts.long().cumsum(dim=1) - 1
+    index = torch.arange(ids.shape[1]).expand_as(ids)
+    positions = index - torch.where(starts, index, 0).cummax(dim=1).values
+    anchors, valid = sample_anchor_positions(loss_mask, 3, g, documents)
+    return features, ids, loss_mask, anchors, valid, documents, positions
+
+
 def drafter_threads(steps: int) -> dict:
     """Three drafter replicas, each compiled and run once in the main thread as train does, then
-    trained `steps` steps each in its own thread under the armed guard."""
+    trained `steps` steps each in its own thread under the armed guard, on packed rows of other
+    documents every step."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from dflashpipe.compile.warmup import compiled_step
-    from tests.tiny import random_batch, tiny_drafter
+    from tests.tiny import tiny_drafter
 
     point_inductor_at(Path(tempfile.mkdtemp()))
     COUNTER.install()
     replicas = [tiny_drafter(layers=1) for _ in range(3)]
     steps_fn = [compiled_step(d) for d in replicas]
-    batch = random_batch(replicas[0])
+    batches = [packed_batch(replicas[0], step) for step in range(steps + 1)]
     for fn in steps_fn:
-        fn(*batch).loss.backward()
+        fn(*batches[0]).loss.backward()
     guard = CompileGuard(strict=True)
     guard.arm()
     before = dynamo_counters()
 
     def train(i: int) -> None:
-        for _ in range(steps):
-            guard.call("drafter step", steps_fn[i], *batch).loss.backward()
+        for step in range(1, steps + 1):
+            guard.call("drafter step", steps_fn[i], *batches[step]).loss.backward()
             replicas[i].zero_grad(set_to_none=True)
 
     errors = in_threads(3, train)

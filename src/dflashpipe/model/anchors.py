@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
-    """[B, S] bool: positions whose token and next token are both supervised.
+def anchor_candidates(loss_mask: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, S] bool: positions whose token and next token are both supervised (and, in a packed row,
+    of the same document).
 
     The anchor token is given to the drafter and slot 1 predicts the next token, so a
     block is worth training only if at least its first prediction is supervised.
@@ -14,11 +15,13 @@ def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
     supervised = loss_mask.bool()
     candidates = torch.zeros_like(supervised)
     candidates[:, :-1] = supervised[:, :-1] & supervised[:, 1:]
+    if document_ids is not None:
+        candidates[:, :-1] &= document_ids[:, :-1] == document_ids[:, 1:]
     return candidates
 
 
 def sample_anchor_positions(
-    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator
+    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator, document_ids: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to `num_anchors` distinct candidate positions per sequence, uniformly at random, sorted.
 
@@ -27,7 +30,7 @@ def sample_anchor_positions(
     so shapes stay static; padding blocks carry no loss. The same generator state gives
     the same anchors on any device: the random numbers are drawn on the generator's device.
     """
-    candidates = anchor_candidates(loss_mask).to(generator.device)
+    candidates = anchor_candidates(loss_mask, document_ids).to(generator.device)
     batch, seq_len = candidates.shape
     scores = torch.rand(batch, seq_len, generator=generator, device=generator.device)
     # Scores lie in [0, 1), so every candidate outranks every non-candidate.

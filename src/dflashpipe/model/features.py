@@ -46,8 +46,29 @@ def target_features(hidden_states: Sequence[torch.Tensor], target_layer_ids: Seq
     return torch.cat([hidden_states[i + 1] for i in target_layer_ids], dim=-1)
 
 
+def document_causal_mask(document_ids: torch.Tensor, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """The additive attention mask [B, 1, S, S] of packed rows: a token sees the tokens of its own document
+    up to itself (within `sliding_window` tokens when given), as if each document were alone.
+
+    Additive (0 / dtype's min), so that eager attention (which adds it) and SDPA (which takes any float
+    mask) read the same mask. Padding (document -1) sees padding, so no query row is empty."""
+    seq_len = document_ids.shape[1]
+    q = torch.arange(seq_len, device=document_ids.device).view(seq_len, 1)
+    kv = q.view(1, seq_len)
+    allowed = (kv <= q) & (document_ids[:, None, :, None] == document_ids[:, None, None, :])
+    if sliding_window is not None:
+        allowed = allowed & (kv > q - sliding_window)  # transformers' sliding_window_overlay
+    zero = torch.zeros((), dtype=dtype, device=document_ids.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
 def target_layer_features(
-    target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, target_layer_ids: Sequence[int]
+    target,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    target_layer_ids: Sequence[int],
+    document_ids: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What `target_features(target(..., output_hidden_states=True).hidden_states, ids)` returns, computed
     with only decoder layers 0..max(ids): no later layer, no LM head, no logits.
@@ -57,6 +78,11 @@ def target_layer_features(
     the helpers its decoder's forward calls (no cache, as in a single uncached forward). Hugging Face
     returns the final-normed output as the last hidden state, so when the last decoder layer is chosen it
     is normed here too.
+
+    Packed rows (train/data.py) pass `document_ids` and in-document `position_ids` [B, S]: each document
+    then attends only within itself (document_causal_mask, an explicit 4D mask that the decoder layers of
+    every transformers 5.x read alike), so its features are those of the document alone. The padding
+    is then document -1 and `attention_mask` goes unused.
     """
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
@@ -69,8 +95,14 @@ def target_layer_features(
     last = ids[-1]
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
 
+    attn = getattr(config, "_attn_implementation", None)
+    if (document_ids is None) != (position_ids is None):
+        raise ValueError("packed rows need both document_ids and position_ids, or neither")
+    if document_ids is not None and attn not in ("sdpa", "eager"):
+        raise ValueError(f"target attention {attn!r}: packed rows need 'sdpa' or 'eager' (an explicit 4D mask)")
     hidden = decoder.embed_tokens(input_ids)
-    position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    if position_ids is None:
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
     mask_kwargs = {
         "config": config,
         "inputs_embeds": hidden,
@@ -80,12 +112,15 @@ def target_layer_features(
     }
     masks: dict[str, object] = {}
     for kind in sorted(set(layer_types[: last + 1])):
-        if kind == "full_attention":
-            masks[kind] = create_causal_mask(**mask_kwargs)
-        elif kind == "sliding_attention":
-            masks[kind] = create_sliding_window_causal_mask(**mask_kwargs)
-        else:
+        if kind not in ("full_attention", "sliding_attention"):
             raise ValueError(f"target layer type {kind!r}: only full and sliding attention layers are supported")
+        window = config.sliding_window if kind == "sliding_attention" else None
+        if document_ids is not None:
+            masks[kind] = document_causal_mask(document_ids, window, hidden.dtype)
+        elif window is None:
+            masks[kind] = create_causal_mask(**mask_kwargs)
+        else:
+            masks[kind] = create_sliding_window_causal_mask(**mask_kwargs)
     position_embeddings = decoder.rotary_emb(hidden, position_ids=position_ids)
 
     chosen, out = set(ids), []
