@@ -1,81 +1,198 @@
-"""Training throughput, side by side in one run, as ratios.
+"""Training throughput of this tree against a baseline revision, side by side, as ratios.
 
-    python benchmarks/train.py [--steps 8]
+    python benchmarks/train.py [--steps 8] [--repeats 3] [--baseline 047eb6f] [--data data]
+    python benchmarks/train.py --baseline none     # this tree's variants instead (see below)
 
-Needs the embedded pipeline's inputs (`dvc repro warmup tokenize` first). Runs the train
-stage's own function on them, each variant in a fresh process (dynamo state is per process):
-  - compiled step (artifact loaded), 2 drafter replicas   <- the default
-  - compiled step, 1 drafter replica                     (drafter-worker scaling)
-  - eager step, sdpa, guard off, 2 replicas              (what compile buys)
-and prints supervised drafter tokens/s for each and the ratios.
+Needs the embedded pipeline's inputs in --data: manifest/, target/ and tokens/, and compile/ if it
+is to be loaded (`dvc repro tokenize warmup` writes them to data/). Every run is the train stage's own
+function, in a fresh process (dynamo state is per process), on the same data for the same steps,
+interleaved: before, after, before, after, ...
+
+- after: this working tree, on --data; the compile artifact is loaded when --data is the project's
+  data/ and warmup's key still matches it, as the train stage would.
+- before: REV's own code (`git archive REV` into a temporary directory, removed after) on the same
+  manifest and target; its tokens are made by its own tokenize stage (the command in its dvc.yaml),
+  for the shard format may differ between revisions. It compiles cold, in the main thread, before
+  the timed steps (the artifact is this tree's).
+
+Each side reports supervised tokens/s (median and min..max over the repeats), target-forward
+seconds per supervised token (busy_s.target / supervised tokens), the padding fraction where the
+revision records it, and the child's peak RSS; then after / before. Only fields every revision
+writes are required.
+
+`--baseline none` runs this tree's variants: compiled step with 2 drafter replicas (the default),
+1 replica (drafter-worker scaling), eager sdpa with the guard off (what compile buys).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
+import os
+import resource
+import shlex
+import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+DEFAULT_BASELINE = "047eb6f"
+"""The landed main before the throughput work of this round (chunked loss, packing, flat gradients)."""
+SHARED_INPUTS = ("manifest", "target")
 
 
-def variant(name: str, steps: int, out: Path) -> dict:
+def train_once(code: Path, data: Path, steps: int, variant: str, out: Path) -> dict:
+    """One run of `code`'s train stage function on `data`'s inputs; what every revision reports."""
+    sys.path.insert(0, str(code / "src"))
     from dflashpipe.params import load_params
     from dflashpipe.pipeline import reuse_key
     from dflashpipe.train.loop import TrainInputs
     from dflashpipe.train.stage import TrainPaths, train_drafter
 
-    p = load_params(ROOT)
-    compile_on = name != "eager-2"
-    drafters = ("cpu",) if name == "compiled-1" else ("cpu", "cpu")
+    p = load_params(code)
+    compile_on = variant != "eager-2"
+    drafters = ("cpu",) if variant == "compiled-1" else ("cpu", "cpu")
     inputs = TrainInputs(
         model=p["model"],
         compile=dataclasses.replace(p["compile"], enabled=compile_on, guard="error" if compile_on else "warn"),
         topology=dataclasses.replace(p["topology"], drafter_devices=drafters),
         train=dataclasses.replace(p["train"], max_steps=steps, checkpoint_every=0),
     )
-    # The project's inputs, fresh outputs; no resume key (a variant always trains every step), and
-    # warmup's key as it is now, so the artifact is loaded exactly when the train stage would load it.
     paths = dataclasses.replace(
-        TrainPaths.pipeline(ROOT), drafter=out / "drafter", state=out / "state", metrics=out / "metrics"
+        TrainPaths.pipeline(code),
+        tokens=data / "tokens",
+        target=data / "target",
+        compile=data / "compile",
+        drafter=out / "drafter",
+        state=out / "state",
+        metrics=out / "metrics",
     )
-    return train_drafter(inputs, paths, key=None, compile_key=reuse_key("warmup", ROOT) if compile_on else None)
+    # No resume key: every run trains every step. Warmup's key as it is now, so the artifact is loaded
+    # exactly when the train stage would load it; only for the project's own data/.
+    own = code == ROOT and data == ROOT / "data" and (data / "compile").exists()
+    m = train_drafter(inputs, paths, key=None, compile_key=reuse_key("warmup", ROOT) if compile_on and own else None)
+    tokens = m["supervised_tokens"]
+    return {
+        "tokens_per_s": m["tokens_per_s"],
+        "target_s_per_token": m["busy_s"]["target"] / tokens if tokens else None,
+        "padding_fraction": m.get("padding_fraction"),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "busy_s": m["busy_s"],
+        "compiles_in_worker_threads": m["compile"]["compiles_in_worker_threads"],
+        "mfu": (m.get("throughput") or {}).get("mfu"),
+    }
+
+
+def child(code: Path, data: Path, steps: int, variant: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", str(code), "--data", str(data), "--steps", str(steps)]
+    proc = subprocess.run(cmd + ["--variant", variant], capture_output=True, text=True, cwd=code)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not line:
+        sys.exit(f"{code} ({variant}) failed:\n{proc.stderr[-3000:]}")
+    return json.loads(line[0].removeprefix("RESULT "))
+
+
+def export_revision(rev: str, dest: Path, data: Path) -> Path:
+    """REV's files in dest, its data/ sharing `data`'s manifest and target, and its own tokens."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", rev], capture_output=True)
+    if archive.returncode:
+        sys.exit(f"--baseline {rev}: git archive failed: {archive.stderr.decode().strip()}")
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(dest, filter="data")
+    (dest / "data").mkdir(exist_ok=True)
+    for name in SHARED_INPUTS:
+        (dest / "data" / name).symlink_to(data / name)
+    env = ROOT / "data" / "env"
+    if env.exists() and not (dest / "data" / "env").exists():
+        (dest / "data" / "env").symlink_to(env)  # the fingerprint the revision's stages read params from
+    stage = yaml.safe_load((dest / "dvc.yaml").read_text())["stages"]["tokenize"]
+    cmd = shlex.split(stage["cmd"])
+    cmd = [sys.executable if cmd[0] == "python" else cmd[0], *cmd[1:]]
+    print(f"baseline {rev}: tokenizing with its own code ({' '.join(cmd[1:])})", flush=True)
+    proc = subprocess.run(cmd, cwd=dest, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if proc.returncode:
+        sys.exit(f"baseline {rev}: its tokenize stage failed:\n{proc.stderr[-3000:]}")
+    return dest / "data"
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):10.4g} ({min(values):.4g}..{max(values):.4g})"
+
+
+def compare(rev: str, steps: int, repeats: int, data: Path) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench-baseline-") as tmp:
+        before_root = Path(tmp) / "rev"
+        before_data = export_revision(rev, before_root, data)
+        sides = {"before": (before_root, before_data), "after": (ROOT, data)}
+        runs: dict[str, list[dict]] = {"before": [], "after": []}
+        for i in range(repeats):
+            for name, (code, side_data) in sides.items():
+                runs[name].append(child(code, side_data, steps, "compiled-2"))
+                r = runs[name][-1]
+                print(
+                    f"  repeat {i + 1} {name:6s} {r['tokens_per_s']:8.1f} tok/s  rss {r['peak_rss_mb']:.0f} MB",
+                    flush=True,
+                )
+    print(f"\n{steps} steps x {repeats} repeats each, before = {rev}, after = this tree; median (min..max)")
+    rows = [
+        ("supervised tok/s", "tokens_per_s"),
+        ("target s / sup. token", "target_s_per_token"),
+        ("padding fraction", "padding_fraction"),
+        ("peak RSS MB", "peak_rss_mb"),
+    ]
+    print(f"{'':24s}{'before':>28s}{'after':>28s}  after/before")
+    for label, key in rows:
+        got = {s: [r[key] for r in runs[s] if r.get(key) is not None] for s in runs}
+        cells = [spread(got[s]) if got[s] else f"{'not recorded':>10s}" for s in ("before", "after")]
+        ratio = (
+            f"{statistics.median(got['after']) / statistics.median(got['before']):.3f}x"
+            if got["before"] and got["after"] and statistics.median(got["before"])
+            else "-"
+        )
+        print(f"{label:24s}{cells[0]:>28s}{cells[1]:>28s}  {ratio}")
+
+
+def variants(steps: int, data: Path) -> None:
+    results = {}
+    for name in ("compiled-2", "compiled-1", "eager-2"):
+        m = results[name] = child(ROOT, data, steps, name)
+        print(
+            f"{name:11s} {m['tokens_per_s']:8.1f} tokens/s  busy target {m['busy_s']['target']:.1f}s "
+            f"drafter {m['busy_s']['drafter']:.1f}s  compiles in workers {m['compiles_in_worker_threads']}"
+        )
+    tps = {k: v["tokens_per_s"] for k, v in results.items()}
+    print(f"2 vs 1 drafter replicas: {tps['compiled-2'] / tps['compiled-1']:.2f}x")
+    print(f"compiled vs eager (2 replicas): {tps['compiled-2'] / tps['eager-2']:.2f}x")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--variant", help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--baseline", default=DEFAULT_BASELINE, help="git revision, or none (variants only)")
+    parser.add_argument("--data", type=Path, default=ROOT / "data", help="holds manifest/, target/, tokens/")
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--variant", default="compiled-2", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.variant:
+    data = args.data.resolve()
+    if args.child:
         with tempfile.TemporaryDirectory() as tmp:
-            print("RESULT " + json.dumps(variant(args.variant, args.steps, Path(tmp))))
+            print("RESULT " + json.dumps(train_once(args.child, data, args.steps, args.variant, Path(tmp))))
         return
-    results = {}
-    for name in ("compiled-2", "compiled-1", "eager-2"):
-        proc = subprocess.run(
-            [sys.executable, __file__, "--steps", str(args.steps), "--variant", name],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-        )
-        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode or not line:
-            sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")
-        results[name] = json.loads(line[0].removeprefix("RESULT "))
-        m = results[name]
-        print(
-            f"{name:11s} {m['tokens_per_s']:8.1f} tokens/s  busy target {m['busy_s']['target']:.1f}s "
-            f"drafter {m['busy_s']['drafter']:.1f}s  compiles in workers {m['compile']['compiles_in_worker_threads']}"
-        )
-    tps = {k: v["tokens_per_s"] for k, v in results.items()}
-    print(f"2 vs 1 drafter replicas: {tps['compiled-2'] / tps['compiled-1']:.2f}x")
-    print(f"compiled vs eager (2 replicas): {tps['compiled-2'] / tps['eager-2']:.2f}x")
+    missing = [name for name in ("manifest", "target", "tokens") if not (data / name).is_dir()]
+    if missing:
+        sys.exit(f"{data}: no {', '.join(missing)}: run `dvc repro tokenize warmup` first (or pass --data)")
+    if args.baseline == "none":
+        variants(args.steps, data)
+    else:
+        compare(args.baseline, args.steps, args.repeats, data)
 
 
 if __name__ == "__main__":

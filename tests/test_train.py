@@ -9,14 +9,16 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from safetensors.torch import load_file
 
 from dflashpipe.errors import DflashpipeError, ParamsError
 from dflashpipe.params import TopologyParams
 from dflashpipe.pipeline import COMPILE, TRAIN_STATE, StageKey
+from dflashpipe.tokens.shards import load_tokens
 from dflashpipe.train.checkpoint import checkpoint_key, mismatch
-from dflashpipe.train.data import BatchPlan
+from dflashpipe.train.data import BatchPlan, epoch_order, pack_rows
 from dflashpipe.train.loop import replica_mismatches
 from dflashpipe.train.topology import check_topology
 from tests.conftest import ROOT
@@ -93,6 +95,12 @@ def test_replicas_stay_identical_and_two_processes_equal_one(workdir):
     single = train(workdir, config("single", drafters=2))
     assert single["steps"] == 6 and single["replicas"] == 2 and single["replicas_identical"] is True
     assert single["supervised_tokens"] > 0 and single["tokens_per_s"] > 0
+    # The run's padding is what its plan's rows leave empty: pad tokens / row tokens over the run.
+    lengths = load_tokens(workdir / "tokens").lengths
+    plan = BatchPlan(lengths, MODEL["seq_len"], world_size=1, replicas=2, micro_batch=2, seed=TRAIN["seed"])
+    rows = [row for s in range(6) for r in range(2) for row in plan.rows(s, 0, r)]
+    filled = sum(min(int(lengths[i]), MODEL["seq_len"]) for row in rows for i in row)
+    assert single["padding_fraction"] == pytest.approx(1 - filled / (len(rows) * MODEL["seq_len"]), abs=1e-6)
     two = train(workdir, config("two-procs", drafters=1), nproc=2)
     assert two["replicas"] == 2
     assert_same_weights(weights(workdir, "single"), weights(workdir, "two-procs"))
@@ -224,10 +232,73 @@ def test_bad_topology_is_refused_before_anything_loads():
 
 
 def test_the_data_order_depends_only_on_seed_and_step():
-    plan = BatchPlan(num_sequences=10, world_size=2, replicas=2, micro_batch=2, seed=1)
-    first_epoch = [i for s in range(10) for rank in range(2) for r in range(2) for i in plan.indices(s, rank, r)][:10]
+    lengths = np.arange(1, 11) * 3  # 10 sequences, packed into rows of 16 tokens
+    plan = BatchPlan(lengths, 16, world_size=2, replicas=2, micro_batch=2, seed=1)
+    rows = [row for s in range(10) for rank in range(2) for r in range(2) for row in plan.rows(s, rank, r)]
+    first_epoch = [i for row in rows[: len(pack_rows(epoch_order(10, 1, 0), lengths, 16))] for i in row]
     assert sorted(first_epoch) == list(range(10))  # every sequence once per epoch
-    threads_view = BatchPlan(num_sequences=10, world_size=1, replicas=4, micro_batch=2, seed=1)
-    assert [threads_view.indices(3, 0, r) for r in range(4)] == [
-        plan.indices(3, k, r) for k in range(2) for r in range(2)
-    ]
+    threads_view = BatchPlan(lengths, 16, world_size=1, replicas=4, micro_batch=2, seed=1)
+    assert [threads_view.rows(3, 0, r) for r in range(4)] == [plan.rows(3, k, r) for k in range(2) for r in range(2)]
+
+
+# -- one flat gradient bucket, and the FLOP accounting --------------------------------------------
+
+
+def test_the_mean_gradient_is_the_replicas_mean_clipped_once_over_the_whole_bucket():
+    import torch
+
+    from dflashpipe.train.loop import mean_gradient
+
+    g = torch.Generator().manual_seed(0)
+    grads = [[torch.randn(3, 4, generator=g), torch.randn(5, generator=g)] for _ in range(3)]
+    buckets = [torch.cat([t.reshape(-1) for t in group]) for group in grads]
+    params = [torch.zeros_like(t, requires_grad=True) for t in grads[0]]
+    for p, i in zip(params, range(2), strict=True):
+        p.grad = sum(group[i] for group in grads) / 3
+    unclipped = mean_gradient([b.clone() for b in buckets], world_size=1, clip=0.0)
+    torch.testing.assert_close(unclipped, torch.cat([p.grad.reshape(-1) for p in params]))
+    # Clipping the bucket is clip_grad_norm_ over all the tensors: one total norm, one scale.
+    torch.nn.utils.clip_grad_norm_(params, 0.5)
+    clipped = mean_gradient([b.clone() for b in buckets], world_size=1, clip=0.5)
+    torch.testing.assert_close(clipped, torch.cat([p.grad.reshape(-1) for p in params]))
+    assert abs(clipped.norm().item() - 0.5) < 1e-5
+
+
+def test_the_flop_formulas_count_what_torch_counts_with_causal_attention_halved():
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dflashpipe.model.features import target_layer_features
+    from dflashpipe.train.metrics import drafter_forward_flops, target_forward_flops
+    from tests.tiny import random_batch, tiny_drafter, tiny_target
+
+    target = tiny_target()
+    target.set_attn_implementation("eager")  # attention as matmuls, which torch counts (CPU sdpa it does not)
+    drafter = tiny_drafter(target)
+    seq_len, num_anchors = 32, 3
+    features, ids, _, anchors, _ = random_batch(drafter, batch=1, seq_len=seq_len, num_anchors=num_anchors)
+    layer_ids = drafter.config.target_layer_ids
+    with torch.no_grad(), FlopCounterMode(display=False) as counted_target:
+        target_layer_features(target, ids, torch.ones_like(ids), layer_ids)
+    with torch.no_grad(), FlopCounterMode(display=False) as counted_drafter:
+        drafter.logits(drafter.block_hidden(features, ids, anchors)[:, :, 1:])
+    # torch counts causal attention in full (4 x S^2 x width per layer); the convention counts half.
+    width = target.config.num_attention_heads * (target.config.hidden_size // target.config.num_attention_heads)
+    masked_half = (max(layer_ids) + 1) * 2 * seq_len**2 * width
+    assert target_forward_flops(target, layer_ids, seq_len) == counted_target.get_total_flops() - masked_half
+    # The drafter's sdpa is not counted on the CPU: its attention, A x bs queries over S + A x bs keys, is added.
+    queries = num_anchors * drafter.config.block_size
+    attention = drafter.config.num_layers * 4 * queries * (seq_len + queries) * width
+    assert drafter_forward_flops(drafter, seq_len, num_anchors) == counted_drafter.get_total_flops() + attention
+
+
+def test_peak_flops_are_matched_on_the_device_name_and_unknown_on_the_cpu():
+    import torch
+
+    from dflashpipe.train.metrics import device_peak_flops, peak_bf16_flops
+
+    assert peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_bf16_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_bf16_flops("NVIDIA H200") == 989e12
+    assert peak_bf16_flops("NVIDIA GeForce RTX 3060") is None
+    assert device_peak_flops(torch.device("cpu")) is None

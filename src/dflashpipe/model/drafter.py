@@ -31,7 +31,7 @@ from dflashpipe.errors import SourceError
 from dflashpipe.model.attention import Backend, build_mask, resolve_backend
 from dflashpipe.model.config import DFlashConfig
 from dflashpipe.model.layers import DFlashDecoderLayer, RMSNorm, Rotary
-from dflashpipe.model.loss import DraftLoss, block_labels, decay_weighted_loss
+from dflashpipe.model.loss import DraftLoss, block_labels, chunked_decay_weighted_loss
 from dflashpipe.model.mask import dflash_mask_mod
 from dflashpipe.model.mask_token import resolve_mask_token_id
 from dflashpipe.params import ModelParams
@@ -160,11 +160,13 @@ class DFlashDrafter(nn.Module):
         block_positions: torch.Tensor,
         mask: BlockMask | torch.Tensor | None,
         backend: Backend,
+        context_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         cos, sin = self.rotary(block_positions, x.dtype)
         if isinstance(context, torch.Tensor):
-            ctx_positions = torch.arange(context.shape[1], device=x.device).expand(context.shape[0], -1)
-            ctx_cos, ctx_sin = self.rotary(ctx_positions, x.dtype)
+            if context_positions is None:
+                context_positions = torch.arange(context.shape[1], device=x.device).expand(context.shape[0], -1)
+            ctx_cos, ctx_sin = self.rotary(context_positions, x.dtype)
         for i, layer in enumerate(self.layers):
             if isinstance(context, torch.Tensor):
                 ctx_k, ctx_v = layer.self_attn.keys_values(context, ctx_cos, ctx_sin)
@@ -175,8 +177,18 @@ class DFlashDrafter(nn.Module):
 
     # -- training ------------------------------------------------------------------------------
 
-    def block_hidden(self, features: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [B, A, bs, H] of the A blocks of each sequence, drafted in one pass."""
+    def block_hidden(
+        self,
+        features: torch.Tensor,
+        input_ids: torch.Tensor,
+        anchors: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states [B, A, bs, H] of the A blocks of each sequence, drafted in one pass.
+
+        A packed row (several documents) gives `document_ids` and in-document `position_ids` [B, S]: a
+        block then sees only its own document's context, and every rotary position is in-document."""
         batch, seq_len = input_ids.shape
         num_anchors, bs = anchors.shape[1], self.config.block_size
         if features.shape != (batch, seq_len, self.config.feature_size) or anchors.shape[0] != batch:
@@ -186,11 +198,15 @@ class DFlashDrafter(nn.Module):
                 f"expected [B, S, {self.config.feature_size}], [B, S], [B, A]"
             )
         x = self.embed(self._block_ids(input_ids.gather(1, anchors)).flatten(1))  # [B, A*bs, H]
-        block_positions = (anchors[:, :, None] + torch.arange(bs, device=anchors.device)).flatten(1)
+        if (document_ids is None) != (position_ids is None):
+            raise ValueError("packed rows need both document_ids and position_ids, or neither")
+        anchor_positions = anchors if position_ids is None else position_ids.gather(1, anchors)
+        block_positions = (anchor_positions[:, :, None] + torch.arange(bs, device=anchors.device)).flatten(1)
         backend = resolve_backend(self.attention, x.device)
         q_len = num_anchors * bs
-        mask = build_mask(dflash_mask_mod(anchors, seq_len, bs), backend, batch, q_len, seq_len + q_len, x.device)
-        hidden = self._run_layers(x, self.fuse(features), block_positions, mask, backend)
+        mask_mod = dflash_mask_mod(anchors, seq_len, bs, document_ids)
+        mask = build_mask(mask_mod, backend, batch, q_len, seq_len + q_len, x.device)
+        hidden = self._run_layers(x, self.fuse(features), block_positions, mask, backend, position_ids)
         return hidden.view(batch, num_anchors, bs, -1)
 
     def forward(
@@ -200,15 +216,20 @@ class DFlashDrafter(nn.Module):
         loss_mask: torch.Tensor,
         anchors: torch.Tensor,
         anchor_valid: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> DraftLoss:
-        """Training step's forward: features [B, S, n*H], ids and loss_mask [B, S], anchors and valid [B, A]."""
+        """Training step's forward: features [B, S, n*H], ids and loss_mask [B, S], anchors and valid [B, A];
+        for packed rows, document_ids and position_ids [B, S] (block_hidden)."""
         if self.gamma is None:
             raise ValueError("this drafter was built without gamma: pass gamma=params.model.gamma to train it")
-        hidden = self.block_hidden(features, input_ids, anchors)
+        hidden = self.block_hidden(features, input_ids, anchors, document_ids, position_ids)
         # Slot 0 is the given anchor: no loss, so its logits are never computed.
-        logits = self.logits(hidden[:, :, 1:])
-        labels, weights = block_labels(input_ids, loss_mask, anchors, anchor_valid, self.config.block_size, self.gamma)
-        return decay_weighted_loss(logits, labels, weights)
+        slots = hidden[:, :, 1:]
+        labels, weights = block_labels(
+            input_ids, loss_mask, anchors, anchor_valid, self.config.block_size, self.gamma, document_ids
+        )
+        return chunked_decay_weighted_loss(slots, self.target.lm_head, labels, weights)
 
     # -- speculative decoding ------------------------------------------------------------------
 

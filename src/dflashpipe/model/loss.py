@@ -1,4 +1,10 @@
-"""Same-position labels and the decay-weighted cross-entropy of DFlash blocks."""
+"""Same-position labels and the decay-weighted cross-entropy of DFlash blocks.
+
+`decay_weighted_loss` is the definition, over a full logits tensor [B, A, bs-1, V].
+`chunked_decay_weighted_loss` is what training runs: the same loss, gradients and slot counts
+from the hidden states, never holding more than one chunk of rows' logits. At 8 GPUs (1 x 512
+anchors x 15 slots, 152K vocabulary) the full fp32 logits alone are 4.7 GB per micro-batch.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,11 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+LOGITS_CHUNK_BYTES = 128 * 2**20
+"""One chunk's fp32 logits (turned into its softmax in place): rows = budget / (4 x vocab). The loss's peak,
+measured on the CPU, is 1-2x this budget eager and about 4x it compiled (inductor overlaps two chunks' logits
+and softmax), however many rows: at 8 GPUs 35 chunks of 220 rows, ~0.5 GB compiled instead of 4.7 GB."""
 
 
 class DraftLoss(NamedTuple):
@@ -30,12 +41,14 @@ def block_labels(
     anchor_valid: torch.Tensor,
     block_size: int,
     gamma: float,
+    document_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels and weights [B, A, block_size - 1] for slots k = 1..block_size-1 (slot 0 is the given anchor).
 
     Slot k predicts the token at anchor + k. Its weight is validity (a real anchor, a position
-    inside the sequence) x loss_mask there x exp(-(k-1)/gamma): early slots decide how many
-    drafted tokens are accepted, so they count most.
+    inside the sequence and, in a packed row, inside the anchor's document: `document_ids` [B, S])
+    x loss_mask there x exp(-(k-1)/gamma): early slots decide how many drafted tokens are
+    accepted, so they count most.
     """
     seq_len = input_ids.shape[1]
     k = torch.arange(1, block_size, device=input_ids.device)
@@ -45,6 +58,10 @@ def block_labels(
     flat = positions.flatten(1)
     labels = input_ids.gather(1, flat).view_as(positions)
     supervised = loss_mask.gather(1, flat).view_as(positions).bool()
+    if document_ids is not None:
+        inside = inside & (
+            document_ids.gather(1, flat).view_as(positions) == document_ids.gather(1, anchors)[:, :, None]
+        )
     decay = torch.exp(-(k - 1).to(torch.float32) / gamma)
     weights = (anchor_valid[:, :, None] & inside & supervised).to(torch.float32) * decay
     return labels, weights
@@ -55,12 +72,81 @@ def decay_weighted_loss(logits: torch.Tensor, labels: torch.Tensor, weights: tor
     # At least float32: a bf16 log-softmax over a large vocabulary is too coarse to train on.
     work = torch.promote_types(logits.dtype, torch.float32)
     ce = F.cross_entropy(logits.flatten(0, -2).to(work), labels.flatten(), reduction="none").view_as(weights)
-    weights = weights.to(work)
+    return _draft_loss((ce * weights.to(work)).sum(), logits.argmax(-1), labels, weights)
+
+
+def _draft_loss(
+    weighted_ce: torch.Tensor, argmax: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+) -> DraftLoss:
+    """The loss and slot counts from the weighted CE sum and the argmax [B, A, bs-1]."""
     # A batch without one supervised slot gives loss 0 (not NaN): nothing to learn, nothing to break.
-    loss = (ce * weights).sum() / weights.sum().clamp_min(torch.finfo(work).tiny)
+    loss = weighted_ce / weights.sum().to(weighted_ce.dtype).clamp_min(torch.finfo(weighted_ce.dtype).tiny)
     with torch.no_grad():
         counted = weights > 0
-        correct = (logits.argmax(-1) == labels) & counted
+        correct = (argmax == labels) & counted
         slot_correct = correct.flatten(0, 1).sum(0).to(torch.float32)
         slot_count = counted.flatten(0, 1).sum(0).to(torch.float32)
     return DraftLoss(loss, slot_correct, slot_count)
+
+
+def chunk_rows(vocab_size: int) -> int:
+    return max(1, LOGITS_CHUNK_BYTES // (4 * vocab_size))
+
+
+class _ChunkedWeightedCE(torch.autograd.Function):
+    """sum_i w_i * CE(hidden_i @ weight.T, label_i) and each row's argmax, one chunk of rows at a time.
+
+    The loss is final, so its gradient w.r.t. hidden is known up to the incoming scalar: forward
+    computes it, (softmax - onehot) * w @ weight, while each chunk's logits are at hand, and backward
+    only scales it. No logits are kept or recomputed: the two matmuls of the unchunked form, one
+    chunk of logits in memory. `weight` is the target's frozen LM head: it gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, rows):
+        work = torch.promote_types(hidden.dtype, torch.float32)
+        total = hidden.new_zeros((), dtype=work)
+        argmax, grads = [], []
+        for start in range(0, hidden.shape[0], rows):
+            label, w = labels[start : start + rows, None], weights[start : start + rows, None].to(work)
+            logits = hidden[start : start + rows] @ weight.t()
+            argmax.append(logits.argmax(-1))
+            wide = logits.to(work)  # the same tensor when it is float32 already: changed in place below
+            del logits
+            target = wide.gather(1, label)
+            top = wide.amax(-1, keepdim=True)
+            probs = wide.sub_(top).exp_()
+            norm = probs.sum(-1, keepdim=True)
+            total = total + ((top + norm.log() - target) * w).sum()
+            probs.div_(norm).scatter_add_(1, label, torch.full_like(target, -1.0)).mul_(w)
+            grads.append(probs.to(hidden.dtype) @ weight)
+            del wide, probs  # before the next chunk's logits exist
+        ctx.save_for_backward(torch.cat(grads))
+        argmax = torch.cat(argmax)
+        ctx.mark_non_differentiable(argmax)
+        return total, argmax
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor, _grad_argmax: torch.Tensor):
+        (grad_hidden,) = ctx.saved_tensors
+        return (grad_hidden.to(grad_total.dtype) * grad_total).to(grad_hidden.dtype), None, None, None, None
+
+
+def chunked_decay_weighted_loss(
+    hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor, weights: torch.Tensor, rows: int | None = None
+) -> DraftLoss:
+    """`decay_weighted_loss(lm_head(hidden), labels, weights)` for hidden [B, A, bs-1, H], chunked over rows.
+
+    The logits are computed in the dtype the LM head would run in (autocast's, else its weight's)
+    and widened to at least float32 for the CE, as in the unchunked form; the inputs are cast
+    before the Function, so its forward and backward (which runs outside autocast) agree. `rows`:
+    rows per chunk (default: LOGITS_CHUNK_BYTES' worth)."""
+    weight = lm_head.weight
+    if weight.requires_grad or getattr(lm_head, "bias", None) is not None:
+        raise ValueError("the chunked loss takes a frozen LM head without bias (the target's): no grad, no bias")
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    flat = hidden.flatten(0, -2).to(dtype)
+    total, argmax = _ChunkedWeightedCE.apply(
+        flat, weight.to(dtype), labels.flatten(), weights.flatten(), rows or chunk_rows(weight.shape[0])
+    )
+    return _draft_loss(total, argmax.view_as(labels), labels, weights)

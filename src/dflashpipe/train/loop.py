@@ -25,6 +25,7 @@ The stage around this loop is train/stage.py; checkpoints, train/checkpoint.py; 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import threading
 import time
@@ -89,6 +90,27 @@ def replica_mismatches(replicas: list[torch.nn.Module]) -> list[str]:
     ]
 
 
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+"""Device types with torch's fused AdamW kernel."""
+
+
+def mean_gradient(buckets: list[torch.Tensor], world_size: int, clip: float) -> torch.Tensor:
+    """The mean of the replicas' flat gradient buckets (on the first one's device), then over processes
+    (world_size > 1: one all-reduce), clipped to total norm `clip` (0: no clipping)."""
+    total = buckets[0].clone()
+    for bucket in buckets[1:]:
+        total += bucket.to(total.device)
+    total /= len(buckets)
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        total /= world_size
+    if clip > 0:  # what clip_grad_norm_ does, over the one tensor
+        total.mul_((clip / (torch.linalg.vector_norm(total) + 1e-6)).clamp_max(1.0))
+    return total
+
+
 @dataclass(frozen=True)
 class TargetFeatures:
     """What a target worker hands one drafter replica for one step."""
@@ -106,6 +128,8 @@ class StepResult:
 
     loss_terms: DraftLoss
     truncated: int
+    padding_fraction: float
+    """Of the replica's rows (all replicas' rows are the same size)."""
 
 
 class Mailbox:
@@ -157,11 +181,17 @@ class Trainer:
     step: int = 0
     truncated: int = 0
 
-    @property
+    @functools.cached_property
     def plan(self) -> BatchPlan:
+        """One plan for the run: its target threads share its packed epochs."""
         p = self.inputs
         return BatchPlan(
-            len(self.data), self.topology.world_size, self.topology.replicas, p.compile.micro_batch, p.train.seed
+            self.data.lengths,
+            p.model.seq_len,
+            self.topology.world_size,
+            self.topology.replicas,
+            p.compile.micro_batch,
+            p.train.seed,
         )
 
     def global_replica(self, r: int) -> int:
@@ -181,7 +211,7 @@ class Trainer:
             step_fn = compiled_step(drafter) if p.compile.enabled else drafter
             trainable = [t for t in drafter.parameters() if t.requires_grad]
             optimizer = torch.optim.AdamW(
-                trainable, lr=p.train.lr, betas=(0.9, 0.95), weight_decay=p.train.weight_decay
+                trainable, lr=p.train.lr, betas=(0.9, 0.95), weight_decay=p.train.weight_decay, **self.adamw_kernel
             )
             self.replicas.append(Replica(drafter, step_fn, optimizer, device))
 
@@ -221,6 +251,7 @@ class Trainer:
                     seconds=now - step_began,
                     target_busy_s=sum(target_busy),
                     drafter_busy_s=sum(rep.busy_s for rep in self.replicas),
+                    padding_fraction=sum(res.padding_fraction for res in results) / n_replicas,
                 )
             )
             step_began = now
@@ -253,12 +284,18 @@ class Trainer:
                 while not slots.acquire(timeout=POLL_S):
                     if abort.is_set():
                         return
-                batch = collate(self.data, self.plan.indices(step, self.topology.rank, r), p.model.seq_len, self.pad_id)
+                batch = collate(self.data, self.plan.rows(step, self.topology.rank, r), p.model.seq_len, self.pad_id)
                 began = time.perf_counter()
                 with torch.no_grad():
-                    # Only decoder layers 0..max(layer_ids): no later layer, LM head or logits.
+                    # Only decoder layers 0..max(layer_ids): no later layer, LM head or logits; each
+                    # packed document attends only within itself.
                     features = target_layer_features(
-                        target, batch.input_ids.to(device), batch.attention_mask.to(device), layer_ids
+                        target,
+                        batch.input_ids.to(device),
+                        batch.attention_mask.to(device),
+                        layer_ids,
+                        batch.document_ids.to(device),
+                        batch.position_ids.to(device),
                     )
                 drafter_device = self.replicas[r].device
                 features = features.to(drafter_device, feature_dtype(drafter_device))
@@ -271,17 +308,18 @@ class Trainer:
                 item = mailboxes[r].get(step)
                 item.release()
                 began = time.perf_counter()
-                ids, mask = item.batch.input_ids.to(replica.device), item.batch.loss_mask.to(replica.device)
+                batch, device = item.batch, replica.device
+                ids, mask = batch.input_ids.to(device), batch.loss_mask.to(device)
+                documents, positions = batch.document_ids.to(device), batch.position_ids.to(device)
                 anchors, valid = sample_anchor_positions(
-                    mask, p.model.num_anchors, anchor_generator(p.train.seed, step, self.global_replica(r))
+                    mask, p.model.num_anchors, anchor_generator(p.train.seed, step, self.global_replica(r)), documents
                 )
-                with autocast(replica.device):
-                    out = guard.call(
-                        f"drafter step (replica {r})", replica.step_fn, item.features, ids, mask, anchors, valid
-                    )
+                inputs = (item.features, ids, mask, anchors, valid, documents, positions)  # warmup's step_inputs
+                with autocast(device):
+                    out = guard.call(f"drafter step (replica {r})", replica.step_fn, *inputs)
                 out.loss.backward()
                 replica.busy_s += time.perf_counter() - began
-                replica.result = StepResult(out, item.batch.truncated)
+                replica.result = StepResult(out, batch.truncated, batch.padding_fraction)
                 barrier.wait()
 
         threads = [
@@ -299,32 +337,37 @@ class Trainer:
         if errors:
             raise errors[0]
 
-    def average_gradients(self) -> None:
-        """Mean of the replicas' gradients (then over processes), written back into every replica."""
-        import torch.distributed as dist
+    @property
+    def adamw_kernel(self) -> dict[str, bool]:
+        """Fused AdamW where every drafter device has the kernel, else foreach: one choice per run, since
+        the two round differently and every replica must step exactly alike."""
+        if all(d.type in FUSED_ADAMW_DEVICES for d in self.topology.drafters):
+            return {"fused": True}
+        return {"foreach": True}
 
-        params = [[t for t in rep.drafter.parameters() if t.requires_grad] for rep in self.replicas]
-        home = self.replicas[0].device
-        for i in range(len(params[0])):
-            grads = [group[i].grad for group in params]
-            if any(g is None for g in grads):
-                continue
-            total = grads[0].clone()
-            for g in grads[1:]:
-                total += g.to(home)
-            total /= len(grads)
-            if self.topology.world_size > 1:
-                dist.all_reduce(total, op=dist.ReduceOp.SUM)
-                total /= self.topology.world_size
-            for group in params:
-                group[i].grad.copy_(total.to(group[i].grad.device))
+    def average_gradients(self) -> None:
+        """Mean of the replicas' gradients (then over processes), clipped, written back into every replica.
+
+        Each replica's gradients are copied into one flat bucket: one sum, one all-reduce and one clip
+        for the whole drafter, however many tensors it has. Every replica's .grad then views the same
+        averaged bucket (one copy per device), so the replicas step on identical gradients by construction."""
+        groups = [
+            [t for t in rep.drafter.parameters() if t.requires_grad and t.grad is not None] for rep in self.replicas
+        ]
+        buckets = [torch.cat([t.grad.reshape(-1) for t in group]) for group in groups]
+        total = mean_gradient(buckets, self.topology.world_size, self.inputs.train.grad_clip)
+        on_device: dict[torch.device, torch.Tensor] = {}
+        sizes = [t.numel() for t in groups[0]]
+        for rep, group in zip(self.replicas, groups, strict=True):
+            if rep.device not in on_device:
+                on_device[rep.device] = total.to(rep.device)
+            bucket = on_device[rep.device]
+            for t, g in zip(group, bucket.split(sizes), strict=True):
+                t.grad = g.view_as(t)
 
     def optimizer_step(self, lr: float) -> None:
-        """Clip and step every replica alike (same gradient, same optimizer state: same weights)."""
-        clip = self.inputs.train.grad_clip
+        """Step every replica alike (same clipped gradient, same optimizer state: same weights)."""
         for rep in self.replicas:
-            if clip > 0:
-                torch.nn.utils.clip_grad_norm_([t for t in rep.drafter.parameters() if t.requires_grad], clip)
             for group in rep.optimizer.param_groups:
                 group["lr"] = lr
             rep.optimizer.step()

@@ -18,6 +18,7 @@ import torch
 from dflashpipe import plots as plotting
 from dflashpipe.artifacts import PARTIAL, atomic_directory
 from dflashpipe.model import DraftLoss
+from dflashpipe.spread import Spread
 
 if TYPE_CHECKING:
     from dflashpipe.train.loop import Trainer
@@ -38,6 +39,8 @@ class StepRecord:
     """Cumulative, over the target workers of this run."""
     drafter_busy_s: float
     """Cumulative, over the drafter replicas of this run."""
+    padding_fraction: float = 0.0
+    """Pad tokens / all tokens of this process's packed rows this step (every step's rows are the same size)."""
 
     @classmethod
     def of(
@@ -49,6 +52,7 @@ class StepRecord:
         seconds: float,
         target_busy_s: float,
         drafter_busy_s: float,
+        padding_fraction: float = 0.0,
     ) -> StepRecord:
         """One step's record from every replica's loss terms."""
         correct = torch.stack([o.slot_correct.detach().float().cpu() for o in losses]).sum(0)
@@ -64,6 +68,7 @@ class StepRecord:
             slot_count=count.tolist(),
             target_busy_s=target_busy_s,
             drafter_busy_s=drafter_busy_s,
+            padding_fraction=padding_fraction,
         )
 
 
@@ -73,18 +78,20 @@ def train_metrics(
     """metrics/train/metrics.json. `before`/`after`: dynamo_counters() around the run."""
     history = trainer.history
     steady = history[1:] or history  # the first step includes the threads' start: excluded when possible
-    seconds = sum(h.seconds for h in steady)
     accuracy = slot_accuracy(history)
     in_workers = after["compiles_outside_main_thread"] - before["compiles_outside_main_thread"]
     return {
         "steps": trainer.step,
         "final_loss": round(history[-1].loss, 6),
-        "tokens_per_s": round(sum(h.tokens for h in steady) / seconds, 2) if seconds > 0 else 0.0,
+        # the median of the steady steps' own rates, with their spread (tokens_per_s_spread: dflashpipe.spread)
+        **Spread.of([h.tokens / h.seconds for h in steady if h.seconds > 0] or [0.0]).record("tokens_per_s"),
         "supervised_tokens": int(sum(h.tokens for h in history)),
         "slot_accuracy": {str(k + 1): round(a, 6) for k, a in enumerate(accuracy)},
         "replicas": trainer.topology.replicas * trainer.topology.world_size,
         "replicas_identical": replicas_identical,
         "truncated_sequences": trainer.truncated,
+        # Every step's rows hold as many tokens, so the mean of the steps' fractions is the run's.
+        "padding_fraction": round(sum(h.padding_fraction for h in history) / len(history), 6),
         "compile": {
             "enabled": trainer.inputs.compile.enabled,
             "source": compile_note,
@@ -93,6 +100,89 @@ def train_metrics(
             "compiles_in_worker_threads": in_workers,
         },
         "busy_s": {"target": round(history[-1].target_busy_s, 3), "drafter": round(history[-1].drafter_busy_s, 3)},
+        "throughput": throughput(trainer, steady),
+    }
+
+
+# -- throughput: model FLOPs, achieved FLOP/s, MFU (the convention: docs/throughput.md) -------------
+
+PEAK_BF16_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("H800", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("RTX 4090", 165e12),
+)
+"""Dense bf16 tensor-core peaks per device (datasheets, no sparsity), matched in order as substrings of
+torch.cuda.get_device_name: "H100" after its PCIe and NVL variants, which name themselves."""
+
+
+def peak_bf16_flops(device_name: str) -> float | None:
+    return next((peak for key, peak in PEAK_BF16_FLOPS if key in device_name), None)
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak FLOP/s; None for a CPU or a GPU not in PEAK_BF16_FLOPS."""
+    return peak_bf16_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+
+def linear_params(module: torch.nn.Module) -> int:
+    """Weights that multiply activations: every nn.Linear's (2 FLOPs per weight per token)."""
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+
+
+def target_forward_flops(target: torch.nn.Module, target_layer_ids: Sequence[int], seq_len: int) -> int:
+    """One sequence through decoder layers 0..max(ids): 2 x matmul weights x S, plus causal attention
+    2 x S^2 x width per layer (QK^T and AV, 2 x 2 x S^2 x width, halved by the causal mask)."""
+    layers = target.model.layers[: max(target_layer_ids) + 1]
+    return sum(
+        2 * linear_params(layer) * seq_len + 2 * seq_len**2 * layer.self_attn.q_proj.out_features for layer in layers
+    )
+
+
+def drafter_forward_flops(drafter: torch.nn.Module, seq_len: int, num_anchors: int) -> int:
+    """One sequence's training forward: fc over S context tokens; per layer its matmuls over the A x bs
+    block tokens, K and V of the S context tokens, and attention of A x bs queries over S + A x bs keys
+    (dense, as sdpa computes it); the LM head over the A x (bs - 1) drafted slots."""
+    bs = drafter.config.block_size
+    queries = num_anchors * bs
+    fc = 2 * drafter.fc.weight.numel() * seq_len
+    layers = sum(
+        2 * linear_params(layer) * queries
+        + 2 * (layer.self_attn.k_proj.weight.numel() + layer.self_attn.v_proj.weight.numel()) * seq_len
+        + 4 * queries * (seq_len + queries) * layer.self_attn.q_proj.out_features
+        for layer in drafter.layers
+    )
+    head = 2 * drafter.target.lm_head.weight.numel() * num_anchors * (bs - 1)
+    return fc + layers + head
+
+
+def throughput(trainer: Trainer, steady: Sequence[StepRecord]) -> dict:
+    """Model FLOPs per step (every process), achieved FLOP/s over the steady steps, MFU where every device's
+    peak is known, and which side bounds the step (the busier worker on average)."""
+    p, topology = trainer.inputs, trainer.topology
+    drafter = trainer.replicas[0].drafter
+    sequences = p.compile.micro_batch * topology.replicas * topology.world_size
+    per_sequence = target_forward_flops(
+        trainer.targets[0], drafter.config.target_layer_ids, p.model.seq_len
+    ) + 3 * drafter_forward_flops(drafter, p.model.seq_len, p.model.num_anchors)
+    per_step = sequences * per_sequence
+    seconds = sum(h.seconds for h in steady)
+    achieved = per_step * len(steady) / seconds if seconds > 0 else 0.0
+    peaks = [device_peak_flops(d) for d in {*topology.targets, *topology.drafters}]
+    peak = sum(peaks) * topology.world_size if peaks and None not in peaks else None
+    last = trainer.history[-1]
+    target_s, drafter_s = last.target_busy_s / len(topology.targets), last.drafter_busy_s / len(topology.drafters)
+    return {
+        "flops_per_step": per_step,
+        "flops_per_s": float(f"{achieved:.4g}"),
+        "peak_flops_per_s": peak,
+        "mfu": round(achieved / peak, 4) if peak else None,
+        "bound_by": "target" if target_s >= drafter_s else "drafter",
     }
 
 
