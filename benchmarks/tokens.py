@@ -5,7 +5,7 @@
 Builds a manifest of the default sources (ShareGPT, chitchat, stdlib code) with the
 manifest stage's own code, then, side by side in this process on the same samples:
 - this stage (`tokenize_manifest`), one core and all cores, end to end (reads, renders,
-  encodes, masks, writes parquet);
+  encodes, masks, writes Arrow IPC shards);
 - raw `tokenizers` `encode_batch` on the already-rendered strings, all cores: the limit;
 - `datasets.Dataset.map(batched=True)` calling `apply_chat_template(tokenize=True)`;
 - growth: tokenize the `--samples` manifest, grow it to `--grown`, and time the rerun

@@ -1,4 +1,5 @@
-"""Stage `manifest`: build the training shards and the eval split into data/manifest/."""
+"""Stage `manifest`: build the training shards and the eval split into data/manifest/, keeping what an
+earlier build under the same key (pipeline.REUSE) already holds."""
 
 import sys
 from pathlib import Path
@@ -8,12 +9,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the 
 from dflashpipe.artifacts import write_json_atomic  # noqa: E402
 from dflashpipe.data.manifest import build_manifest  # noqa: E402
 from dflashpipe.data.shards import manifest_metrics  # noqa: E402
+from dflashpipe.pipeline import MANIFEST, MANIFEST_METRICS, reuse_key  # noqa: E402
 from dflashpipe.stage import run_stage  # noqa: E402
 
 
 def manifest(params) -> None:
-    summary = build_manifest(params.data, "data/manifest")
-    write_json_atomic("metrics/manifest.json", manifest_metrics(summary))
+    # The key is what dvc.yaml lists for the stage less data.num_samples (pipeline.REUSE): the shards of
+    # an earlier build under it are kept, so growing the data writes only what was added.
+    summary = build_manifest(params.data, MANIFEST, key=reuse_key("manifest"))
+    write_json_atomic(MANIFEST_METRICS, manifest_metrics(summary))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -14,6 +15,7 @@ from dflashpipe.data.shards import EVAL_FILE, SUMMARY_FILE, shard_name
 from dflashpipe.data.sources import package_file, read_json_list, read_sharegpt
 from dflashpipe.errors import SourceError
 from dflashpipe.params import DataParams, SourceSpec
+from dflashpipe.pipeline import StageKey
 
 
 def conv(i: int, extra: str = "") -> dict:
@@ -221,3 +223,83 @@ def test_the_real_sharegpt_is_recovered_whole():
     records = list(read_sharegpt())
     assert len(records) == 17_672 and records[-1].bad == "truncated_tail"
     assert sum(r.bad is None for r in records) + sum(r.bad not in (None, "truncated_tail") for r in records) == 17_671
+
+
+# --- growth: what an earlier build under the same key holds is kept, not rebuilt ----------------
+
+KEY = StageKey("manifest", {"param:params.yaml:data.shard_size": "10", "dep:src/dflashpipe/data/manifest.py": "a"})
+"""A stage key for builds outside a DVC project; stages/manifest.py passes the real one (reuse_key)."""
+
+
+def mixed_sources(root: Path) -> list[SourceSpec]:
+    """Two sources with duplicates and bad records; `few` runs out part-way, so the mix must drop it."""
+    many = [conv(i) for i in range(45)]
+    many[7:7] = [b"{not json", conv(3), {"text": "no turns"}]  # a bad line, a duplicate, a record without turns
+    few = [conv(100 + i) for i in range(6)] + [conv(5), b"[1"]  # a duplicate of `many`, a bad tail
+    write_jsonl(root / "data/sources/many.jsonl", many)
+    write_jsonl(root / "data/sources/few.jsonl", few)
+    return [
+        user_source("many", "data/sources/many.jsonl", weight=0.6, eval=2),
+        user_source("few", "data/sources/few.jsonl", weight=0.4, eval=1),
+    ]
+
+
+def inodes(directory: Path) -> dict[str, tuple[int, int, bytes]]:
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(directory.iterdir())}
+
+
+@pytest.mark.parametrize(("first", "grown"), [(20, 30), (15, 37), (25, 25)], ids=["full", "partial", "same"])
+def test_growing_keeps_the_old_shards_and_writes_what_a_fresh_build_writes(tmp_path, first, grown):
+    specs, out = mixed_sources(tmp_path), tmp_path / "m"
+    build_manifest(params(specs, num_samples=first, on_bad_record="skip"), out, root=tmp_path, key=KEY)
+    before = inodes(out)
+    summary = build_manifest(params(specs, num_samples=grown, on_bad_record="skip"), out, root=tmp_path, key=KEY)
+    after = inodes(out)
+    fresh = tmp_path / "fresh"
+    assert (
+        build_manifest(params(specs, num_samples=grown, on_bad_record="skip"), fresh, root=tmp_path, key=KEY) == summary
+    )
+    assert {k: v[2] for k, v in after.items()} == {p.name: p.read_bytes() for p in sorted(fresh.iterdir())}
+    assert summary["sources"]["few"]["train"] == 5 and summary["sources"]["few"]["skipped"] == {
+        "duplicate": 1,
+        "malformed_json": 1,
+    }
+    # `few` ran out before the first build ended. Every old file of the same rows is the same inode,
+    # untouched (mtime); only what changed is new
+    kept = [EVAL_FILE] + [shard_name(i) for i in range(first // 10 if grown > first else -(-first // 10))]
+    for name in kept:
+        assert after[name] == before[name], name
+    for name in set(after) - set(kept) - {SUMMARY_FILE, FILE_LISTING}:
+        assert after[name][0] not in {v[0] for v in before.values()}, name
+
+
+def test_a_changed_key_a_damaged_or_a_smaller_build_reuses_only_what_still_holds(tmp_path):
+    specs, out = mixed_sources(tmp_path), tmp_path / "m"
+
+    def build(num_samples, key=KEY):
+        return build_manifest(params(specs, num_samples=num_samples, on_bad_record="skip"), out, root=tmp_path, key=key)
+
+    build(30)
+    before = inodes(out)
+    other = StageKey("manifest", {**KEY.inputs, "param:params.yaml:data.shard_size": "11"})
+    for key in (other, None):  # another key, or none: nothing is kept, the bytes are the same
+        build(30, key)
+        now = inodes(out)
+        for name in set(before) - {SUMMARY_FILE, FILE_LISTING}:
+            assert now[name][2] == before[name][2] and now[name][0] != before[name][0], name
+        before = now
+    build(30)
+    before = inodes(out)
+    damaged = out / shard_name(0)
+    os.chmod(damaged, 0o644)
+    damaged.write_bytes(damaged.read_bytes()[:-10])  # a damaged manifest is rebuilt, never trusted
+    build(40)
+    assert inodes(out)[shard_name(0)][2] == before[shard_name(0)][2]
+    assert inodes(out)[shard_name(1)][0] != before[shard_name(1)][0]
+    before = inodes(out)
+    shrunk = build(25)  # smaller: the shards of the same rows are kept; the partial last one and stale files go
+    after = inodes(out)
+    assert [after[shard_name(i)][:2] == before[shard_name(i)][:2] for i in range(3)] == [True, True, False]
+    assert after[EVAL_FILE] == before[EVAL_FILE]
+    assert sorted(after) == sorted([EVAL_FILE, SUMMARY_FILE, FILE_LISTING] + [shard_name(i) for i in range(3)])
+    assert [s["samples"] for s in shrunk["shards"]] == [10, 10, 5]

@@ -1,7 +1,7 @@
 """Every reuse key moves exactly when DVC would rerun the stage, and never otherwise.
 
-For each stage that reuses work (pipeline.REUSE: tokenize's shards, warmup's compile artifact,
-train's checkpoint) each file under each of its dvc.yaml deps is edited in turn, and each of its
+For each stage that reuses work (pipeline.REUSE: the manifest's shards, tokenize's shards, warmup's
+compile artifact, train's checkpoint) each file under each of its dvc.yaml deps is edited in turn, and each of its
 params changed: the key must change (else stale work would be reused), except for the deps and
 params the rule leaves out by name, which must not (else work would be redone for nothing). An
 edit to a project file that is not a dep of the stage must not change it either.
@@ -115,8 +115,10 @@ def test_files_that_are_not_deps_cost_no_recompute(project, stage):
     spec = stage_spec(stage, project)
     deps = {p for dep in spec.deps for p in files_under(project, dep)}
     others = [p for p in files_under(project, "src/dflashpipe") + files_under(project, "stages") if p not in deps]
-    # bytecode inside a dep directory: .dvcignore'd, so DVC does not hash it and neither does the key
-    code_dir = next(project / dep for dep in spec.deps if (project / dep).is_dir() and dep.startswith("src/"))
+    # bytecode beside the stage's code (inside a dep directory, or beside a dep file, as manifest lists its
+    # modules one by one): .dvcignore'd, so DVC does not hash it and neither does the key
+    code = next(project / dep for dep in spec.deps if dep.startswith("src/"))
+    code_dir = code if code.is_dir() else code.parent
     (code_dir / "__pycache__").mkdir(exist_ok=True)
     others += [code_dir / "__pycache__" / "module.cpython-311.pyc"]
     assert len(others) > 5

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from dflashpipe.model.features import target_features, target_layer_features
-from dflashpipe.tokens.shards import TokenData, load_tokens
+from dflashpipe.tokens.shards import TokenData, TokenShard, load_tokens
 from dflashpipe.train.data import collate
 
 NUM_LAYERS = 6
@@ -99,29 +101,64 @@ def tokens_dir(train_inputs):
 
 def test_load_tokens_keeps_the_stored_dtypes(tokens_dir):
     data = load_tokens(tokens_dir)
-    n = len(data.ids)
-    assert n > 0 and len(data) > 1
-    assert data.ids.dtype == np.int32 and data.ids.nbytes == 4 * n
-    assert data.loss_mask.dtype == np.uint8 and data.loss_mask.nbytes == n and len(data.loss_mask) == n
-    assert data.offsets.dtype == np.int64 and data.offsets.nbytes == 8 * (len(data) + 1)
-    assert data.offsets[0] == 0 and data.offsets[-1] == n
-    assert set(np.unique(data.loss_mask)) <= {0, 1}
-    assert data.supervised_tokens == int(data.loss_mask.astype(np.int64).sum()) > 0
+    assert len(data) > 1 and len(data.shards) > 1
+    assert data.lengths.dtype == np.int64 and len(data.lengths) == len(data)
+    assert data.lengths.tolist() == np.concatenate([np.diff(s.offsets) for s in data.shards]).tolist()
+    for shard in data.shards:
+        assert shard.ids.dtype == np.int32 and shard.loss_mask.dtype == np.uint8 and shard.offsets.dtype == np.int64
+        assert len(shard.ids) == len(shard.loss_mask) == shard.offsets[-1] and shard.offsets[0] == 0
+        assert set(np.unique(shard.loss_mask)) <= {0, 1}
+    supervised = 0
+    for i in range(len(data)):
+        ids, mask = data.sequence(i)
+        assert ids.dtype == np.int32 and mask.dtype == np.uint8 and len(ids) == len(mask) == data.lengths[i]
+        supervised += int(mask.sum(dtype=np.int64))
+    assert data.supervised_tokens == supervised > 0
+    with pytest.raises(IndexError):
+        data.sequence(len(data))
+
+
+def mapped_files(array: np.ndarray) -> set[str]:
+    """The files whose mapping (in /proc/self/maps) holds `array`'s memory: none for a copy in the heap."""
+    address = array.__array_interface__["data"][0]
+    found = set()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        low, high = (int(x, 16) for x in fields[0].split("-"))
+        if low <= address < high and len(fields) > 5:
+            found.add(fields[5])
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads Linux's /proc/self/maps")
+def test_load_tokens_maps_the_shards_instead_of_copying_them(tokens_dir):
+    data = load_tokens(tokens_dir)
+    for index, shard in enumerate(data.shards):
+        path = str((tokens_dir / f"train-{index:05d}.arrow").resolve())
+        for array in (shard.ids, shard.loss_mask):
+            assert mapped_files(array) == {path}
+        ids, mask = data.sequence(int(data.starts[index]))
+        assert np.shares_memory(ids, shard.ids) and np.shares_memory(mask, shard.loss_mask)
+    # the index alone is this process's own memory (a copy: a file-backed mapping is a file's path)
+    for index in (data.lengths, data.starts, *(s.offsets for s in data.shards)):
+        assert not any(name.startswith("/") for name in mapped_files(index))
 
 
 def test_collate_of_the_stored_dtypes_equals_collate_of_int64(tokens_dir):
     data = load_tokens(tokens_dir)
-    wide = TokenData(data.ids.astype(np.int64), data.loss_mask.astype(np.int64), data.offsets)
-    lengths = np.diff(data.offsets)
+    wide = TokenData(
+        tuple(TokenShard.of(s.ids.astype(np.int64), s.loss_mask.astype(np.int64), s.offsets) for s in data.shards)
+    )
+    lengths = data.lengths
     indices = list(range(len(data)))
     # seq_len below the longest sequence (truncation) and above it (padding)
     for seq_len in (int(np.median(lengths)), int(lengths.max()) + 7):
         for start in range(0, len(indices), 4):
-            batch_indices = indices[start : start + 4]
-            got = collate(data, batch_indices, seq_len, pad_id=5)
-            want = collate(wide, batch_indices, seq_len, pad_id=5)
+            rows = [[i] for i in indices[start : start + 4]]  # one sequence a row
+            got = collate(data, rows, seq_len, pad_id=5)
+            want = collate(wide, rows, seq_len, pad_id=5)
             for name in ("input_ids", "loss_mask", "attention_mask"):
                 a, b = getattr(got, name), getattr(want, name)
                 assert a.dtype == b.dtype == torch.long and torch.equal(a, b), name
             assert got.truncated == want.truncated
-    assert any(collate(data, [i], int(np.median(lengths)), 5).truncated for i in indices)
+    assert any(collate(data, [[i]], int(np.median(lengths)), 5).truncated for i in indices)

@@ -11,17 +11,17 @@ import json
 import shutil
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from dflashpipe.artifacts import write_file_listing
 from dflashpipe.data.manifest import build_manifest
 from dflashpipe.errors import SourceError
 from dflashpipe.pipeline import MANIFEST, TARGET, TOKENIZE_METRICS, TOKENS, StageKey, reuse_key
 from dflashpipe.tokens.chat import TokenizerError, load_chat_tokenizer
 from dflashpipe.tokens.encode import SampleEncoder
 from dflashpipe.tokens.run import tokenize_manifest
-from dflashpipe.tokens.shards import load_tokens
+from dflashpipe.tokens.shards import load_tokens, read_shard
 from tests.conftest import RUN_PROFILE, copy_from_root, copy_project, run, set_params
 from tests.tiny import manifest_params, source, tokenize_params
 
@@ -196,7 +196,7 @@ def manifest(root: Path, num_samples: int, out: Path | None = None) -> Path:
 
 KEY = StageKey("tokenize", {f"dep:{TARGET}/tokenizer.json": "a" * 64, "param:params.yaml:tokenize.max_length": "512"})
 """A stage key for runs outside a DVC project; `reuse_key` reads the real one from dvc.yaml."""
-SHARDS = [f"train-0000{i}.parquet" for i in range(10)]
+SHARDS = [f"train-0000{i}.arrow" for i in range(10)]
 
 
 @pytest.fixture
@@ -218,8 +218,8 @@ def test_shards_are_the_same_bytes_across_runs_and_core_counts(project, smollm2_
     s = one.summary
     assert s["samples_in"] == 40 == s["samples_out"] + sum(s["skipped"].values())
     assert s["skipped"]["no_assistant_turn"] == 3 and s["supervised_tokens"] > 0
-    table = pq.read_table(project / "one" / "train-00000.parquet")
-    assert table.column_names == ["id", "source", "input_ids", "loss_mask", "truncated"]
+    batch, _ = read_shard(project / "one" / "train-00000.arrow")
+    assert batch.schema.names == ["id", "source", "input_ids", "loss_mask", "truncated"]
 
 
 def test_growing_the_manifest_encodes_only_the_new_shards(project, smollm2_tokenizer_dir):
@@ -239,10 +239,10 @@ def test_growing_the_manifest_encodes_only_the_new_shards(project, smollm2_token
     assert fresh.summary == grown.summary
 
     # A damaged shard is encoded again; shrinking removes the shards that no longer exist.
-    damaged = out / "train-00001.parquet"
+    damaged = out / "train-00001.arrow"
     damaged.write_bytes(damaged.read_bytes()[:-100])
     shrunk = tokenize_manifest(PARAMS, manifest(project, 30), smollm2_tokenizer_dir, out, KEY)
-    assert shrunk.encoded_shards == ["train-00001.parquet"]
+    assert shrunk.encoded_shards == ["train-00001.arrow"]
     assert sorted(p.name for p in out.iterdir()) == ["files.json", "summary.json"] + SHARDS[:3]
     assert len(load_tokens(out)) == shrunk.summary["samples_out"]
 
@@ -320,15 +320,19 @@ def test_load_tokens_refuses_a_damaged_incomplete_or_stale_directory_naming_the_
     assert len(data) == run_.summary["samples_out"] and data.supervised_tokens == run_.summary["supervised_tokens"]
     fix = rf"restore it with `dvc checkout {out}` or rebuild it with `dvc repro -f tokenize`"
 
-    shard = out / "train-00001.parquet"
+    shard = out / "train-00001.arrow"
     pristine = shard.read_bytes()
     flipped = bytearray(pristine)
-    footer = len(pristine) - 8 - int.from_bytes(pristine[-8:-4], "little")
-    flipped[footer // 2] ^= 0x01  # in the pages, which carry checksums (the footer does not)
+    batch, _ = read_shard(shard)
+    token = batch.column("input_ids").values.to_numpy()
+    token_at = pristine.index(token[:8].tobytes())  # a token id in the mapped values: Arrow still parses it
+    flipped[token_at + 2] ^= 0x01
+    del batch, token
     shard.write_bytes(bytes(flipped))
     with pytest.raises(SourceError, match=rf"{shard}: does not match its sha256 in {out / 'files.json'} .*: {fix}"):
         load_tokens(out)
-    # A rerun over it encodes that shard again, and the listing it writes last vouches for the new one.
+    # A rerun over it encodes that shard again (its content no longer hashes to its stored sha256),
+    # and the listing it writes last vouches for the new one.
     assert tokenize_manifest(PARAMS, m, smollm2_tokenizer_dir, out, KEY).encoded_shards == [shard.name]
     assert shard.read_bytes() == pristine and len(load_tokens(out)) == len(data)
 
@@ -344,17 +348,31 @@ def test_load_tokens_refuses_a_damaged_incomplete_or_stale_directory_naming_the_
     assert len(load_tokens(out)) == len(data)
 
 
+def test_a_shard_that_matches_its_listing_but_is_no_tokens_shard_is_a_clear_error(project, smollm2_tokenizer_dir):
+    # A listing written over a damaged file (hash and file agree): still never a pyarrow traceback.
+    out = project / "tokens"
+    tokenize_manifest(PARAMS, manifest(project, 20), smollm2_tokenizer_dir, out, KEY)
+    shard = out / "train-00001.arrow"
+    pristine = shard.read_bytes()
+    fix = rf"`dvc checkout {out}` or rebuild it with `dvc repro -f tokenize`"
+    for damaged in (b"ARROW1 not really", pristine[: len(pristine) // 2], pristine.replace(b"input_ids", b"input_idz")):
+        shard.write_bytes(damaged)
+        write_file_listing(out)
+        with pytest.raises(SourceError, match=rf"{shard}: not a readable tokens shard .*{fix}"):
+            load_tokens(out)
+
+
 def test_dvc_repro_after_growing_the_data_reuses_the_old_shard_files(pipeline_run, tmp_path):
     project = copy_project(pipeline_run, tmp_path / "project")
     tokens = project / TOKENS
     before = files(tokens)
-    shards, samples = len([n for n in before if n.endswith(".parquet")]), RUN_PROFILE["data__num_samples"]
+    shards, samples = len([n for n in before if n.endswith(".arrow")]), RUN_PROFILE["data__num_samples"]
     # two more manifest shards; num_proc changes no byte, so it changes no shard's key either
     set_params(project, data__num_samples=samples + 40, tokenize__num_proc=2)
     out = run(["dvc", "repro", "tokenize"], project)
     assert "Running stage 'tokenize'" in out.stdout
     after = files(tokens)
-    for name in (n for n in before if n.endswith(".parquet")):
+    for name in (n for n in before if n.endswith(".arrow")):
         assert after[name] == before[name]
     metrics = json.loads((project / TOKENIZE_METRICS).read_text())
     assert (metrics["encoded_shards"], metrics["reused_shards"], metrics["encoded_samples"]) == (2, shards, 40)

@@ -74,7 +74,8 @@ def atomic_directory(path: Path | str) -> Iterator[Path]:
     try:
         yield tmp
         for child in tmp.rglob("*"):
-            if child.is_file():
+            # A hard link to a kept file of the old output is on disk already: only new files are flushed.
+            if child.is_file() and child.stat().st_nlink == 1:
                 with open(child, "rb") as fh:
                     os.fsync(fh.fileno())
         if path.exists():

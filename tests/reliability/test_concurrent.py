@@ -10,7 +10,7 @@ from dvc.lock import FAILED_TO_LOCK_MESSAGE
 from dflashpipe.data.manifest import build_manifest
 from dflashpipe.data.shards import verify_manifest
 from dflashpipe.params import load_params
-from dflashpipe.pipeline import MANIFEST, MANIFEST_METRICS, TARGET
+from dflashpipe.pipeline import MANIFEST, MANIFEST_METRICS, TARGET, reuse_key
 from dflashpipe.target import materialise_target
 from tests.conftest import run
 from tests.reliability.harness import group_process, kill_group, start, status, tree_bytes
@@ -42,7 +42,7 @@ def test_a_second_repro_fails_fast_on_the_lock_and_the_first_completes_intact(dv
     assert not set(status(project, *STAGES)) - {"fingerprint"}, "the first run left a stage out of date"
     params = load_params(project)
     materialise_target(params["target"], tmp_path / "target", root=project)
-    build_manifest(params["data"], tmp_path / "manifest", root=project)
+    build_manifest(params["data"], tmp_path / "manifest", root=project, key=reuse_key("manifest", project))
     assert tree_bytes(project / TARGET) == tree_bytes(tmp_path / "target")
     assert tree_bytes(project / MANIFEST) == tree_bytes(tmp_path / "manifest")
     verify_manifest(project / MANIFEST)

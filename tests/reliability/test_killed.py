@@ -28,6 +28,7 @@ from dflashpipe.pipeline import (
     TRAIN_METRICS,
     TRAIN_METRICS_DIR,
     TRAIN_STATE,
+    reuse_key,
 )
 from dflashpipe.target import materialise_target
 from tests.conftest import copy_project, run, set_params
@@ -86,7 +87,7 @@ def repro(project: Path, stage: str) -> None:
 
 def manifest_reference(project: Path, tmp: Path) -> dict[str, bytes]:
     """What an uninterrupted run of the manifest stage writes, built in-process from the same params."""
-    summary = build_manifest(load_params(project)["data"], tmp, root=project)
+    summary = build_manifest(load_params(project)["data"], tmp, root=project, key=reuse_key("manifest", project))
     return {
         **{f"{MANIFEST}/{k}": v for k, v in tree_bytes(tmp).items()},
         str(MANIFEST_METRICS): canonical_json(manifest_metrics(summary)),
@@ -278,10 +279,10 @@ def kill_then_repro(
 def test_tokenize_killed_at_four_points_reuses_the_shards_it_completed(finished, tmp_path):
     project, log = finished, tmp_path / "log"
     tokens = project / TOKENS
-    shards = len(list(tokens.glob("*.parquet")))
+    shards = len(list(tokens.glob("*.arrow")))
 
     def shards_written(n: int) -> Callable[[int], bool]:
-        return lambda _: len(list(tokens.glob("*.parquet"))) >= n
+        return lambda _: len(list(tokens.glob("*.arrow"))) >= n
 
     completed = kill_then_repro(
         project,
@@ -298,7 +299,7 @@ def test_tokenize_killed_at_four_points_reuses_the_shards_it_completed(finished,
         # from nothing: DVC keeps a persist output, so -f alone would reuse every shard
         prepare=lambda: shutil.rmtree(tokens),
     )
-    # what the killed runs completed was checked (key and parquet checksums) and reused, not encoded again
+    # what the killed runs completed was checked (key and content sha256) and reused, not encoded again
     assert f"encoded 0 shard(s), reused {shards}" in completed, completed
 
 

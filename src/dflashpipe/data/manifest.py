@@ -8,23 +8,48 @@ for N=1100 begins with the manifest for N=800, shard for shard, byte for byte
 (every shard but a partial last one). The eval split is drawn first, from the
 head of each source, so it never changes when the training set grows and never
 overlaps it.
+
+So growing the data costs what is added. `data/manifest/` is a DVC `persist` output, and
+summary.json records the key it was built under: the stage key (every dep and param dvc.yaml
+lists for `manifest`) less `data.num_samples`, which only says where the stream is cut. An
+earlier manifest under the same key that passes `verify_manifest` holds exactly the stream's
+first samples: its eval split and every shard that would get the same rows are hard-linked
+into the new directory (same inode, bytes and mtime; nothing rewritten), and when the data
+grew, the stream resumes where the old one stopped, from the state its summary recorded
+(per source: records read, kept, skipped, with examples) and the content hashes in its shards
+(the dedup set): each source's reader passes over the records already consumed, which are
+neither hashed, deduplicated nor written again. The new directory is still built beside the old one
+and renamed into place whole, so a killed run leaves the old output or the new one, and no
+stale file survives.
 """
 
 from __future__ import annotations
 
 import hashlib
 import heapq
+import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from dflashpipe.artifacts import atomic_directory, write_file_listing, write_json_atomic
-from dflashpipe.data.shards import EVAL_FILE, SUMMARY_FILE, ShardWriter, conversation_hash, shard_name
+from dflashpipe.data.shards import (
+    EVAL_FILE,
+    SUMMARY_FILE,
+    ShardWriter,
+    conversation_hash,
+    read_manifest_shard,
+    shard_name,
+    verify_manifest,
+)
 from dflashpipe.data.sources import Conversation, Record, read_source
 from dflashpipe.errors import SourceError
 from dflashpipe.params import DataParams, SourceSpec
+from dflashpipe.pipeline import StageKey
 
 EXAMPLES_PER_REASON = 3
 
@@ -76,12 +101,13 @@ class WeightedMix:
     """Stride scheduling over the sources' weights: the source whose next sample is most due,
     (taken + 1) / weight, goes next; ties go to the source listed first. An exhausted source
     drops out and the rest keep their relative shares. Pure arithmetic on the weights, so
-    the order never depends on how many samples are asked for."""
+    the order never depends on how many samples are asked for, and `taken` alone is its state
+    (an exhausted source is found exhausted again when next due, without a sample)."""
 
-    def __init__(self, weights: list[float]) -> None:
+    def __init__(self, weights: list[float], taken: list[int] | None = None) -> None:
         self.weights = weights
-        self.taken = [0] * len(weights)
-        self.heap = [(1.0 / w, i) for i, w in enumerate(weights) if w > 0]
+        self.taken = list(taken or [0] * len(weights))
+        self.heap = [((t + 1) / w, i) for i, (w, t) in enumerate(zip(weights, self.taken, strict=True)) if w > 0]
         heapq.heapify(self.heap)
 
     def due(self) -> int | None:
@@ -96,29 +122,109 @@ class WeightedMix:
         heapq.heappop(self.heap)
 
 
-def build_manifest(params: DataParams, out: Path | str, root: Path | str = ".") -> dict:
-    """Write the training shards, the eval split and summary.json into `out`; return the summary."""
-    root = Path(root)
+def previous_manifest(out: Path, digest: str | None) -> dict | None:
+    """The summary of the manifest already in `out` if it was built under the key `digest` and passes
+    every check of `verify_manifest` (a damaged one is rebuilt, never reused); else None."""
+    if digest is None or not (out / SUMMARY_FILE).is_file():
+        return None
+    try:
+        summary = verify_manifest(out)
+    except SourceError:
+        return None
+    return summary if summary.get("reuse_key") == digest else None
+
+
+def keep_file(old: Path, new: Path) -> None:
+    """`old` at `new` too, untouched: a hard link (a copy keeping its mtime where links are not possible)."""
+    try:
+        os.link(old, new)
+    except OSError:
+        shutil.copy2(old, new)
+
+
+@dataclass
+class TrainShards:
+    """The training shards written so far, and the one being filled."""
+
+    out: Path
+    previous: dict | None
+    """An earlier manifest under the same key (see previous_manifest): its shards of the same rows are kept."""
+    entries: list[dict] = field(default_factory=list)
+    writer: ShardWriter = field(default_factory=ShardWriter)
+    characters: int = 0
+    kept: int = 0
+
+    def flush(self, tmp: Path) -> None:
+        index, samples = len(self.entries), len(self.writer)
+        old = (self.previous or {"shards": []})["shards"]
+        path = tmp / shard_name(index)
+        if index < len(old) and old[index]["samples"] == samples:  # the same key: the same rows
+            keep_file(self.out / old[index]["file"], path)
+            self.entries.append(old[index])
+            self.kept += 1
+        else:
+            self.entries.append(self.writer.write(path))
+        self.characters += self.writer.characters
+        self.writer = ShardWriter()
+
+
+def resume(
+    previous: dict, out: Path, tmp: Path, streams: list[SampleStream], seen: set[bytes], content, root: Path
+) -> tuple[dict, int, TrainShards]:
+    """Pick the stream up where `previous` (a smaller or equal manifest under this key) stopped.
+
+    Its eval split and full shards are kept as they are; a partial last shard is read back into the
+    writer, to be filled up. The dedup set and the content hash are rebuilt from the shards' hash
+    columns; each source skips the records the old build read, with its counts restored.
+    Returns the eval split's entry and characters, and the training shards so far."""
+    keep_file(out / EVAL_FILE, tmp / EVAL_FILE)
+    for name in [EVAL_FILE] + [e["file"] for e in previous["shards"]]:
+        hashes = pq.read_table(out / name, columns=["hash"]).column("hash").to_pylist()
+        seen.update(bytes.fromhex(h) for h in hashes)
+        if name != EVAL_FILE:
+            for h in hashes:
+                content.update(h.encode())
+    shards = TrainShards(out, previous)
+    old = previous["shards"]
+    last_partial = bool(old) and old[-1]["samples"] < previous["shard_size"]
+    for entry in old[:-1] if last_partial else old:
+        keep_file(out / entry["file"], tmp / entry["file"])
+        shards.entries.append(entry)
+        shards.kept += 1
+    if last_partial:
+        for row in read_manifest_shard(out, old[-1]).to_pylist():
+            shards.writer.add(row["id"], row["source"], row["conversation"], row["hash"])
+    shards.characters = previous["characters"]["train"] - shards.writer.characters
+    for stream in streams:
+        done = previous["sources"][stream.spec.name]
+        stream.stats = SourceStats(
+            done["read"], done["train"], done["eval"], dict(done["skipped"]), dict(done["skipped_examples"])
+        )
+        stream.records = read_source(stream.spec, root, skip=done["read"])  # a jsonl skips without parsing
+    return previous["eval"], previous["characters"]["eval"], shards
+
+
+def build_manifest(params: DataParams, out: Path | str, root: Path | str = ".", key: StageKey | None = None) -> dict:
+    """Write the training shards, the eval split and summary.json into `out`; return the summary.
+
+    `key` is the stage key less data.num_samples (see stages/manifest.py): with it, what an earlier
+    manifest in `out` built under the same key already holds is kept, not rebuilt; without it, nothing
+    is reused and nothing written says what made it."""
+    root, out = Path(root), Path(out)
+    digest = None if key is None else key.digest
+    previous = previous_manifest(out, digest)
     seen: set[bytes] = set()
     streams = [SampleStream(spec, read_source(spec, root), seen, params.on_bad_record) for spec in params.sources]
+    content = hashlib.sha256()
     with atomic_directory(out) as tmp:
-        eval_writer = ShardWriter()
-        for stream in streams:
-            for _ in range(stream.spec.eval):
-                sample = stream.next()
-                if sample is None:
-                    raise SourceError(
-                        f"source {stream.spec.name!r} has only {stream.stats.eval} usable records for "
-                        f"data.sources[{stream.spec.name}].eval = {stream.spec.eval}: lower it"
-                    )
-                eval_writer.add(sample[0], stream.spec.name, sample[1], sample[2])
-                stream.stats.eval += 1
-        eval_entry = eval_writer.write(tmp / EVAL_FILE)
-
-        shards, writer, content = [], ShardWriter(), hashlib.sha256()
-        train_characters, produced = 0, 0
-        mix = WeightedMix([s.spec.weight for s in streams])
-        with tqdm(total=params.num_samples, desc="manifest", unit="sample", mininterval=1.0) as bar:
+        if previous is not None and previous["num_samples"] <= params.num_samples:
+            eval_entry, eval_characters, shards = resume(previous, out, tmp, streams, seen, content, root)
+        else:
+            eval_entry, eval_characters = draw_eval(streams, tmp, previous, out)
+            shards = TrainShards(out, previous)
+        produced = sum(e["samples"] for e in shards.entries) + len(shards.writer)
+        mix = WeightedMix([s.spec.weight for s in streams], [s.stats.train for s in streams])
+        with tqdm(total=params.num_samples, initial=produced, desc="manifest", unit="sample", mininterval=1.0) as bar:
             while produced < params.num_samples:
                 due = mix.due()
                 if due is None:
@@ -133,23 +239,24 @@ def build_manifest(params: DataParams, out: Path | str, root: Path | str = ".") 
                     mix.exhausted()
                     continue
                 mix.took()
-                writer.add(sample[0], stream.spec.name, sample[1], sample[2])
+                shards.writer.add(sample[0], stream.spec.name, sample[1], sample[2])
                 content.update(sample[2].encode())
                 stream.stats.train += 1
                 produced += 1
                 bar.update(1)
-                if len(writer) == params.shard_size or produced == params.num_samples:
-                    train_characters += writer.characters
-                    shards.append(writer.write(tmp / shard_name(len(shards))))
-                    writer = ShardWriter()
+                if len(shards.writer) == params.shard_size:
+                    shards.flush(tmp)
+            if len(shards.writer):
+                shards.flush(tmp)
 
         summary = {
             "num_samples": params.num_samples,
             "shard_size": params.shard_size,
-            "shards": shards,
+            "shards": shards.entries,
             "eval": eval_entry,
-            "characters": {"train": train_characters, "eval": eval_writer.characters},
+            "characters": {"train": shards.characters, "eval": eval_characters},
             "content_hash": content.hexdigest(),
+            "reuse_key": digest,
             "sources": {
                 s.spec.name: {
                     "kind": s.spec.kind,
@@ -164,4 +271,26 @@ def build_manifest(params: DataParams, out: Path | str, root: Path | str = ".") 
         }
         write_json_atomic(tmp / SUMMARY_FILE, summary)
         write_file_listing(tmp)  # last: every reader checks the directory against it first
+    written = len(shards.entries) - shards.kept
+    print(f"manifest: kept {shards.kept} training shard(s) of the earlier build, wrote {written}")
     return summary
+
+
+def draw_eval(streams: list[SampleStream], tmp: Path, previous: dict | None, out: Path) -> tuple[dict, int]:
+    """The eval split, from the head of each source (kept from `previous`, a manifest under the same key,
+    if there is one: the same samples); its entry and characters."""
+    eval_writer = ShardWriter()
+    for stream in streams:
+        for _ in range(stream.spec.eval):
+            sample = stream.next()
+            if sample is None:
+                raise SourceError(
+                    f"source {stream.spec.name!r} has only {stream.stats.eval} usable records for "
+                    f"data.sources[{stream.spec.name}].eval = {stream.spec.eval}: lower it"
+                )
+            eval_writer.add(sample[0], stream.spec.name, sample[1], sample[2])
+            stream.stats.eval += 1
+    if previous is not None:
+        keep_file(out / EVAL_FILE, tmp / EVAL_FILE)
+        return previous["eval"], eval_writer.characters
+    return eval_writer.write(tmp / EVAL_FILE), eval_writer.characters

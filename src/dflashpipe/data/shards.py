@@ -23,12 +23,14 @@ from dflashpipe.errors import SourceError
 if TYPE_CHECKING:
     from dflashpipe.data.sources import Conversation
 
-SCHEMA = pa.schema([
-    ("id", pa.string()),
-    ("source", pa.string()),
-    ("conversation", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-    ("hash", pa.string()),
-])
+SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("source", pa.string()),
+        ("conversation", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("hash", pa.string()),
+    ]
+)
 EVAL_FILE = "eval.parquet"
 SUMMARY_FILE = "summary.json"
 
@@ -72,8 +74,12 @@ class ShardWriter:
         )
         conversation = pa.ListArray.from_arrays(pa.array(self.offsets, pa.int32()), turns)
         return pa.Table.from_arrays(
-            [pa.array(self.ids, pa.string()), pa.array(self.sources, pa.string()), conversation,
-             pa.array(self.hashes, pa.string())],
+            [
+                pa.array(self.ids, pa.string()),
+                pa.array(self.sources, pa.string()),
+                conversation,
+                pa.array(self.hashes, pa.string()),
+            ],
             schema=SCHEMA,
         )
 
@@ -158,14 +164,18 @@ def verify_manifest(manifest_dir: Path | str) -> dict:
     listed = {e["file"] for e in entries} | {SUMMARY_FILE, FILE_LISTING}
     present = {p.name for p in manifest_dir.iterdir()}
     if listed != present:
-        raise SourceError(f"{summary_path}: lists {sorted(listed - present)} but the directory holds "
-                          f"{sorted(present - listed)}: {fix}")
+        raise SourceError(
+            f"{summary_path}: lists {sorted(listed - present)} but the directory holds "
+            f"{sorted(present - listed)}: {fix}"
+        )
     # tokenize keys each of its shards by the sha256 summary.json gives: it must be the file's own
     checked = orjson.loads((manifest_dir / FILE_LISTING).read_bytes())
     for entry in entries:
         if checked[entry["file"]]["sha256"] != entry["sha256"]:
-            raise SourceError(f"{summary_path}: gives {entry['file']} the sha256 {entry['sha256'][:12]}..., but the "
-                              f"file's is {checked[entry['file']]['sha256'][:12]}...: {fix}")
+            raise SourceError(
+                f"{summary_path}: gives {entry['file']} the sha256 {entry['sha256'][:12]}..., but the "
+                f"file's is {checked[entry['file']]['sha256'][:12]}...: {fix}"
+            )
     return summary
 
 

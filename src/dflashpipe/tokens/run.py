@@ -5,7 +5,7 @@ lists for the stage (the tokenizer and template in data/target, the tokenize par
 code, the stage script, the library versions): the caller passes that as a `StageKey`, read from
 dvc.yaml itself, so a shard is reused on exactly the condition under which DVC would keep the
 output (see `dflashpipe.pipeline`). `data/tokens/` is a DVC `persist` output: on a rerun, a shard
-whose stored key matches and whose pages pass their checksums is reused untouched; every other
+whose stored key matches and whose content hashes to its stored sha256 is reused untouched; every other
 one is encoded again and written atomically. Files that are not a current shard are removed first
 (summary.json and files.json too), so a killed run leaves no listing that vouches for it.
 
@@ -23,7 +23,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from dflashpipe.artifacts import file_sha256, write_file_listing, write_json_ato
 from dflashpipe.data.shards import verify_manifest
 from dflashpipe.params import TokenizeParams
 from dflashpipe.pipeline import StageKey
+from dflashpipe.spread import Spread
 from dflashpipe.tokens.chat import ChatTokenizer, load_chat_tokenizer
 from dflashpipe.tokens.encode import EncodedRows, SampleEncoder, TokenStats, concat_rows, length_edges
 from dflashpipe.tokens.shards import SUMMARY_FILE, reusable_shard, shard_key, shard_name, write_shard
@@ -71,7 +72,9 @@ def _init_worker(chat: ChatTokenizer, params: TokenizeParams) -> None:
     _WORKER["encoder"] = SampleEncoder(chat, params)
 
 
-def _encode_task(task: tuple[int, str, int, int]) -> tuple[int, EncodedRows, TokenStats]:
+def _encode_task(task: tuple[int, str, int, int]) -> tuple[int, EncodedRows, TokenStats, float]:
+    """One chunk of a manifest shard, encoded; with its encoding seconds (for the rate's spread)."""
+    began = time.perf_counter()
     index, path, start, stop = task
     if _WORKER.get("path") != path:
         _WORKER["path"], _WORKER["table"] = path, pq.read_table(path, columns=["id", "source", "conversation"])
@@ -85,7 +88,7 @@ def _encode_task(task: tuple[int, str, int, int]) -> tuple[int, EncodedRows, Tok
         )
     )
     rows, stats = _WORKER["encoder"].encode(samples)
-    return index, rows, stats
+    return index, rows, stats, time.perf_counter() - began
 
 
 def _tasks(shards: list[ManifestShard]) -> list[tuple[int, str, int, int]]:
@@ -135,6 +138,8 @@ class TokenizeRun:
     encoded_tokens: int
     num_proc: int
     seconds: float
+    chunk_rates: list[float] = field(default_factory=list)
+    """Tokens/s of each encoded chunk x the processes encoding side by side: the repeats of the rate."""
 
 
 def tokenize_metrics(run: TokenizeRun) -> dict:
@@ -152,7 +157,13 @@ def tokenize_metrics(run: TokenizeRun) -> dict:
         "reused_shards": len(run.reused_shards),
         "encoded_samples": run.encoded_samples,
         "seconds": round(run.seconds, 3),
-        "encoded_tokens_per_second": round(run.encoded_tokens / run.seconds, 1) if run.seconds > 0 else 0.0,
+        # The median over encoded chunks with its range (see spread.py), so a move within the
+        # machine's noise is not blamed on an input; 0.0 and no spread when nothing was encoded.
+        **(
+            Spread.of(run.chunk_rates).record("encoded_tokens_per_second", digits=1)
+            if run.chunk_rates
+            else {"encoded_tokens_per_second": 0.0}
+        ),
     }
 
 
@@ -226,11 +237,14 @@ def tokenize_manifest(
         if tasks_left[s.index] == 0:  # an empty manifest shard still gets its (empty) tokens shard
             finish(s, [])
     pending: dict[int, list[tuple[EncodedRows, TokenStats]]] = {}
+    chunk_rates: list[float] = []
     with (
         _results(tasks, chat, params, num_proc) as results,
         tqdm(total=sum(s.samples for s in todo), desc="tokenize", unit="sample", mininterval=1.0) as bar,
     ):
-        for index, rows, stats in results:
+        for index, rows, stats, seconds in results:
+            if seconds > 0:
+                chunk_rates.append(stats.tokens * min(num_proc, len(tasks)) / seconds)
             bar.update(stats.samples_in)
             pending.setdefault(index, []).append((rows, stats))
             tasks_left[index] -= 1
@@ -262,6 +276,7 @@ def tokenize_manifest(
         sum(stats_by_shard[s.index].tokens for s in todo),
         num_proc,
         time.perf_counter() - began,
+        chunk_rates,
     )
     print(
         f"tokenize: encoded {len(run.encoded_shards)} shard(s), reused {len(reused_names)}; "
