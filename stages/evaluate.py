@@ -9,16 +9,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the code DVC hashed
 
 from dflashpipe.evaluate.evaluation import EvaluateInputs, evaluate_drafter  # noqa: E402
-from dflashpipe.pipeline import COMPILE, DRAFTER, MANIFEST, METRICS, TARGET, TRAIN_METRICS, reuse_key  # noqa: E402
+from dflashpipe.pipeline import BENCH_METRICS, DRAFTER, MANIFEST, METRICS, TARGET, TRAIN_METRICS  # noqa: E402
 from dflashpipe.stage import run_stage  # noqa: E402
 
 
 def evaluate(p) -> None:
-    inputs = EvaluateInputs(evaluate=p.evaluate, model=p.model, compile=p.compile)
-    # warmup's key, as dvc.yaml defines it (and as warmup and train take it): the timed train step loads
-    # data/compile only if it was built for this key. Eager needs none (and the key hashes all of data/target).
-    compile_key = reuse_key("warmup") if p.compile.enabled else None
-    evaluate_drafter(inputs, DRAFTER, TARGET, MANIFEST, TRAIN_METRICS, COMPILE, METRICS, compile_key=compile_key)
+    evaluate_drafter(
+        EvaluateInputs(evaluate=p.evaluate), DRAFTER, TARGET, MANIFEST, TRAIN_METRICS, BENCH_METRICS, METRICS
+    )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from dflashpipe.evaluate.prompts import eval_prompts
 from dflashpipe.evaluate.speculative import DFlashProposer, prefill, speculative_generate, target_generate
 from dflashpipe.model import DFlashDrafter, TargetHead, sample_anchor_positions, target_features
 from dflashpipe.pipeline import METRICS
+from dflashpipe.spread import Spread
 from tests.conftest import copy_project, run, set_params
 from tests.tiny import manifest_params, source, tiny_model_params
 
@@ -181,37 +182,6 @@ def test_tau_is_exactly_1_for_a_wrong_drafter_and_the_block_size_for_an_oracle(t
     assert slot_acceptance([wrong], bs) == {"1": 0.0, "2": 0.0, "3": 0.0}
 
 
-def test_the_timed_train_step_loads_warmups_artifact_only_under_warmups_key(tiny, tmp_path, monkeypatch):
-    import dflashpipe.compile.warmup
-    from dflashpipe.compile.artifact import BUILT_FOR, built_for
-    from dflashpipe.evaluate.evaluation import measure_train_step
-    from dflashpipe.params import CompileParams
-    from dflashpipe.pipeline import StageKey
-    from tests.test_compile import stand_in_artifact
-
-    # What is under test is which kernels the step is pointed at, not compiling them (minutes on a CPU).
-    monkeypatch.setattr(dflashpipe.compile.warmup, "compiled_step", lambda drafter: drafter)
-    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # the step points inductor at its scratch
-        monkeypatch.setenv(name, "")
-    built = StageKey("warmup", {"dep:src/dflashpipe/model/layers.py": "1", "param:params.yaml:model.seq_len": "64"})
-    artifact = stand_in_artifact(tmp_path / "compile", {BUILT_FOR: built_for(built)})
-    compile = CompileParams(enabled=True, micro_batch=1, guard="error")
-
-    def source(key):
-        step = measure_train_step(
-            tiny["work"] / "drafter", tiny["target"], MODEL, compile, artifact, tmp_path / "scratch", key
-        )
-        return step["compile_source"]
-
-    assert source(built) == "artifact"
-    edited = StageKey("warmup", {**built.inputs, "dep:src/dflashpipe/model/layers.py": "2"})
-    assert source(edited) == (
-        f"cold compile: {artifact} was built for other inputs "
-        f"(src/dflashpipe/model/layers.py changed): `dvc repro warmup` rebuilds it"
-    )
-    assert source(None).startswith(f"cold compile: {artifact}: no warmup stage key to check it against")
-
-
 def test_the_eval_split_is_checked_against_the_manifests_listing_alone(tiny, tmp_path):
     import shutil
 
@@ -240,14 +210,19 @@ def test_growing_the_training_set_leaves_the_eval_split_as_it_was(tmp_path):
     assert (tmp_path / "small/eval.parquet").read_bytes() == (tmp_path / "big/eval.parquet").read_bytes()
 
 
+def commit_all(root, message: str) -> None:
+    run(["git", "add", "-A"], root)
+    run(["git", "-c", "user.email=t@e", "-c", "user.name=t", "commit", "-qm", message], root)
+
+
 def test_the_regression_check_reads_the_baseline_through_git(tmp_path):
     assert regression.read_baseline("HEAD", tmp_path)[2].endswith("is not a git repository")
     run(["git", "init", "-q"], tmp_path)
     assert regression.read_baseline("HEAD", tmp_path) == (None, None, "no baseline: the repository has no commit yet")
     (tmp_path / "README").write_text("x")
-    run(["git", "add", "-A"], tmp_path)
-    run(["git", "-c", "user.email=t@e", "-c", "user.name=t", "commit", "-qm", "one"], tmp_path)
+    commit_all(tmp_path, "one")
     assert "has no metrics/eval.json" in regression.read_baseline("HEAD", tmp_path)[2]
+    # a baseline from before spreads and before the bench stage: the step's figure was in eval.json
     old = {
         "tau": 2.0,
         "speedup": 1.5,
@@ -257,23 +232,88 @@ def test_the_regression_check_reads_the_baseline_through_git(tmp_path):
     }
     (tmp_path / "metrics").mkdir()
     (tmp_path / "metrics/eval.json").write_text(json.dumps(old))
-    run(["git", "add", "-A"], tmp_path)
-    run(["git", "-c", "user.email=t@e", "-c", "user.name=t", "commit", "-qm", "two"], tmp_path)
+    commit_all(tmp_path, "two")
     (tmp_path / "metrics/eval.json").write_text("{}")  # the workspace's copy is not what is read
-    baseline, commit, _ = regression.read_baseline("HEAD", tmp_path)
-    assert baseline == old and len(commit) == 40
+    baseline, commit, note = regression.read_baseline("HEAD", tmp_path)
+    assert baseline == {regression.EVAL_METRICS: old} and len(commit) == 40
+    assert note == f"metrics/eval.json at HEAD ({commit[:12]})"
     with pytest.raises(DflashpipeError, match="evaluate.baseline = 'no-such-rev'.*neither a git revision"):
         regression.read_baseline("no-such-rev", tmp_path)
 
     new = {**old, "tau": 1.9, "decode_tokens_per_s": {"speculative": 70.0}}
-    report = regression.compare(new, baseline, "HEAD", commit, "", max_regression=0.2)
-    assert report["metrics"]["decode_tokens_per_s"] == {"old": 100.0, "new": 70.0, "change": -0.3}
+    del new["train_step"]
+    current = {regression.EVAL_METRICS: new, regression.BENCH_METRICS: {"tokens_per_s": 990.0}}
+    report = regression.compare(current, baseline, "HEAD", commit, "", max_regression=0.2)
+    decode = report["metrics"]["decode_tokens_per_s"]
+    assert decode == {
+        "old": 100.0,
+        "new": 70.0,
+        "change": -0.3,
+        "verdict": "unmeasured",
+        "repeats": {"old": None, "new": None},
+        "ranges": {"old": None, "new": None},
+    }
     assert report["metrics"]["tau"]["change"] == -0.05
+    # the step's figure moved to bench.json; an old baseline's copy in eval.json is still compared
+    assert report["metrics"]["train_step_tokens_per_s"]["old"] == 1000.0
+    assert report["metrics"]["train_step_tokens_per_s"]["change"] == -0.01
+    # no spread on a side: today's threshold rule alone decides, and the line says so
     assert report["regressions"] == report["throughput_regressions"] == ["decode_tokens_per_s"]
-    assert "THROUGHPUT REGRESSION: decode_tokens_per_s 100 -> 70 (-30.0%)" in regression.regression_lines(report)[0]
+    (line,) = regression.regression_lines(report)
+    assert "THROUGHPUT REGRESSION: decode_tokens_per_s 100 -> 70 (-30.0%)" in line
+    assert "unmeasured (threshold rule only: a side has no spread of 2+ repeats" in line
     regression.check(report, fail=False)
     with pytest.raises(regression.RegressionError, match="decode_tokens_per_s fell more than evaluate.max_regression"):
         regression.check(report, fail=True)
+
+
+def figures(decode: Spread, train: Spread, step: Spread) -> dict:
+    """Both metrics files of a run whose throughput figures carry these spreads."""
+    return {
+        regression.EVAL_METRICS: {
+            "tau": 2.0,
+            "speedup": 1.5,
+            "decode_tokens_per_s": decode.record("speculative"),
+            "train": train.record("tokens_per_s"),
+        },
+        regression.BENCH_METRICS: step.record("tokens_per_s"),
+    }
+
+
+def test_a_drop_within_the_spread_is_noise_and_beyond_it_a_regression():
+    base = figures(Spread.of([90, 100, 110]), Spread.of([45, 50, 55]), Spread.of([900, 1000, 1100, 1050, 950]))
+    # decode -30% but the ranges overlap (a busy machine); the step -40% with ranges apart; train -10%, apart
+    run_now = figures(Spread.of([60, 70, 95]), Spread.of([40, 44, 44.5]), Spread.of([580, 600, 620, 610, 590]))
+    report = regression.compare(run_now, base, "HEAD", "c" * 40, "", max_regression=0.2)
+    m = report["metrics"]
+    assert m["decode_tokens_per_s"]["verdict"] == "noise" and m["decode_tokens_per_s"]["change"] == -0.3
+    assert m["train_step_tokens_per_s"]["verdict"] == "change"
+    assert m["train_step_tokens_per_s"]["repeats"] == {"old": 5, "new": 5}
+    assert m["train_step_tokens_per_s"]["ranges"] == {"old": [900.0, 1100.0], "new": [580.0, 620.0]}
+    # a change, but within max_regression: not a regression
+    assert m["train_tokens_per_s"]["verdict"] == "change" and m["train_tokens_per_s"]["change"] == -0.12
+    assert report["regressions"] == report["throughput_regressions"] == ["train_step_tokens_per_s"]
+    assert report["within_noise"] == ["decode_tokens_per_s"]
+    loud, quiet = regression.regression_lines(report)
+    assert loud.startswith("!!! THROUGHPUT REGRESSION: train_step_tokens_per_s 1000 -> 600 (-40.0%)")
+    assert "ranges 900..1100 (5 repeats) and 580..620 (5 repeats) do not overlap" in loud
+    assert quiet.startswith("noise, not a regression: decode_tokens_per_s 100 -> 70 (-30.0%)")
+    assert "ranges 90..110 (3 repeats) and 60..95 (3 repeats) overlap" in quiet
+    # the same drop measured once on one side: the spreads cannot decide, the threshold does
+    single = figures(Spread.of([70]), Spread.of([50]), Spread.of([1000, 1000]))
+    report = regression.compare(single, base, "HEAD", "c" * 40, "", max_regression=0.2)
+    assert report["metrics"]["decode_tokens_per_s"]["verdict"] == "unmeasured"
+    assert report["metrics"]["decode_tokens_per_s"]["repeats"] == {"old": 3, "new": 1}
+    assert report["regressions"] == ["decode_tokens_per_s"] and report["within_noise"] == []
+
+
+def test_decode_rates_are_per_prompt_with_their_spread():
+    from dflashpipe.evaluate.metrics import decode_rates
+    from dflashpipe.evaluate.speculative import Decoded
+
+    runs = [Decoded(list(range(11)), 2.0, 0.1), Decoded(list(range(5)), 1.0, 0.1), Decoded([7], 0.5, 0.1)]
+    rates = decode_rates(runs)  # 10/2 and 4/1 tokens/s; a prompt with no decode token is no sample
+    assert (rates.median, rates.low, rates.high, rates.repeats) == (4.5, 4.0, 5.0, 2)
 
 
 def test_dvc_repro_evaluate_writes_metrics_that_dvc_shows(pipeline_run, tmp_path):
@@ -283,9 +323,12 @@ def test_dvc_repro_evaluate_writes_metrics_that_dvc_shows(pipeline_run, tmp_path
     metrics = json.loads((dvc_project / METRICS / "eval.json").read_text())
     assert metrics["lossless"] is True and metrics["tau"] >= 1.0 and metrics["train"]["tokens_per_s"] > 0
     assert {p["source"] for p in metrics["mismatched_prompts"]} == set()
-    # the isolated train step ran warmup's kernels, compiled from nothing while it was timed
-    step = metrics["train_step"]
-    assert step["compiled"] and step["compile_source"] == "artifact" and step["graphs_compiled_while_timed"] == 0
+    assert "train_step" not in metrics  # the bench stage times the step now (tests/test_bench.py)
+    for path in ("target", "speculative"):
+        decode = Spread.read(metrics["decode_tokens_per_s"], path)
+        assert decode is not None and decode.repeats >= 2, metrics["decode_tokens_per_s"]
+    train = Spread.read(metrics["train"], "tokens_per_s")  # the steady steps of train's run
+    assert train is not None and train.repeats >= 2
     shown = json.loads(run(["dvc", "metrics", "show", "--json"], dvc_project).stdout)
     assert "tau" in json.dumps(shown) and "metrics/eval.json" in json.dumps(shown)
     for table in ("tau_per_source", "slot_acceptance", "speedup_per_prompt"):
@@ -297,3 +340,6 @@ def test_dvc_repro_evaluate_writes_metrics_that_dvc_shows(pipeline_run, tmp_path
     report = json.loads((dvc_project / METRICS / "eval_regression.json").read_text())
     assert report["baseline"] == "HEAD" and len(report["commit"]) == 40
     assert set(report["metrics"]) == set(regression.HEADLINE) and report["metrics"]["tau"]["old"] == metrics["tau"]
+    for name in ("decode_tokens_per_s", "train_tokens_per_s", "train_step_tokens_per_s"):
+        figure = report["metrics"][name]  # both sides measured with repeats: the spreads decide
+        assert figure["verdict"] in ("noise", "change") and min(figure["repeats"].values()) >= 2, (name, figure)

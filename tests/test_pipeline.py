@@ -20,7 +20,7 @@ def status(project) -> dict:
 
 def test_repro_runs_the_stages_then_reruns_only_what_changed(pipeline_run, tmp_path):
     first = (pipeline_run.parent / "repro.log").read_text()  # the shared run's `dvc repro`, from nothing
-    for stage in ("fingerprint", "target", "manifest", "tokenize", "warmup", "train", "evaluate"):
+    for stage in ("fingerprint", "target", "manifest", "tokenize", "warmup", "train", "bench", "evaluate"):
         assert f"Running stage '{stage}'" in first
     project = copy_project(pipeline_run, tmp_path / "project")  # its run is committed as HEAD
     assert (project / "data/target/model.safetensors").is_file()
@@ -28,7 +28,7 @@ def test_repro_runs_the_stages_then_reruns_only_what_changed(pipeline_run, tmp_p
     assert json.loads((project / "data/manifest/summary.json").read_text())["num_samples"] == samples
 
     again = run(["dvc", "repro"], project).stdout
-    for stage in ("target", "manifest", "tokenize", "warmup", "train", "evaluate"):
+    for stage in ("target", "manifest", "tokenize", "warmup", "train", "bench", "evaluate"):
         assert f"Stage '{stage}' didn't change, skipping" in again
     assert status(project) == {"fingerprint": ["always changed"]}
 
@@ -87,7 +87,7 @@ FINGERPRINT_FILE = "data/env/fingerprint.json"
 # Imported by every stage and validated on their own (tests/test_params.py, the stage runner): a
 # stage does not list them, and an edit to them is not meant to rerun the pipeline.
 INFRASTRUCTURE = {f"dflashpipe.{m}" for m in ("params", "errors", "stage", "artifacts", "pipeline", "cli")}
-KERNEL_STAGES = ("warmup", "train", "evaluate")
+KERNEL_STAGES = ("warmup", "train", "bench", "evaluate")
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +234,7 @@ def test_the_import_walk_finds_what_a_stage_runs():
 def test_the_stages_that_run_compiled_kernels_name_the_same_environment_keys(stages):
     keys = {name: fingerprint_keys(stages[name]) for name in KERNEL_STAGES}
     assert keys["warmup"], "warmup names no fingerprint keys"
-    assert keys["train"] == keys["warmup"] and keys["evaluate"] == keys["warmup"], keys
+    assert all(keys[name] == keys["warmup"] for name in KERNEL_STAGES), keys
 
 
 def test_every_fingerprint_key_a_stage_names_is_in_the_fingerprint(stages):

@@ -46,6 +46,7 @@ TOKENIZE_METRICS = METRICS / "tokenize.json"
 TRAIN_METRICS_DIR = METRICS / "train"
 TRAIN_METRICS = TRAIN_METRICS_DIR / "metrics.json"
 EVAL_METRICS = METRICS / "eval.json"
+BENCH_METRICS = METRICS / "bench.json"
 
 MISSING = "missing"
 ALLOW_OUTSIDE_PROJECT = "DFLASHPIPE_ALLOW_OUTSIDE_PROJECT"
@@ -149,13 +150,18 @@ class Reuse:
 
 
 REUSE = {
+    "manifest": Reuse(
+        without_params=("data.num_samples",),
+        why="num_samples only says where the fixed training stream is cut: the eval split and every shard "
+        "of the same rows stay valid, so growing the data keeps them and resumes the stream",
+    ),
     "tokenize": Reuse(
         ("data/manifest",),
         ("tokenize.num_proc",),
         "each shard's key adds its own input shard's sha256, so growing the manifest reuses the "
         "shards it already had; num_proc never changes a byte",
     ),
-    "warmup": Reuse(why="train and evaluate use the compile artifact only if it was built for this key"),
+    "warmup": Reuse(why="train and bench use the compile artifact only if it was built for this key"),
     "train": Reuse(why="a checkpoint in data/train-state is resumed only if it was saved under this key"),
 }
 """Every reuse in the pipeline. tests/test_stage_keys.py edits each dep and param of each of these

@@ -116,8 +116,14 @@ MEASURED = frozenset(
         "speedup",
         "train_tokens_per_s",
         "train_step_tokens_per_s",
+        "tokens_per_s_spread",
+        "encoded_tokens_per_second_spread",
+        "throughput",  # FLOP/s, MFU and the bounding side follow the measured times
+        "compiled_over_eager",
+        "compiled_over_eager_spread",
         "regressions",
         "throughput_regressions",
+        "within_noise",
     }
 )
 """Keys (at any depth of a JSON output) and plot names whose values are measurements of time."""

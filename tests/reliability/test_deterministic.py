@@ -40,6 +40,7 @@ OUTPUTS = {
         TRAIN_METRICS_DIR / "plots" / "metrics": TIMED,
         TRAIN_METRICS_DIR / "plots" / "images": TIMED,
     },  # loss, lr and accuracy plots (tables and images) are byte-identical
+    "bench": {METRICS / "bench.json": TIMED},
     "evaluate": {
         METRICS / "eval.json": TIMED,
         METRICS / "eval_regression.json": TIMED,

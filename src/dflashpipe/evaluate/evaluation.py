@@ -1,34 +1,31 @@
-"""The whole evaluate stage: decode the eval prompts both ways, time a training step, compare a baseline."""
+"""The whole evaluate stage: decode the eval prompts both ways, compare a baseline.
+
+The drafter's training step is timed by the bench stage (dflashpipe.bench), not here: evaluate decodes
+eagerly and depends on no compile artifact, so what reruns it (the drafter, the eval split) and what
+reruns bench (kernels, shapes) stay apart."""
 
 from __future__ import annotations
 
 import json
-import statistics
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from dflashpipe.artifacts import PARTIAL, verify_file_listing, write_json_atomic
+from dflashpipe.artifacts import verify_file_listing, write_json_atomic
 from dflashpipe.errors import SourceError
 from dflashpipe.evaluate import regression
 from dflashpipe.evaluate.metrics import PromptResult, eval_metrics, write_plot_tables
 from dflashpipe.evaluate.prompts import EvalPrompt, eval_prompts
 from dflashpipe.evaluate.speculative import DFlashProposer, prefill, speculative_generate, target_generate
 from dflashpipe.model import DFlashDrafter, TargetHead
-from dflashpipe.params import CompileParams, EvaluateParams, ModelParams
-from dflashpipe.pipeline import StageKey
-
-TRAIN_STEP_REPEATS = 3
-"""Timed training steps after one untimed one; the median is reported."""
+from dflashpipe.params import EvaluateParams
+from dflashpipe.spread import SUFFIX
 
 
 @dataclass(frozen=True)
 class EvaluateInputs:
     evaluate: EvaluateParams
-    model: ModelParams
-    compile: CompileParams
 
 
 def stop_token_ids(target, tokenizer) -> list[int]:
@@ -57,56 +54,11 @@ def decode_prompts(
     return results
 
 
-def measure_train_step(
-    drafter_dir: Path,
-    target,
-    model: ModelParams,
-    compile: CompileParams,
-    compile_dir: Path,
-    scratch: Path,
-    compile_key: StageKey | None,
-) -> dict:
-    """One drafter training step (forward + backward) timed on its own: no target forward, no data
-    loading, no threads, so only the drafter's kernels are in the figure. It runs the path train runs:
-    compiled from the warmup artifact (copied into `scratch`) when compile.enabled and the artifact was
-    built for `compile_key` (warmup's stage key now), compiled cold when not (compile_source says why),
-    eager when compile.enabled is false."""
-    from dflashpipe.compile.artifact import load_artifact_or_go_cold
-    from dflashpipe.compile.guard import dynamo_counters
-    from dflashpipe.compile.warmup import compiled_step, run_step_once
-
-    device = target.device
-    # float32 master weights, as train steps them (bf16 on disk loads exactly)
-    drafter = DFlashDrafter.from_pretrained(
-        drafter_dir, TargetHead.of(target), dtype=torch.float32, attention=model.attention, gamma=model.gamma
-    )
-    drafter.train()
-    step_fn, source = drafter, "eager: compile.enabled is false"
-    if compile.enabled:
-        source = load_artifact_or_go_cold(compile_dir, scratch, compile_key)
-        step_fn = compiled_step(drafter)
-    run_step_once(step_fn, drafter, model, compile.micro_batch, device)  # the compile (or cache load) is here
-    warm = dynamo_counters()
-    runs = [run_step_once(step_fn, drafter, model, compile.micro_batch, device) for _ in range(TRAIN_STEP_REPEATS)]
-    seconds = statistics.median(r["seconds"] for r in runs)
-    positions = compile.micro_batch * model.seq_len
-    return {
-        "what": f"{'compiled' if compile.enabled else 'eager'} drafter forward+backward, {runs[0]['backend']} "
-        f"attention, median of {TRAIN_STEP_REPEATS} after 1 warm step; tokens = micro_batch x seq_len positions",
-        "compiled": compile.enabled,
-        "compile_source": source,
-        "graphs_compiled_while_timed": dynamo_counters()["unique_graphs"] - warm["unique_graphs"],
-        "device": device.type,
-        "shapes": runs[0]["shapes"],
-        "seconds": round(seconds, 4),
-        "tokens_per_s": round(positions / seconds, 2) if seconds > 0 else 0.0,
-    }
-
-
 def read_train_metrics(path: Path) -> dict:
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
-        return {"tokens_per_s": raw["tokens_per_s"], "compile": raw["compile"]}
+        spread = {key: raw[key] for key in ("tokens_per_s" + SUFFIX,) if key in raw}  # absent in older runs
+        return {"tokens_per_s": raw["tokens_per_s"], **spread, "compile": raw["compile"]}
     except FileNotFoundError:
         raise SourceError(f"{path} not found: run `dvc repro train` first") from None
     except (ValueError, KeyError, TypeError) as exc:
@@ -127,18 +79,15 @@ def evaluate_drafter(
     target_dir: Path | str,
     manifest_dir: Path | str,
     train_metrics: Path | str,
-    compile_dir: Path | str,
+    bench_metrics: Path | str,
     metrics_dir: Path | str,
     root: Path | str = ".",
     device: str | None = None,
-    *,
-    compile_key: StageKey | None = None,
 ) -> dict:
     """Write metrics/eval.json, metrics/eval_regression.json and the plot tables; return the eval metrics.
 
-    `compile_key` is warmup's stage key now (pipeline.stage_key("warmup")): the timed train step uses
-    the artifact in `compile_dir` only if it was built for it. Without one the step compiles cold (in
-    its untimed first call, so the figure holds) and eval.json's train_step.compile_source says why."""
+    `bench_metrics` (metrics/bench.json) is read for the regression check only; missing, its figure is
+    reported as not measured."""
     from dflashpipe.target import load_materialised_target
     from dflashpipe.tokens.chat import load_chat_tokenizer
 
@@ -164,16 +113,10 @@ def evaluate_drafter(
     results = decode_prompts(target, drafter, prompts, p.max_new_tokens, stop_token_ids(target, chat.tokenizer))
     decoding, tables = eval_metrics(results, drafter.config.block_size)
     metrics_dir.mkdir(parents=True, exist_ok=True)
-    # a partial sibling of eval.json: if this run is killed, the next one's write of eval.json removes it
-    with tempfile.TemporaryDirectory(prefix=f".eval.json{PARTIAL}inductor-", dir=metrics_dir) as scratch:
-        train_step = measure_train_step(
-            drafter_dir, target, inputs.model, inputs.compile, Path(compile_dir), Path(scratch), compile_key
-        )
     metrics = {
         **decoding,
         "skipped_prompts": skipped,
         "train": train,
-        "train_step": train_step,
         "setup": {
             "block_size": drafter.config.block_size,
             "max_new_tokens": p.max_new_tokens,
@@ -183,8 +126,9 @@ def evaluate_drafter(
             "temperature": 0,
         },
     }
+    current = {regression.EVAL_METRICS: metrics, regression.BENCH_METRICS: regression.read_current(bench_metrics)}
     baseline, commit, note = regression.read_baseline(p.baseline, root)
-    report = regression.compare(metrics, baseline, p.baseline, commit, note, p.max_regression)
+    report = regression.compare(current, baseline, p.baseline, commit, note, p.max_regression)
     write_plot_tables(tables, metrics_dir)
     write_json_atomic(metrics_dir / "eval.json", metrics)
     write_json_atomic(metrics_dir / "eval_regression.json", report)

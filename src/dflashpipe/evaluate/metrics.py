@@ -9,6 +9,7 @@ from dflashpipe import plots as plotting
 from dflashpipe.artifacts import write_bytes_atomic, write_json_atomic
 from dflashpipe.evaluate.prompts import EvalPrompt
 from dflashpipe.evaluate.speculative import Decoded
+from dflashpipe.spread import Spread
 
 PLOTS_DIR = "eval"
 PLOT_TABLES = ("tau_per_source", "slot_acceptance", "speedup_per_prompt")
@@ -34,6 +35,12 @@ class PromptResult:
 def _per_token(decoded: list[Decoded]) -> float:
     tokens = sum(d.decode_tokens for d in decoded)
     return sum(d.decode_s for d in decoded) / tokens if tokens else 0.0
+
+
+def decode_rates(decoded: list[Decoded]) -> Spread:
+    """Decode tokens/s per prompt: the repeats whose spread tells a throughput change from noise."""
+    rates = [d.decode_tokens / d.decode_s for d in decoded if d.decode_tokens and d.decode_s > 0]
+    return Spread.of(rates or [0.0])
 
 
 def _summary(results: list[PromptResult]) -> dict:
@@ -62,16 +69,16 @@ def slot_acceptance(decoded: list[Decoded], block_size: int) -> dict[str, float]
 def eval_metrics(results: list[PromptResult], block_size: int) -> tuple[dict, dict[str, list[dict]]]:
     """metrics/eval.json's decoding part, and the plot tables."""
     spec = [r.speculative for r in results]
-    base_s, ours_s = _per_token([r.target for r in results]), _per_token(spec)
     mismatched = [r for r in results if r.first_divergence is not None]
     sources = sorted({r.prompt.source for r in results})
     per_source = {s: _summary([r for r in results if r.prompt.source == s]) for s in sources}
     histogram = {str(a): sum(d.accepted.count(a) for d in spec) for a in range(block_size)}
     metrics = {
         **_summary(results),
+        # the median over prompts, with its spread: {target, target_spread, speculative, speculative_spread}
         "decode_tokens_per_s": {
-            "target": round(1 / base_s, 2) if base_s else 0.0,
-            "speculative": round(1 / ours_s, 2) if ours_s else 0.0,
+            **decode_rates([r.target for r in results]).record("target"),
+            **decode_rates(spec).record("speculative"),
         },
         "lossless": not mismatched,
         "mismatched_prompts": [{"id": r.prompt.sample_id, "first_divergence": r.first_divergence} for r in mismatched],

@@ -1,7 +1,14 @@
-"""The regression check: this run's headline metrics against a baseline revision's metrics/eval.json.
+"""The regression check: this run's headline metrics against a baseline revision's metrics/eval.json and
+metrics/bench.json.
 
-The baseline is read through git (`git show <commit>:metrics/eval.json`), never by checking
-anything out, so the workspace that DVC is running the stage in stays untouched.
+A throughput figure that carries its spread over repeats (dflashpipe.spread) regresses only when its range
+and the baseline's do not overlap (a change, not noise) *and* it fell more than evaluate.max_regression. A
+drop within noise is reported as such and never fails the stage. When a side has no spread (a baseline
+recorded before spreads, or a single measurement) the two cannot be told apart: the figure is "unmeasured"
+and today's threshold rule alone decides, which the report and the printed line say.
+
+The baseline is read through git (`git show <commit>:<file>`), never by checking anything out, so the
+workspace that DVC is running the stage in stays untouched.
 """
 
 from __future__ import annotations
@@ -11,19 +18,25 @@ import subprocess
 import types
 from pathlib import Path
 
-from dflashpipe.errors import DflashpipeError
+from dflashpipe import spread
+from dflashpipe.errors import DflashpipeError, SourceError
 
 EVAL_METRICS = "metrics/eval.json"
+BENCH_METRICS = "metrics/bench.json"
+BASELINE_FILES = (EVAL_METRICS, BENCH_METRICS)
 
 HEADLINE = {
-    "tau": (("tau",), False),
-    "speedup": (("speedup",), True),
-    "decode_tokens_per_s": (("decode_tokens_per_s", "speculative"), True),
-    "train_tokens_per_s": (("train", "tokens_per_s"), True),
-    "train_step_tokens_per_s": (("train_step", "tokens_per_s"), True),
+    "tau": (EVAL_METRICS, ("tau",), False),
+    "speedup": (EVAL_METRICS, ("speedup",), True),
+    "decode_tokens_per_s": (EVAL_METRICS, ("decode_tokens_per_s", "speculative"), True),
+    "train_tokens_per_s": (EVAL_METRICS, ("train", "tokens_per_s"), True),
+    "train_step_tokens_per_s": (BENCH_METRICS, ("tokens_per_s",), True),
 }
-"""name -> (path in metrics/eval.json, is a throughput). Only a throughput drop can fail the stage:
+"""name -> (metrics file, path in it, is a throughput). Only a throughput drop can fail the stage:
 tau is the drafter's quality, which a retrained drafter may trade."""
+MOVED = {"train_step_tokens_per_s": (EVAL_METRICS, ("train_step", "tokens_per_s"))}
+"""Where a baseline recorded before the bench stage keeps a figure (evaluate timed the step then)."""
+UNMEASURED_RULE = "threshold rule only: a side has no spread of 2+ repeats, so noise cannot be told from change"
 
 
 def resolve_revision(repo, name: str) -> str:
@@ -49,8 +62,21 @@ def _git(root: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
 
 
+def read_current(path: Path | str) -> dict | None:
+    """A metrics file of this run (metrics/bench.json), or None when there is none yet."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except ValueError as exc:
+        raise SourceError(f"{path}: not JSON ({exc}): rerun the stage that writes it") from None
+
+
 def read_baseline(revision: str, root: Path | str = ".") -> tuple[dict | None, str | None, str]:
-    """(baseline metrics or None, its commit, a note saying what was read or why there is none)."""
+    """({file: metrics} of BASELINE_FILES at `revision`, or None; its commit; a note saying what was read
+    or why there is none). The baseline needs metrics/eval.json; metrics/bench.json may be missing (a
+    revision from before the bench stage)."""
     root = Path(root)
     if not revision.strip() or revision.strip().lower() == "none":
         return None, None, "no baseline: evaluate.baseline is empty"
@@ -68,59 +94,116 @@ def read_baseline(revision: str, root: Path | str = ".") -> tuple[dict | None, s
         raise DflashpipeError(f"params.yaml: evaluate.baseline = {revision!r}: {exc}") from None
     finally:
         scm.close()
-    shown = _git(root, "show", f"{commit}:{EVAL_METRICS}")
-    if shown.returncode != 0:
-        return None, commit, f"no baseline: {revision} ({commit[:12]}) has no {EVAL_METRICS}"
-    try:
-        return json.loads(shown.stdout), commit, f"{EVAL_METRICS} at {revision} ({commit[:12]})"
-    except ValueError:
-        return None, commit, f"no baseline: {EVAL_METRICS} at {revision} ({commit[:12]}) is not JSON"
+    at = f"{revision} ({commit[:12]})"
+    found = {}
+    for file in BASELINE_FILES:
+        shown = _git(root, "show", f"{commit}:{file}")
+        if shown.returncode != 0:
+            continue
+        try:
+            found[file] = json.loads(shown.stdout)
+        except ValueError:
+            return None, commit, f"no baseline: {file} at {at} is not JSON"
+    if EVAL_METRICS not in found:
+        return None, commit, f"no baseline: {at} has no {EVAL_METRICS}"
+    return found, commit, f"{' and '.join(sorted(found))} at {at}"
 
 
-def _value(metrics: dict, path: tuple[str, ...]) -> float | None:
+def _node(metrics: dict | None, path: tuple[str, ...]) -> dict | None:
+    """The dict that holds the figure at `path` (its parent), or None."""
     node = metrics
-    for key in path:
-        if not isinstance(node, dict) or key not in node:
-            return None
-        node = node[key]
+    for key in path[:-1]:
+        node = node.get(key) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else None
+
+
+def _value(parent: dict | None, key: str) -> float | None:
+    node = parent.get(key) if parent is not None else None
     return float(node) if isinstance(node, (int, float)) and not isinstance(node, bool) else None
+
+
+def _figure(files: dict | None, file: str, path: tuple[str, ...]) -> tuple[float | None, spread.Spread | None]:
+    parent = _node((files or {}).get(file), path)
+    return _value(parent, path[-1]), spread.Spread.read(parent, path[-1]) if parent is not None else None
 
 
 def compare(
     current: dict, baseline: dict | None, revision: str, commit: str | None, note: str, max_regression: float
 ) -> dict:
-    """metrics/eval_regression.json: the relative change of each headline metric, and which ones regressed."""
+    """metrics/eval_regression.json: per headline metric its relative change, the spreads' verdict
+    (noise / change / unmeasured) with each side's repeats, and which ones regressed.
+
+    `current` and `baseline` map a metrics file (EVAL_METRICS, BENCH_METRICS) to its content."""
     report = {
         "baseline": revision,
         "commit": commit,
         "note": note,
         "max_regression": max_regression,
+        "rule": "a regression: ranges over repeats do not overlap (change, not noise) and the drop exceeds "
+        f"max_regression; unmeasured: {UNMEASURED_RULE}",
         "metrics": {},
         "regressions": [],
         "throughput_regressions": [],
+        "within_noise": [],
     }
     if baseline is None:
         return report
-    for name, (path, throughput) in HEADLINE.items():
-        new, old = _value(current, path), _value(baseline, path)
+    for name, (file, path, throughput) in HEADLINE.items():
+        new, new_spread = _figure(current, file, path)
+        old, old_spread = _figure(baseline, file, path)
+        if old is None and name in MOVED:
+            old, old_spread = _figure(baseline, *MOVED[name])
         change = round((new - old) / old, 4) if new is not None and old else None
-        report["metrics"][name] = {"old": old, "new": new, "change": change}
-        if change is not None and change < -max_regression:
-            report["regressions"].append(name)
-            if throughput:
-                report["throughput_regressions"].append(name)
+        verdict = spread.compare(old_spread, new_spread)
+        report["metrics"][name] = {
+            "old": old,
+            "new": new,
+            "change": change,
+            "verdict": verdict,
+            "repeats": {"old": old_spread and old_spread.repeats, "new": new_spread and new_spread.repeats},
+            "ranges": {
+                side: [s.low, s.high] if s is not None else None
+                for side, s in (("old", old_spread), ("new", new_spread))
+            },
+        }
+        if change is None or change >= -max_regression:
+            continue
+        if verdict == "noise":
+            report["within_noise"].append(name)
+            continue
+        report["regressions"].append(name)
+        if throughput:
+            report["throughput_regressions"].append(name)
     return report
 
 
+def _evidence(m: dict) -> str:
+    if m["verdict"] == "unmeasured":
+        return f"unmeasured ({UNMEASURED_RULE})"
+    (old_low, old_high), (new_low, new_high) = m["ranges"]["old"], m["ranges"]["new"]
+    overlap = "overlap" if m["verdict"] == "noise" else "do not overlap"
+    return (
+        f"ranges {old_low:g}..{old_high:g} ({m['repeats']['old']} repeats) and {new_low:g}..{new_high:g} "
+        f"({m['repeats']['new']} repeats) {overlap}"
+    )
+
+
 def regression_lines(report: dict) -> list[str]:
-    """What to print: one line per regressed metric, loud, with the numbers."""
+    """What to print: one line per regressed metric, loud, with the numbers and the evidence; one quiet
+    line per drop beyond max_regression that the spreads call noise."""
+    at = f"{report['baseline']} ({(report['commit'] or '')[:12]})"
     lines = []
     for name in report["regressions"]:
         m = report["metrics"][name]
         kind = "THROUGHPUT REGRESSION" if name in report["throughput_regressions"] else "REGRESSION"
         lines.append(
-            f"!!! {kind}: {name} {m['old']:g} -> {m['new']:g} ({m['change']:+.1%}) vs {report['baseline']} "
-            f"({(report['commit'] or '')[:12]}); evaluate.max_regression = {report['max_regression']:g}"
+            f"!!! {kind}: {name} {m['old']:g} -> {m['new']:g} ({m['change']:+.1%}) vs {at}; "
+            f"evaluate.max_regression = {report['max_regression']:g}; {_evidence(m)}"
+        )
+    for name in report["within_noise"]:
+        m = report["metrics"][name]
+        lines.append(
+            f"noise, not a regression: {name} {m['old']:g} -> {m['new']:g} ({m['change']:+.1%}) vs {at}: {_evidence(m)}"
         )
     return lines
 
@@ -131,7 +214,8 @@ def check(report: dict, fail: bool) -> None:
         names = ", ".join(report["throughput_regressions"])
         raise RegressionError(
             f"{names} fell more than evaluate.max_regression = {report['max_regression']:g} below "
-            f"{report['baseline']} ({(report['commit'] or '')[:12]}); see metrics/eval_regression.json. "
+            f"{report['baseline']} ({(report['commit'] or '')[:12]}) beyond noise where measured; "
+            f"see metrics/eval_regression.json. "
             f"`dflashpipe explain {report['baseline']}` says what changed; set evaluate.fail_on_regression: false "
             f"to record it without failing"
         )

@@ -100,9 +100,9 @@ class DataParams:
 class ModelParams:
     """The DFlash drafter: its architecture, its training shapes and its attention backend.
 
-    The shapes are static on purpose: every sequence is padded to `seq_len` and every
-    sequence gets `num_anchors` blocks (unused ones masked out), so one compiled
-    flex_attention serves a whole run.
+    The shapes are static on purpose: whole sequences are packed into rows of `seq_len` tokens
+    (train/data.py) and every row gets `num_anchors` blocks (unused ones masked out), so one
+    compiled flex_attention serves a whole run.
     """
 
     layers: int
@@ -115,9 +115,10 @@ class ModelParams:
     """Explicit target layer ids (0-based decoder layers) instead of the even spacing; empty = spaced.
     When set, it must list `target_layers` ids in increasing order."""
     num_anchors: int
-    """Blocks per training sequence (anchors sampled among supervised positions, resampled each step)."""
+    """Blocks per training row (anchors sampled among supervised positions, resampled each step)."""
     seq_len: int
-    """Training sequence length: every sequence is padded (or must fit) to exactly this many tokens."""
+    """Training row length: sequences are packed whole into rows of exactly this many tokens (a longer
+    sequence is cut to it, counted as truncated), the rest of a row padded."""
     gamma: float
     """Loss decay: slot k weighs exp(-(k-1)/gamma) (published: 7 for block 16, 5 for 10, 4 for 8)."""
     attention: Literal["auto", "flex", "sdpa"]
@@ -192,7 +193,7 @@ class CompileParams:
     enabled: bool
     """Compile the drafter's training step (inductor). false runs it eagerly: the baseline for benchmarks."""
     micro_batch: int
-    """Sequences per drafter replica per step: with model.seq_len, the one shape that is compiled."""
+    """Packed rows per drafter replica per step: with model.seq_len, the one shape that is compiled."""
     guard: Literal["error", "warn"]
     """After warmup, a new compile, an eager fallback or an FX-tracing race is an `error` (or a `warn`ing)."""
 
@@ -233,7 +234,7 @@ class TrainParams:
     """The drafter's training recipe (DFlash defaults: AdamW, warmup + cosine, clip 1.0)."""
 
     max_steps: int
-    """Optimizer steps; each consumes compile.micro_batch sequences per drafter replica (and per process)."""
+    """Optimizer steps; each consumes compile.micro_batch packed rows per drafter replica (and per process)."""
     lr: float
     """Peak learning rate."""
     warmup_steps: int
