@@ -12,14 +12,18 @@ import yaml
 
 from dflashpipe.explain import (
     ALWAYS,
+    CHANGE,
     DIRECT,
     DOWNSTREAM,
     FROZEN,
+    NOISE,
     OUTPUTS,
     UNCHANGED,
     UNKNOWN,
+    UNMEASURED,
     compare,
     explain,
+    metric_line,
     read_revision_state,
     root_causes,
     to_markdown,
@@ -54,12 +58,11 @@ def test_nothing_changed_says_so(committed):
 def test_growing_the_data_hits_manifest_only_and_costs_are_attributed(committed):
     set_params(committed, data__num_samples=N + 20)
     report = explain("HEAD", "workspace", committed)
+    # warmup (and anything else that never reads data) stays unchanged
     assert verdicts(report) == {
-        "fingerprint": ALWAYS,
-        "target": UNCHANGED,
+        **quiet(),
         "manifest": DIRECT,
         "tokenize": DOWNSTREAM,
-        "warmup": UNCHANGED,
         "train": DOWNSTREAM,
         "evaluate": DOWNSTREAM,
     }
@@ -68,6 +71,12 @@ def test_growing_the_data_hits_manifest_only_and_costs_are_attributed(committed)
         "dvc.lock@HEAD stages.manifest.params['params.yaml']['data.num_samples'] vs "
         "params.yaml (workspace) data.num_samples"
     )
+    # nothing has rerun, so no hash moved yet: the path goes through the stages that will rerun
+    by_stage = {v.stage: v for v in report.stages}
+    assert "evaluate <- data/drafter (train, not rerun yet) <- data/tokens (tokenize, not rerun yet) <- " in (
+        "\n".join(by_stage["evaluate"].paths)
+    )
+    assert not report.machine.stale  # the fingerprint stage ran on this machine
 
     run(["dvc", "repro", "manifest"], committed)  # its metrics are what this test reads
     report = explain("HEAD", "workspace", committed)
@@ -81,19 +90,40 @@ def test_growing_the_data_hits_manifest_only_and_costs_are_attributed(committed)
     assert "| target | unchanged |" in md and f"`train_samples` {N} -> {N + 20} (+{round(100 * 20 / N)}%)" in md
 
 
+def test_grown_data_rerun_and_committed_names_the_changed_files_on_each_path(committed):
+    set_params(committed, data__num_samples=N + 20)
+    run(["dvc", "repro"], committed)
+    run(["git", "add", "-A"], committed)
+    run(["git", "commit", "-qm", "grow the data"], committed)
+    report = explain("HEAD~1", "HEAD", committed)
+    assert report.machine is None  # two recorded states: the machine now is not part of the question
+    paths = {v.stage: v.paths for v in report.stages}
+    new_shard = f"data/manifest/train-{SHARDS:05d}.parquet"
+    # the new shard and the manifest's own listing and summary moved; the old shards kept their bytes
+    grown = (
+        f"data/manifest/files.json, data/manifest/summary.json, {new_shard} (manifest: params.yaml:data.num_samples)"
+    )
+    assert paths["tokenize"] == [f"tokenize <- {grown}"]
+    # the eval split kept its sha256: evaluate is invalidated through train's outputs only, never through it
+    assert paths["evaluate"] and not any("eval.parquet" in p for p in paths["evaluate"])
+    assert all(
+        p.startswith(
+            (
+                "evaluate <- data/drafter (train) <- data/tokens (tokenize) <- ",
+                "evaluate <- metrics/train/metrics.json (train) <- data/tokens (tokenize) <- ",
+            )
+        )
+        for p in paths["evaluate"]
+    )
+    assert all(p.endswith(f"(tokenize) <- {grown}") for p in paths["evaluate"])
+    assert paths["warmup"] == [] and paths["target"] == []
+
+
 def test_a_deleted_output_is_missing_and_restorable(committed):
     shutil.rmtree(committed / "data/manifest")
     report = explain("HEAD", "workspace", committed)
     # restorable: what was computed from it (tokenize, train, evaluate) stays valid
-    assert verdicts(report) == {
-        "fingerprint": ALWAYS,
-        "target": UNCHANGED,
-        "manifest": OUTPUTS,
-        "tokenize": UNCHANGED,
-        "warmup": UNCHANGED,
-        "train": UNCHANGED,
-        "evaluate": UNCHANGED,
-    }
+    assert verdicts(report) == {**quiet(), "manifest": OUTPUTS}
     (cause,) = report.stages[[v.stage for v in report.stages].index("manifest")].causes
     assert (cause.kind, cause.what, cause.new) == ("out", "data/manifest", "missing")
     assert "restorable: `dvc checkout`" in cause.evidence
@@ -119,17 +149,11 @@ def test_an_edited_source_file_hits_the_stages_that_list_it(committed):
     report = explain("HEAD", "workspace", committed)
     # target.py materialises the target (target) and loads it (warmup, train, evaluate list it too);
     # tokenize only reads the target's output, so it is downstream.
-    assert verdicts(report) == {
-        "fingerprint": ALWAYS,
-        "target": DIRECT,
-        "manifest": UNCHANGED,
-        "tokenize": DOWNSTREAM,
-        "warmup": DIRECT,
-        "train": DIRECT,
-        "evaluate": DIRECT,
-    }
+    listed = listing("src/dflashpipe/target.py")
+    assert {"target", "warmup", "train", "evaluate"} <= set(listed)
+    assert verdicts(report) == {**quiet(), **dict.fromkeys(listed, DIRECT), "tokenize": DOWNSTREAM}
     ((kind, what, old, new, stages),) = roots(report)
-    assert (kind, what, stages) == ("dep", "src/dflashpipe/target.py", ("target", "warmup", "train", "evaluate"))
+    assert (kind, what, stages) == ("dep", "src/dflashpipe/target.py", tuple(listed))
     assert old != new
     assert "dvc.lock@HEAD stages.target.deps[" in report.root_causes[0].evidence
 
@@ -137,15 +161,9 @@ def test_an_edited_source_file_hits_the_stages_that_list_it(committed):
 def test_a_compile_env_var_names_the_fingerprint_key_and_hits_warmup_not_data(committed):
     run(["dvc", "repro", "fingerprint"], committed, env={"TORCHINDUCTOR_MAX_AUTOTUNE": "1"})
     report = explain("HEAD", "workspace", committed)
-    assert verdicts(report) == {
-        "fingerprint": ALWAYS,
-        "target": UNCHANGED,
-        "manifest": UNCHANGED,
-        "tokenize": UNCHANGED,
-        "warmup": DIRECT,
-        "train": DIRECT,
-        "evaluate": DIRECT,
-    }
+    kernel = naming("env")
+    assert {"warmup", "train", "evaluate"} <= set(kernel) and not {"manifest", "tokenize"} & set(kernel)
+    assert verdicts(report) == {**quiet(), **dict.fromkeys(kernel, DIRECT)}
     (cause,) = report.root_causes
     assert (cause.kind, cause.what, cause.new) == (
         "param",
@@ -153,22 +171,29 @@ def test_a_compile_env_var_names_the_fingerprint_key_and_hits_warmup_not_data(co
         {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"},
     )
     # evaluate times a compiled train step on warmup's kernels, so it lists what decides them too
-    assert cause.stages == ["warmup", "train", "evaluate"]
+    assert cause.stages == kernel
+    # this process has no such variable: the file describes another machine, and explain says so first
+    machine = report.machine
+    assert machine.stale and [(c.what, c.old, c.new) for c in machine.changes] == [
+        ("env.TORCHINDUCTOR_MAX_AUTOTUNE", "1", None)
+    ]
+    assert machine.invalid == kernel and machine.edited == []
+    first = to_markdown(report).split("### This machine\n")[1].splitlines()[0]
+    assert first.startswith(
+        "- the fingerprint file is stale: env.TORCHINDUCTOR_MAX_AUTOTUNE now null (recorded 1); "
+        f"these stages are invalid on this machine: {', '.join(kernel)} ("
+    )
+    assert explain("HEAD", "workspace", committed, machine=False).machine is None
 
 
 def test_an_edited_model_file_hits_warmup_and_train(committed):
     with open(committed / "src/dflashpipe/model/layers.py", "a") as fh:
         fh.write("\n# an edit\n")
     report = explain("HEAD", "workspace", committed)
-    assert {s: v for s, v in verdicts(report).items() if v != UNCHANGED} == {
-        "fingerprint": ALWAYS,
-        "warmup": DIRECT,
-        "train": DIRECT,
-        "evaluate": DIRECT,
-    }
-    assert [(c.what, c.stages) for c in report.root_causes] == [
-        ("src/dflashpipe/model", ["warmup", "train", "evaluate"])
-    ]
+    listed = listing("src/dflashpipe/model")
+    assert {"warmup", "train", "evaluate"} <= set(listed) and "tokenize" not in listed
+    assert verdicts(report) == {**quiet(), **dict.fromkeys(listed, DIRECT)}
+    assert [(c.what, c.stages) for c in report.root_causes] == [("src/dflashpipe/model", listed)]
 
 
 def test_two_experiments_compare_by_name_and_json_is_complete(committed):
@@ -212,6 +237,31 @@ def test_an_unknown_revision_is_a_clear_error(committed):
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_KEY = "data/env/fingerprint.json:torch.version"
+FINGERPRINT_PARAMS = "data/env/fingerprint.json"
+
+
+def dvc_stages() -> dict:
+    """This project's dvc.yaml stages (the pipeline fixtures copy this file): stage lists come from here."""
+    return yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+
+
+def quiet() -> dict[str, str]:
+    """Every stage unchanged, the always-changed fingerprint aside."""
+    return {**dict.fromkeys(dvc_stages(), UNCHANGED), "fingerprint": ALWAYS}
+
+
+def listing(dep: str) -> list[str]:
+    """The stages, in dvc.yaml order, whose deps list `dep`."""
+    return [s for s, d in dvc_stages().items() if dep in _paths(d.get("deps"))]
+
+
+def naming(key: str) -> list[str]:
+    """The stages, in dvc.yaml order, whose params name fingerprint key `key`."""
+
+    def named(d: dict) -> list[str]:
+        return [k for e in d.get("params", []) if isinstance(e, dict) for k in e.get(FINGERPRINT_PARAMS, [])]
+
+    return [s for s, d in dvc_stages().items() if key in named(d)]
 
 
 class LockState:
@@ -274,21 +324,10 @@ def dag() -> dict:
     return yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
 
 
-QUIET = {
-    "fingerprint": ALWAYS,
-    "target": UNCHANGED,
-    "manifest": UNCHANGED,
-    "tokenize": UNCHANGED,
-    "warmup": UNCHANGED,
-    "train": UNCHANGED,
-    "evaluate": UNCHANGED,
-}
-
-
 def test_compare_the_same_lock_is_unchanged_everywhere(dag):
     found = compared(dag, lock_of(dag), lock_of(dag))
-    assert [v.stage for v in found] == ["fingerprint", "target", "manifest", "tokenize", "warmup", "train", "evaluate"]
-    assert verdict_map(found) == QUIET
+    assert [v.stage for v in found] == list(dag)  # dvc.yaml lists stages upstream first
+    assert verdict_map(found) == quiet()
     assert root_causes(found) == [] and all(v.causes == [] and v.upstream == [] for v in found)
 
 
@@ -297,7 +336,7 @@ def test_compare_growing_the_data_invalidates_its_chain_and_never_warmup(dag):
         dag, lock_of(dag, values={"data.num_samples": 2000}), lock_of(dag, values={"data.num_samples": 2400})
     )
     assert verdict_map(found) == {
-        **QUIET,
+        **quiet(),
         "manifest": DIRECT,
         "tokenize": DOWNSTREAM,
         "train": DOWNSTREAM,
@@ -315,19 +354,16 @@ def test_compare_growing_the_data_invalidates_its_chain_and_never_warmup(dag):
 
 def test_compare_a_train_param_hits_train_and_evaluate_only(dag):
     found = compared(dag, lock_of(dag, values={"train.lr": 6e-4}), lock_of(dag, values={"train.lr": 1e-3}))
-    assert verdict_map(found) == {**QUIET, "train": DIRECT, "evaluate": DOWNSTREAM}
+    assert verdict_map(found) == {**quiet(), "train": DIRECT, "evaluate": DOWNSTREAM}
     assert cause_tuples(found) == [("param", "params.yaml:train.lr", 6e-4, 1e-3, ("train",))]
 
 
 def test_compare_an_edited_source_file_hits_the_stages_listing_it_and_their_downstream(dag):
     found = compared(dag, lock_of(dag), lock_of(dag, md5={"src/dflashpipe/target.py": "edited"}))
     assert verdict_map(found) == {
-        **QUIET,
-        "target": DIRECT,
+        **quiet(),
+        **dict.fromkeys(listing("src/dflashpipe/target.py"), DIRECT),
         "tokenize": DOWNSTREAM,
-        "warmup": DIRECT,
-        "train": DIRECT,
-        "evaluate": DIRECT,
     }
     assert cause_tuples(found) == [
         (
@@ -335,7 +371,7 @@ def test_compare_an_edited_source_file_hits_the_stages_listing_it_and_their_down
             "src/dflashpipe/target.py",
             "md5(src/dflashpipe/target.py)",
             "edited",
-            ("target", "warmup", "train", "evaluate"),
+            tuple(listing("src/dflashpipe/target.py")),
         )
     ]
 
@@ -344,7 +380,7 @@ def test_compare_a_dep_inside_an_upstream_output_is_that_upstream_not_a_root_cau
     # tokenize's recorded data/manifest hash differs because manifest's output differs: the root
     # cause is manifest's (its output), not a second one on tokenize.
     found = compared(dag, lock_of(dag), lock_of(dag, md5={"data/manifest": "regenerated"}))
-    assert verdict_map(found) == {**QUIET, "tokenize": DOWNSTREAM, "evaluate": DOWNSTREAM, "train": DOWNSTREAM}
+    assert verdict_map(found) == {**quiet(), "tokenize": DOWNSTREAM, "evaluate": DOWNSTREAM, "train": DOWNSTREAM}
     assert root_causes(found) == []
     assert {v.stage: v.upstream for v in found if v.upstream} == {
         "tokenize": ["manifest"],
@@ -355,20 +391,21 @@ def test_compare_a_dep_inside_an_upstream_output_is_that_upstream_not_a_root_cau
 
 def test_compare_a_kernel_environment_key_hits_only_the_stages_naming_it(dag):
     found = compared(dag, lock_of(dag, values={KERNEL_KEY: "2.13.0"}), lock_of(dag, values={KERNEL_KEY: "2.13.1"}))
-    assert verdict_map(found) == {**QUIET, "warmup": DIRECT, "train": DIRECT, "evaluate": DIRECT}
-    assert cause_tuples(found) == [("param", KERNEL_KEY, "2.13.0", "2.13.1", ("warmup", "train", "evaluate"))]
+    kernel = naming("torch.version")
+    assert {"warmup", "train", "evaluate"} <= set(kernel) and not {"manifest", "tokenize", "target"} & set(kernel)
+    assert verdict_map(found) == {**quiet(), **dict.fromkeys(kernel, DIRECT)}
+    assert cause_tuples(found) == [("param", KERNEL_KEY, "2.13.0", "2.13.1", tuple(kernel))]
 
 
 def test_compare_a_library_version_key_hits_the_stages_naming_it_and_their_downstream(dag):
     key = "data/env/fingerprint.json:transformers.version"
     found = compared(dag, lock_of(dag, values={key: "5.24.0"}), lock_of(dag, values={key: "5.25.0"}))
+    # what reads the target's output without naming the key itself is downstream (warmup, train, ...)
     assert verdict_map(found) == {
-        **QUIET,
+        **quiet(),
+        **dict.fromkeys(listing("data/target"), DOWNSTREAM),
         "target": DIRECT,
         "tokenize": DIRECT,
-        "warmup": DOWNSTREAM,
-        "train": DOWNSTREAM,
-        "evaluate": DOWNSTREAM,
     }
     assert cause_tuples(found) == [("param", key, "5.24.0", "5.25.0", ("target", "tokenize"))]
 
@@ -376,7 +413,7 @@ def test_compare_a_library_version_key_hits_the_stages_naming_it_and_their_downs
 def test_compare_the_always_changed_fingerprint_invalidates_nothing_by_itself(dag):
     # The fingerprint file's bytes differ on every run (it is rewritten); stages depend on named keys only.
     found = compared(dag, lock_of(dag), lock_of(dag, md5={"data/env/fingerprint.json": "rewritten"}))
-    assert verdict_map(found) == QUIET
+    assert verdict_map(found) == quiet()
     assert root_causes(found) == []
 
 
@@ -477,3 +514,124 @@ def test_compare_a_missing_output_is_restorable_only_when_the_cache_holds_every_
     assert cause.evidence.endswith("restorable: `dvc checkout` brings the recorded bytes back from the cache")
     # restorable: `dvc checkout` brings back exactly what c was computed from, so c is still valid
     assert verdict_map(found) == {"a": UNCHANGED, "b": OUTPUTS, "c": UNCHANGED, "d": UNCHANGED}
+
+
+class MetricsState(LockState):
+    """A revision with committed metrics files as well."""
+
+    def __init__(self, label: str, stages: dict, lock: dict, metrics: dict[str, dict]) -> None:
+        super().__init__(label, stages, lock)
+        self._metrics = metrics
+
+    def read_text(self, path: str):
+        return json.dumps(self._metrics[path]) if path in self._metrics else None
+
+
+def deltas_between(stages: dict, old: tuple, new: tuple) -> dict:
+    """metric key -> MetricDelta between two (lock, metrics) revisions, as explain computes them."""
+    from dflashpipe.explain import metric_deltas, upstream_of
+
+    sa, sb = MetricsState("HEAD", stages, *old), MetricsState("new", stages, *new)
+    before, after = read_revision_state(sa), read_revision_state(sb)
+    found = compare(before, after, {}, None, "HEAD", "new")
+    return {m.key: m for m in metric_deltas(sa, sb, after, found, upstream_of(after))}
+
+
+def train_metrics(tokens_per_s: float, spread: dict | None) -> dict:
+    record = {"tokens_per_s": tokens_per_s, "final_loss": 9.7}
+    return {"metrics/train/metrics.json": record | ({"tokens_per_s_spread": spread} if spread else {})}
+
+
+def test_a_throughput_drop_within_noise_is_not_blamed_on_grown_data(dag):
+    grown = (lock_of(dag, values={"data.num_samples": 2000}), lock_of(dag, values={"data.num_samples": 2400}))
+    spread = {"low": 48.0, "high": 53.0, "repeats": 5}
+
+    # data.num_samples reaches train through the DAG, yet the ranges overlap: noise, attributed to nothing
+    found = deltas_between(
+        dag,
+        (grown[0], train_metrics(52.0, spread)),
+        (grown[1], train_metrics(49.5, {"low": 47.0, "high": 51.0, "repeats": 3})),
+    )
+    (m,) = found.values()
+    assert (m.key, m.call, m.causes) == ("tokens_per_s", NOISE, [])
+    assert m.spread == "before 52 (range 48..53, 5 repeats); after 49.5 (range 47..51, 3 repeats)"
+    assert "within noise: not attributed" in metric_line(m)[1]
+
+    found = deltas_between(
+        dag,
+        (grown[0], train_metrics(52.0, spread)),
+        (grown[1], train_metrics(31.0, {"low": 30.0, "high": 33.0, "repeats": 3})),
+    )
+    assert (found["tokens_per_s"].call, found["tokens_per_s"].causes) == (CHANGE, ["params.yaml:data.num_samples"])
+
+    found = deltas_between(dag, (grown[0], train_metrics(52.0, None)), (grown[1], train_metrics(51.0, spread)))
+    assert found["tokens_per_s"].call == UNMEASURED
+    assert found["tokens_per_s"].spread == "before no spread recorded; after 51 (range 48..53, 5 repeats)"
+    assert found["tokens_per_s"].causes == ["params.yaml:data.num_samples"]  # unmeasured: the causes stand
+
+
+def test_a_metric_is_attributed_only_to_causes_that_reach_its_stage(dag):
+    # a tokenizer change reaches train (through tokens) but an evaluate-only param does not reach train
+    key = "evaluate.max_new_tokens"
+    found = deltas_between(
+        dag,
+        (lock_of(dag, values={key: 8}), train_metrics(52.0, None)),
+        (lock_of(dag, values={key: 16}), {"metrics/train/metrics.json": {"tokens_per_s": 52.0, "final_loss": 9.8}}),
+    )
+    assert found["final_loss"].causes == [] and found["final_loss"].call is None
+
+
+def test_compare_paths_name_the_changed_files_of_a_directory_and_skip_unchanged_deps(tmp_path):
+    cache = DirCache(tmp_path)
+    cache.put("a1.dir", json.dumps([{"md5": "p", "relpath": "part"}, {"md5": "s1", "relpath": "shard-0"}]).encode())
+    cache.put(
+        "a2.dir",
+        json.dumps(
+            [{"md5": "p", "relpath": "part"}, {"md5": "s1", "relpath": "shard-0"}, {"md5": "s2", "relpath": "shard-1"}]
+        ).encode(),
+    )
+    # a -> b (reads all of out/a) -> c (reads out/b/part); e reads out/a/part only, which kept its hash
+    dag = {**SMALL, "e": {"cmd": "python e.py", "deps": ["e.py", "out/a/part"], "outs": ["out/e"]}}
+    old = lock_of(dag, md5={"out/a": "a1.dir", "out/a/part": "p"}, values={"a.n": 1})
+    new = lock_of(
+        dag, md5={"out/a": "a2.dir", "out/a/part": "p", "out/b": "b2.dir", "out/b/part": "q"}, values={"a.n": 2}
+    )
+    found = {v.stage: v for v in compared(dag, old, new, cache=cache)}
+    assert found["b"].paths == ["b <- out/a/shard-1 (a: params.yaml:a.n)"]
+    assert found["c"].paths == ["c <- out/b/part (b) <- out/a/shard-1 (a: params.yaml:a.n)"]
+    assert found["e"].paths == [] and found["e"].verdict == DOWNSTREAM  # invalidated by a, via no changed file
+    assert found["d"].paths == []
+    # the new listing is not in the cache: say so instead of guessing files
+    new = lock_of(dag, md5={"out/a": "a3.dir", "out/a/part": "p"}, values={"a.n": 2})
+    found = {v.stage: v for v in compared(dag, old, new, cache=cache)}
+    assert found["b"].paths == ["b <- out/a: directory changed (file listing not in the cache) (a: params.yaml:a.n)"]
+
+
+def test_a_stale_fingerprint_names_the_edited_torch_file_and_the_stages_it_invalidates(dag):
+    from dflashpipe.explain import EditedFile, Machine, machine_lines
+    from dflashpipe.explain.machine import fingerprint_changes, invalid_stages
+
+    recorded = json.loads((ROOT / "data/env/fingerprint.json").read_text())
+    now = json.loads(json.dumps(recorded))
+    now["torch"]["files_edited"] = ["torch/fx/_symbolic_trace.py"]
+    now["torch"]["files_ok"] = False
+    changes = fingerprint_changes(recorded, now)
+    assert [(c.what, c.new) for c in changes] == [
+        ("torch.files_edited", ["torch/fx/_symbolic_trace.py"]),
+        ("torch.files_ok", False),
+    ]
+    stages = read_revision_state(LockState("HEAD", dag, lock_of(dag)))
+    invalid = invalid_stages(changes, stages)
+    # the readers of torch.files_edited (the kernel environment), and nothing that reads data
+    assert invalid == naming("torch.files_edited") and {"warmup", "train", "evaluate"} <= set(invalid)
+    edited = EditedFile("torch/fx/_symbolic_trace.py", "sha256=old", "sha256=new", ["Tracer.trace"])
+    first, second = machine_lines(Machine(True, changes, invalid, [edited], "full check: hashed all 3 torch files"))
+    assert first.startswith(
+        'the fingerprint file is stale: torch.files_edited now ["torch/fx/_symbolic_trace.py"] (recorded []); '
+        "torch.files_ok now false (recorded true); "
+        f"these stages are invalid on this machine: {', '.join(invalid)} (full check"
+    )
+    assert second == (
+        "edited installed file torch/fx/_symbolic_trace.py: sha256=new (the wheel's RECORD says sha256=old); "
+        "changed definitions: Tracer.trace"
+    )

@@ -6,16 +6,23 @@ import base64
 import hashlib
 import importlib.metadata as metadata
 import json
+import os
+from pathlib import Path
 
-from dflashpipe.env import compile_environment, distribution_integrity
+from dflashpipe.artifacts import canonical_json
+from dflashpipe.env import HASH_STATE, compile_environment, distribution_integrity, edited_functions, fingerprint
 from tests.conftest import run
 
 
 def test_the_stage_writes_the_same_bytes_twice_and_records_compile_env_vars(dvc_project):
-    run(["python", "stages/fingerprint.py"], dvc_project)
+    # the first run hashes every torch file; the second reuses the hash state: same bytes either way
+    assert "(full check)" in run(["python", "stages/fingerprint.py"], dvc_project).stderr
     first = (dvc_project / "data/env/fingerprint.json").read_bytes()
-    run(["python", "stages/fingerprint.py"], dvc_project)
+    assert (dvc_project / HASH_STATE).is_file()
+    assert "re-hashed 0 of " in run(["python", "stages/fingerprint.py"], dvc_project).stderr
     assert (dvc_project / "data/env/fingerprint.json").read_bytes() == first
+    assert canonical_json(fingerprint()) == first  # no hash state at all
+    assert "dflashpipe-installed-files" not in run(["git", "status", "--porcelain"], dvc_project).stdout
     facts = json.loads(first)
     import torch
 
@@ -54,21 +61,84 @@ def _record_line(root, rel: str) -> str:
     return f"{rel},sha256={digest},{(root / rel).stat().st_size}"
 
 
-def test_an_edited_or_missing_installed_file_is_named(tmp_path):
-    # A real installed distribution layout (what pip writes), checked by the same code that checks torch.
-    pkg = tmp_path / "fakepkg"
-    pkg.mkdir()
+def _b64(data: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+FX = """_is_fx_tracing_flag = False
+
+
+def is_fx_tracing():
+    return _is_fx_tracing_flag
+
+
+class Tracer:
+    def trace(self):
+        return 1
+"""
+
+
+def fake_distribution(site: Path) -> metadata.Distribution:
+    """A real installed layout (what pip writes: the package, its dist-info, a RECORD of sha256s), found by
+    importlib.metadata on a temporary site dir, the way the fingerprint finds torch."""
+    pkg = site / "fakepkg"
+    pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("x = 1\n")
-    (pkg / "fx.py").write_text("_is_fx_tracing_flag = False\n")
+    (pkg / "fx.py").write_text(FX)
     (pkg / "gone.py").write_text("y = 2\n")
-    info = tmp_path / "fakepkg-1.0.dist-info"
+    info = site / "fakepkg-1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fakepkg\nVersion: 1.0\n")
-    lines = [_record_line(tmp_path, f"fakepkg/{n}") for n in ("__init__.py", "fx.py", "gone.py")]
+    lines = [_record_line(site, f"fakepkg/{n}") for n in ("__init__.py", "fx.py", "gone.py")]
     (info / "RECORD").write_text("\n".join(lines + ["fakepkg-1.0.dist-info/RECORD,,"]) + "\n")
-    dist = metadata.PathDistribution(info)
+    (dist,) = metadata.distributions(name="fakepkg", path=[str(site)])
+    return dist
 
-    assert distribution_integrity(dist) == {"edited": [], "missing": []}
-    (pkg / "fx.py").write_text("_is_fx_tracing_flag = threading.local()\n")
-    (pkg / "gone.py").unlink()
-    assert distribution_integrity(dist) == {"edited": ["fakepkg/fx.py"], "missing": ["fakepkg/gone.py"]}
+
+def test_an_edited_or_missing_installed_file_is_named_with_its_hashes(tmp_path):
+    dist = fake_distribution(tmp_path / "site")
+    clean = distribution_integrity(dist)
+    assert (clean.edited, clean.missing, clean.rehashed, clean.checked) == ({}, [], 3, 3)
+    fx = tmp_path / "site/fakepkg/fx.py"
+    recorded = _b64(fx.read_bytes())
+    fx.write_text(FX.replace("return 1", "return 2"))
+    (tmp_path / "site/fakepkg/gone.py").unlink()
+    found = distribution_integrity(dist)
+    assert found.edited == {"fakepkg/fx.py": (recorded, _b64(fx.read_bytes()))}
+    assert found.missing == ["fakepkg/gone.py"]
+
+
+def test_the_hash_state_rehashes_only_files_whose_size_or_mtime_moved(tmp_path):
+    dist, state = fake_distribution(tmp_path / "site"), tmp_path / "state/hashes.json"
+    first = distribution_integrity(dist, state)
+    assert (first.rehashed, first.full) == (3, True) and state.is_file()
+    again = distribution_integrity(dist, state)
+    assert (again.rehashed, again.full, again.edited) == (0, False, {})
+    fx = tmp_path / "site/fakepkg/fx.py"
+    before = fx.stat().st_mtime_ns
+    fx.write_text(FX.replace("False", "True "))  # same size: only the mtime tells
+    os.utime(fx, ns=(before + 10**9, before + 10**9))  # a clock tick apart, whatever the filesystem's granularity
+    edited = distribution_integrity(dist, state)
+    assert edited.rehashed == 1 and list(edited.edited) == ["fakepkg/fx.py"]
+    # the state only saves time: a fresh check without it finds exactly the same
+    assert distribution_integrity(dist).edited == edited.edited
+    state.write_text("{not json")  # torn: a full check, not an error
+    assert distribution_integrity(dist, state).full
+
+
+def test_the_edited_function_is_named_by_diffing_against_the_wheel(tmp_path):
+    import zipfile
+
+    dist = fake_distribution(tmp_path / "site")
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    assert edited_functions(dist, "fakepkg/fx.py", wheels) is None  # no wheel: say so, do not guess
+    with zipfile.ZipFile(wheels / "fakepkg-1.0-py3-none-any.whl", "w") as zf:
+        zf.writestr("fakepkg/fx.py", FX)
+    fx = tmp_path / "site/fakepkg/fx.py"
+    fx.write_text(FX.replace("return 1", "return 2"))
+    assert edited_functions(dist, "fakepkg/fx.py", wheels) == ["Tracer.trace"]
+    fx.write_text(FX.replace("= False", "= threading.local()").replace("return _is", "return  _is"))
+    assert edited_functions(dist, "fakepkg/fx.py", wheels) == ["<module>"]  # whitespace is no change
+    fx.write_text(FX + "# a comment\n")
+    assert edited_functions(dist, "fakepkg/fx.py", wheels) == []

@@ -54,6 +54,38 @@ def explain(
         explaining.print_text(report)
 
 
+METRIC_OPTION = typer.Option(None, help="A metric key (or file:key) to follow; repeatable.")
+
+
+@app.command()
+def history(
+    since: str = typer.Option(None, help="Start after this revision (default: the first commit with a dvc.lock)."),
+    metric: list[str] = METRIC_OPTION,
+    workspace: bool = typer.Option(False, help="Also explain the workspace against HEAD (observes this machine)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    as_md: bool = typer.Option(False, "--md", help="Markdown, for pasting into an issue or PR."),
+) -> None:
+    """Every commit since a revision and its experiments: headline metrics, moves beyond noise, root causes."""
+    from dflashpipe.explain.history import history as walk
+    from dflashpipe.explain.history import history_lines, history_markdown
+
+    try:
+        found = walk(since, metric or None)
+        live = explaining.explain("HEAD", explaining.WORKSPACE) if workspace else None
+    except DflashpipeError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        data = {**dataclasses.asdict(found), "workspace": live and dataclasses.asdict(live)}
+        typer.echo(json.dumps(data, indent=2, default=str))
+    elif as_md:
+        typer.echo(history_markdown(found) + (f"\n{explaining.to_markdown(live)}" if live else ""), nl=False)
+    else:
+        typer.echo("\n".join(history_lines(found)))
+        if live:
+            explaining.print_text(live)
+
+
 @app.command()
 def report(
     out: str = typer.Option(None, "--out", help="Where to write (default report.html, or report.md with --md)."),

@@ -13,17 +13,25 @@ from __future__ import annotations
 import base64
 import hashlib
 import importlib.metadata as metadata
+import json
 import os
 import platform
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from dflashpipe.artifacts import write_json_atomic
 
 COMPILE_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHDYNAMO_", "TRITON_")
 COMPILE_ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "TORCH_CUDA_ARCH_LIST")
 VERSIONED_PACKAGES = ("transformers", "tokenizers", "jinja2", "datasets", "pyarrow", "dvc", "safetensors")
 NONE = "none"
 
+
+WHEELS = Path("/opt/wheels")
+"""Where this project's machines keep the wheels they installed (torch's among them): the originals of
+installed files, for naming the function an edit changed."""
 
 CACHE_LOCATION_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 """Where compiled code is stored, not what it is: left out (dflashpipe and torch set them themselves)."""
@@ -39,32 +47,123 @@ def compile_environment(environ: dict[str, str] | None = None) -> dict[str, str]
     }
 
 
-def distribution_integrity(dist: metadata.Distribution) -> dict[str, list[str]]:
+HASH_STATE = Path(".dvc/tmp/dflashpipe-installed-files.json")
+"""path -> [size, mtime_ns, digest] of installed files already hashed (git-ignored, like DVC's own state
+database): a file whose size and mtime did not move keeps its digest, so a check re-hashes only what moved."""
+
+
+@dataclass
+class Integrity:
+    """An installed distribution against its wheel's RECORD."""
+
+    edited: dict[str, tuple[str, str]]
+    """relative path -> (RECORD's hash, the file's hash now), both as `sha256=<urlsafe b64>`."""
+    missing: list[str]
+    rehashed: int
+    """How many files were read and hashed (the rest came from the hash state)."""
+    checked: int
+
+    @property
+    def full(self) -> bool:
+        return self.rehashed == self.checked
+
+
+def distribution_integrity(dist: metadata.Distribution, hash_state: Path | None = None) -> Integrity:
     """Compare an installed distribution's files with the hashes its wheel's RECORD lists.
 
-    Returns the relative paths of files that were edited and of files that are gone;
-    both empty means the installed files are exactly what the wheel shipped.
+    With `hash_state`, a file whose (size, mtime_ns) match the state's record reuses its digest; the
+    state is rewritten atomically afterwards. The result does not depend on the state, only the time.
     """
-    entries = [f for f in (dist.files or []) if f.hash is not None]
-
-    def check(entry) -> tuple[str, str | None]:
-        path = Path(entry.locate())
+    entries = [(f, str(f.locate())) for f in (dist.files or []) if f.hash is not None]
+    known = _read_hash_state(hash_state)
+    edited: dict[str, tuple[str, str]] = {}
+    missing, stale, updated = [], [], {}
+    # stat everything first (cheap, in order); only files whose size or mtime moved are read, in threads
+    for entry, path in entries:
         try:
-            data = path.read_bytes()
+            st = os.stat(path)
         except FileNotFoundError:
-            return str(entry), "missing"
-        digest = hashlib.new(entry.hash.mode, data).digest()
-        encoded = base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
-        return str(entry), None if encoded == entry.hash.value else "edited"
+            missing.append(str(entry))
+            continue
+        record = known.get(path)
+        if record and record[:2] == [st.st_size, st.st_mtime_ns] and record[2].startswith(entry.hash.mode + "="):
+            updated[path] = record
+        else:
+            stale.append((entry, path, st))
 
-    edited, missing = [], []
+    def digest(item) -> str:
+        entry, path, _ = item
+        with open(path, "rb") as fh:
+            raw = hashlib.file_digest(fh, entry.hash.mode).digest()
+        return f"{entry.hash.mode}={base64.urlsafe_b64encode(raw).rstrip(b'=').decode()}"
+
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        for name, problem in pool.map(check, entries):
-            if problem == "edited":
-                edited.append(name)
-            elif problem == "missing":
-                missing.append(name)
-    return {"edited": sorted(edited), "missing": sorted(missing)}
+        for (_, path, st), found in zip(stale, pool.map(digest, stale), strict=True):
+            updated[path] = [st.st_size, st.st_mtime_ns, found]
+    for entry, path in entries:
+        record = updated.get(path)
+        recorded = f"{entry.hash.mode}={entry.hash.value}"
+        if record is not None and record[2] != recorded:
+            edited[str(entry)] = (recorded, record[2])
+    if hash_state is not None and stale:
+        known.update(updated)
+        write_json_atomic(hash_state, known)
+    return Integrity(dict(sorted(edited.items())), sorted(missing), len(stale), len(entries))
+
+
+def _read_hash_state(path: Path | None) -> dict[str, list]:
+    if path is None:
+        return {}
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # absent or torn: a full check rebuilds it
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def edited_functions(dist: metadata.Distribution, rel: str, wheels: Path = WHEELS) -> list[str] | None:
+    """The functions and classes of installed file `rel` whose code differs from the wheel's copy.
+
+    There is no original beside an installed package; a wheel of the same name and version under `wheels`
+    (where this project keeps its pinned builds) is one. None when no such wheel holds the file or
+    either side does not parse."""
+    import zipfile
+
+    prefix = dist.metadata["Name"].replace("-", "_").lower() + "-" + dist.version
+    for wheel in sorted(Path(wheels).glob("*.whl")) if Path(wheels).is_dir() else []:
+        if not wheel.name.lower().startswith(prefix.lower()):
+            continue
+        try:
+            with zipfile.ZipFile(wheel) as zf:
+                original = zf.read(rel).decode("utf-8")
+            now = Path(dist.locate_file(rel)).read_text(encoding="utf-8")
+            before, after = _definitions(original), _definitions(now)
+        except (KeyError, OSError, SyntaxError, UnicodeDecodeError, zipfile.BadZipFile):
+            continue
+        changed = {n for n in set(before) | set(after) if before.get(n) != after.get(n)}
+        # an edited method changes its class too: name only the innermost definitions that changed
+        return sorted(n for n in changed if not any(m.startswith(n + ".") for m in changed))
+    return None
+
+
+def _definitions(source: str) -> dict[str, str]:
+    """Qualified name -> AST dump of every function and class, and `<module>` for the top-level statements."""
+    import ast
+
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    module = ast.parse(source)
+    found = {
+        "<module>": ast.dump(ast.Module(body=[n for n in module.body if not isinstance(n, kinds)], type_ignores=[]))
+    }
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, kinds):
+                found[prefix + child.name] = ast.dump(child)
+                visit(child, prefix + child.name + ".")
+
+    visit(module, "")
+    return found
 
 
 def _version(package: str) -> str:
@@ -74,7 +173,7 @@ def _version(package: str) -> str:
         return NONE
 
 
-def _torch_facts() -> dict[str, Any]:
+def _torch_facts(integrity: Integrity) -> dict[str, Any]:
     import torch
 
     if torch.version.cuda:
@@ -90,7 +189,6 @@ def _torch_facts() -> dict[str, Any]:
             nccl = ".".join(map(str, torch.cuda.nccl.version()))
         except Exception:  # nccl absent from this build
             nccl = None
-    integrity = distribution_integrity(metadata.distribution("torch"))
     return {
         "version": torch.__version__,
         "git_version": torch.version.git_version,
@@ -99,9 +197,9 @@ def _torch_facts() -> dict[str, Any]:
         "cudnn": str(cudnn) if cudnn else NONE,
         "nccl": nccl or NONE,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "files_ok": not integrity["edited"] and not integrity["missing"],
-        "files_edited": integrity["edited"],
-        "files_missing": integrity["missing"],
+        "files_ok": not integrity.edited and not integrity.missing,
+        "files_edited": list(integrity.edited),
+        "files_missing": integrity.missing,
     }
 
 
@@ -125,19 +223,26 @@ def _gpu_facts() -> dict[str, Any]:
     return {"count": count, "names": names, "capabilities": caps, "driver": driver}
 
 
-def fingerprint() -> dict[str, Any]:
-    """Observe this machine. Same machine, same packages, same variables: same dict."""
+def fingerprint(hash_state: Path | None = None) -> dict[str, Any]:
+    """Observe this machine. Same machine, same packages, same variables: same dict (with or without
+    `hash_state`, which only saves re-hashing torch's unchanged files)."""
+    return observe(hash_state)[0]
+
+
+def observe(hash_state: Path | None = None) -> tuple[dict[str, Any], Integrity]:
+    """The fingerprint and the torch files check behind it (edited files' hashes, how many were re-hashed)."""
+    integrity = distribution_integrity(metadata.distribution("torch"), hash_state)
     facts: dict[str, Any] = {
         "python": {
             "version": platform.python_version(),
             "implementation": platform.python_implementation(),
         },
         "platform": {"system": platform.system(), "machine": platform.machine()},
-        "torch": _torch_facts(),
+        "torch": _torch_facts(integrity),
         "triton": {"version": _version("triton")},
         "gpu": _gpu_facts(),
         "env": compile_environment(),
     }
     for package in VERSIONED_PACKAGES:
         facts[package] = {"version": _version(package)}
-    return facts
+    return facts, integrity

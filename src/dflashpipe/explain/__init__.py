@@ -8,7 +8,8 @@ Stages come from dvc.yaml, so a new stage needs no change here.
 
 The package splits where the work does: `state` reads a state (the only module that
 touches files, git and DVC), `comparison` compares two states along the DAG (pure),
-`render` prints a Report, and `report` holds the types all three share. `explain()`
+`render` prints a Report, `machine` checks the live machine against the fingerprint file (with the
+fingerprint stage's own code), `history` walks the commits, and `report` holds the types all share. `explain()`
 below wires them together; `__all__` is the public API.
 """
 
@@ -18,17 +19,23 @@ from pathlib import Path
 
 from dflashpipe.errors import DflashpipeError
 from dflashpipe.explain.comparison import compare, metric_deltas, root_causes, topological, upstream_of
-from dflashpipe.explain.render import cause_line, metric_line, print_text, to_json, to_markdown
+from dflashpipe.explain.machine import observe_machine
+from dflashpipe.explain.render import cause_line, machine_lines, metric_line, print_text, to_json, to_markdown
 from dflashpipe.explain.report import (
     ALWAYS,
+    CHANGE,
     DIRECT,
     DOWNSTREAM,
     FROZEN,
+    NOISE,
     OUTPUTS,
     RESTORABLE,
     UNCHANGED,
     UNKNOWN,
+    UNMEASURED,
     Cause,
+    EditedFile,
+    Machine,
     MetricDelta,
     Report,
     StageState,
@@ -38,28 +45,35 @@ from dflashpipe.explain.state import (
     PARAMS_FILE,
     WORKSPACE,
     State,
+    parse_yaml,
     read_revision_state,
     read_workspace_state,
 )
 
 __all__ = [
     "ALWAYS",
+    "CHANGE",
     "DIRECT",
     "DOWNSTREAM",
     "FROZEN",
+    "NOISE",
     "OUTPUTS",
     "PARAMS_FILE",
     "RESTORABLE",
     "UNCHANGED",
     "UNKNOWN",
+    "UNMEASURED",
     "WORKSPACE",
     "Cause",
+    "EditedFile",
+    "Machine",
     "MetricDelta",
     "Report",
     "StageState",
     "State",
     "Verdict",
     "cause_line",
+    "machine_lines",
     "compare",
     "explain",
     "metric_deltas",
@@ -75,9 +89,15 @@ __all__ = [
 ]
 
 
-def explain(a: str = "HEAD", b: str = WORKSPACE, root: str | Path = ".") -> Report:
+def explain(a: str = "HEAD", b: str = WORKSPACE, root: str | Path = ".", machine: bool = True) -> Report:
+    """Compare state `a` with state `b`; with `machine`, when one side is the workspace, observe this machine
+    first (report.machine)."""
     from dvc.repo import Repo
 
+    if WORKSPACE in (a, b):  # DVC's own error for a conflicted dvc.lock would not say what happened
+        lock = Path(root) / "dvc.lock"
+        if lock.is_file():
+            parse_yaml(lock.read_text(encoding="utf-8"), f"{lock} (workspace)")
     try:
         repo = Repo(str(root))
     except Exception as exc:  # not a DVC repo
@@ -95,4 +115,5 @@ def explain(a: str = "HEAD", b: str = WORKSPACE, root: str | Path = ".") -> Repo
         verdicts = compare(old, new, recorded, cache, sa.label, sb.label)
         metrics = metric_deltas(sa, sb, new, verdicts, upstream_of(new))
     roots = root_causes(verdicts)
-    return Report(sa.label, sb.label, roots, verdicts, metrics)
+    live = observe_machine(root, new) if machine and WORKSPACE in (sa.label, sb.label) else None
+    return Report(sa.label, sb.label, roots, verdicts, metrics, live)

@@ -10,21 +10,27 @@ from __future__ import annotations
 
 import json
 
+from dflashpipe import spread
 from dflashpipe.explain.report import (
     ALWAYS,
     DIRECT,
     DOWNSTREAM,
     FROZEN,
+    NOISE,
     OUTPUTS,
     RESTORABLE,
     UNCHANGED,
     UNKNOWN,
+    UNMEASURED,
     Cause,
     MetricDelta,
     StageState,
     Verdict,
 )
-from dflashpipe.explain.state import State, in_cache, read_metrics
+from dflashpipe.explain.state import State, dir_listing, in_cache, read_metrics
+
+LISTED_FILES = 5
+"""How many changed files of one directory a path names before it says how many more there are."""
 
 
 def upstream_of(stages: dict[str, StageState]) -> dict[str, list[str]]:
@@ -122,7 +128,56 @@ def compare(
             v.causes.extend(_output_problems(st, recorded.get(name, {}), cache))
             if v.causes:
                 v.verdict = OUTPUTS
+    _trace_paths(verdicts, old, new, ups, cache, workspace=bool(recorded))
     return [verdicts[n] for n in topological(new, ups)]
+
+
+def _inside(path: str, out: str) -> bool:
+    return path == out or path.startswith(out.rstrip("/") + "/")
+
+
+def _trace_paths(verdicts: dict[str, Verdict], old, new, ups, cache, workspace: bool) -> None:
+    """Each stage's file-level chains to what changed: a link is a dep whose recorded hash moved, or (in a
+    workspace whose upstream has not rerun yet, so no new hash exists) a dep of an upstream that will rerun.
+    A chain ends at a stage changed directly, naming the changed files inside the dep it produced."""
+    memo: dict[str, list[str]] = {}
+
+    def below(name: str) -> list[str]:
+        if name in memo:
+            return memo[name]
+        memo[name] = []  # a cycle cannot be a DAG's, but never recurse forever
+        st, before, found = new[name], old.get(name), []
+        for u in ups[name]:
+            pending = workspace and verdicts[u].verdict in (DIRECT, DOWNSTREAM) and old.get(u) is not None
+            pending = pending and all(old[u].outs.get(o) == h for o, h in new[u].outs.items())
+            for dep in (d for d in st.deps if any(_inside(d, o) for o in new[u].outs)):
+                was, now = (before.deps.get(dep) if before else None), st.deps.get(dep)
+                if was == now and not pending:
+                    continue  # same bytes: not on the path, whatever happened upstream
+                upper = [] if verdicts[u].verdict == DIRECT else below(u)
+                if upper:
+                    found += [f"{dep} ({u}{', not rerun yet' if was == now else ''}) <- {c}" for c in upper]
+                    continue
+                files = [dep] if was == now else _changed_files(dep, was, now, cache)
+                why = ", ".join(c.what for c in verdicts[u].causes) or verdicts[u].verdict
+                found.append(f"{', '.join(files)} ({u}{', not rerun yet' if was == now else ''}: {why})")
+        memo[name] = found
+        return found
+
+    for name, v in verdicts.items():
+        v.paths = [f"{name} <- {chain}" for chain in below(name)]
+
+
+def _changed_files(dep: str, was: str | None, now: str | None, cache) -> list[str]:
+    """The files of dep whose hash moved: a file dep itself; a directory's entries from the two `.dir` listings."""
+    if not (was or "").endswith(".dir") and not (now or "").endswith(".dir"):
+        return [dep if now else f"{dep} (missing)"]
+    before, after = dir_listing(cache, was), dir_listing(cache, now)
+    if before is None or after is None:
+        return [f"{dep}: directory changed (file listing not in the cache)"]
+    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    named = [f"{dep.rstrip('/')}/{k}" for k in changed[:LISTED_FILES]]
+    return named + ([f"{len(changed) - LISTED_FILES} more"] if len(changed) > LISTED_FILES else [])
 
 
 def _restorable(v: Verdict) -> bool:
@@ -191,10 +246,36 @@ def metric_deltas(
             old, cur = read_metrics(sa, path), read_metrics(sb, path)
             for key in sorted(set(old) | set(cur)):
                 o, n = old.get(key), cur.get(key)
-                if o == n:
-                    continue
+                if o == n or any(part.endswith(spread.SUFFIX) for part in key.split(".")):
+                    continue  # a `<key>_spread` is read with its figure, below
                 change = None
                 if isinstance(o, (int, float)) and isinstance(n, (int, float)) and not isinstance(o, bool) and o != 0:
                     change = (n - o) / abs(o)
-                deltas.append(MetricDelta(path, key, o, n, change, st.name, causes_reaching(st.name)))
+                delta = MetricDelta(path, key, o, n, change, st.name, causes_reaching(st.name))
+                if is_throughput(key, old, cur):
+                    before, after = figure(old, key), figure(cur, key)
+                    call = spread.compare(before, after)
+                    delta.call = UNMEASURED if call == "unmeasured" else call
+                    delta.spread = f"before {_described(before)}; after {_described(after)}"
+                    if delta.call == NOISE:
+                        delta.causes = []  # within the repeats' range: nothing upstream is to blame
+                deltas.append(delta)
     return deltas
+
+
+def is_throughput(key: str, *flat_metrics: dict) -> bool:
+    """A timed figure: its name says per second, or a side records its spread over repeats."""
+    return any("per_s" in part for part in key.split(".")) or any(
+        f"{key}{spread.SUFFIX}.low" in m for m in flat_metrics
+    )
+
+
+def figure(flat: dict, key: str) -> spread.Spread | None:
+    """`key` with its `<key>_spread` from a flattened metrics dict (read_metrics flattens the spread too)."""
+    prefix = f"{key}{spread.SUFFIX}."
+    parts = {k[len(prefix) :]: v for k, v in flat.items() if k.startswith(prefix)}
+    return spread.Spread.read({key: flat.get(key), key + spread.SUFFIX: parts or None}, key)
+
+
+def _described(s: spread.Spread | None) -> str:
+    return "no spread recorded" if s is None else s.describe()

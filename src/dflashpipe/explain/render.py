@@ -13,10 +13,12 @@ from typing import Any
 from dflashpipe.explain.report import (
     DIRECT,
     DOWNSTREAM,
+    NOISE,
     OUTPUTS,
     UNCHANGED,
     UNKNOWN,
     Cause,
+    Machine,
     MetricDelta,
     Report,
     Verdict,
@@ -31,8 +33,30 @@ def _short(value: Any) -> str:
 
 
 def cause_line(c: Cause) -> str:
-    what = {"param": "param", "dep": "dep", "cmd": "cmd of", "out": "output"}[c.kind]
+    what = {"param": "param", "dep": "dep", "cmd": "cmd of", "out": "output", "machine": "machine"}[c.kind]
     return f"{what} {c.what}: {_short(c.old)} -> {_short(c.new)}"
+
+
+def machine_lines(m: Machine | None) -> list[str]:
+    """What the live machine says, first: a stale fingerprint file makes the rest of the report describe
+    a machine that is not this one."""
+    if m is None:
+        return []
+    if not m.stale:
+        lines = [f"the fingerprint file matches this machine ({m.check})"]
+    else:
+        changed = "; ".join(f"{c.what} now {_short(c.new)} (recorded {_short(c.old)})" for c in m.changes)
+        lines = [
+            f"the fingerprint file is stale: {changed}; these stages are invalid on this machine: "
+            f"{', '.join(m.invalid) or 'none'} ({m.check})"
+        ]
+    for f in m.edited:
+        if f.functions is None:
+            where = "no copy of the wheel to diff against"
+        else:
+            where = "changed definitions: " + (", ".join(f.functions) or "none (only whitespace or comments)")
+        lines.append(f"edited installed file {f.path}: {f.now} (the wheel's RECORD says {f.recorded}); {where}")
+    return lines
 
 
 def to_json(report: Report) -> str:
@@ -41,6 +65,8 @@ def to_json(report: Report) -> str:
 
 def to_markdown(report: Report) -> str:
     lines = [f"## What changed: {report.a} -> {report.b}", ""]
+    if report.machine is not None:
+        lines += ["### This machine", *[f"- {line}" for line in machine_lines(report.machine)], ""]
     lines.append("### Root causes")
     if not report.root_causes:
         lines.append(f"- {_no_causes(report)}")
@@ -59,12 +85,13 @@ def to_markdown(report: Report) -> str:
 
 
 def metric_line(m: MetricDelta) -> tuple[str, str]:
-    """'old -> new (+x%)' and where it came from, with the changed inputs behind it."""
+    """'old -> new (+x%)', with the noise call for a timed figure, and where it came from, with the changed
+    inputs behind it (none for a move within noise)."""
     pct = f" ({m.change:+.0%})" if m.change is not None else ""
-    return (
-        f"{m.old} -> {m.new}{pct}",
-        f"{m.file}, stage {m.stage}; changed inputs: {', '.join(m.causes) or 'none recorded'}",
-    )
+    call = f" [{m.call}]" if m.call else ""
+    why = "within noise: not attributed" if m.call == NOISE else ", ".join(m.causes) or "none recorded"
+    spread = f"; {m.spread}" if m.spread else ""
+    return f"{m.old} -> {m.new}{pct}{call}", f"{m.file}, stage {m.stage}; changed inputs: {why}{spread}"
 
 
 def _no_causes(report: Report) -> str:
@@ -78,6 +105,8 @@ def verdict_reason(v: Verdict) -> str:
     if v.verdict == DIRECT:
         return "; ".join(cause_line(c) for c in v.causes)
     if v.verdict == DOWNSTREAM:
+        if v.paths:
+            return "; ".join(v.paths)
         return f"upstream {', '.join(v.upstream)} changed or will be regenerated"
     if v.verdict == OUTPUTS:
         return "; ".join(f"{cause_line(c)} ({c.evidence.split('; ')[-1]})" for c in v.causes)
@@ -92,6 +121,8 @@ def print_text(report: Report) -> None:
 
     console = Console(highlight=False)
     console.print(f"[bold]What changed: {report.a} -> {report.b}[/bold]")
+    for line in machine_lines(report.machine):
+        console.print(f"[bold red]{escape(line)}[/bold red]" if report.machine.stale else f"[dim]{escape(line)}[/dim]")
     console.print("\n[bold]Root causes[/bold]")
     if not report.root_causes:
         console.print(f"  {escape(_no_causes(report))}")

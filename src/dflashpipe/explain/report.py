@@ -54,6 +54,10 @@ class Verdict:
     causes: list[Cause] = field(default_factory=list)
     upstream: list[str] = field(default_factory=list)
     note: str = ""
+    paths: list[str] = field(default_factory=list)
+    """File-level chains from this stage to a changed input, e.g. `evaluate <- data/drafter (train) <-
+    data/tokens (tokenize) <- data/manifest/train-00003.parquet (manifest: param ...)`. Only deps whose
+    recorded hash changed are named (or, in a workspace not yet rerun, deps of a stage that will rerun)."""
 
 
 @dataclass
@@ -65,6 +69,39 @@ class MetricDelta:
     change: float | None
     stage: str
     causes: list[str]
+    call: str | None = None
+    """For a throughput figure: NOISE, CHANGE or UNMEASURED (spread.compare); None for other metrics.
+    A move called noise is attributed to no cause."""
+    spread: str = ""
+    """Each side's range and repeats, the evidence for `call`."""
+
+
+NOISE = "noise"
+CHANGE = "change"
+UNMEASURED = "unmeasured (no spread recorded)"
+
+
+@dataclass
+class EditedFile:
+    path: str
+    """Relative to the distribution's root, as its RECORD names it (`torch/fx/_symbolic_trace.py`)."""
+    recorded: str
+    now: str
+    functions: list[str] | None
+    """The definitions that differ from the wheel's copy; None when no copy of the wheel was found."""
+
+
+@dataclass
+class Machine:
+    """The live machine against the workspace's fingerprint file, observed by the fingerprint stage's code."""
+
+    stale: bool
+    changes: list[Cause]
+    invalid: list[str]
+    """Stages whose params read a changed fingerprint key, and what is downstream of them (DAG order)."""
+    edited: list[EditedFile]
+    check: str
+    """How the torch files were checked: a full check, or re-hashing only files whose size/mtime moved."""
 
 
 @dataclass
@@ -74,3 +111,5 @@ class Report:
     root_causes: list[Cause]
     stages: list[Verdict]
     metrics: list[MetricDelta]
+    machine: Machine | None = None
+    """Set when one side is the workspace: the machine now may differ from what the fingerprint file says."""

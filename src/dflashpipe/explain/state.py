@@ -10,7 +10,9 @@ returns carries its evidence (`StageState.where`), and what it cannot read is No
 
 from __future__ import annotations
 
+import difflib
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,46 @@ from dflashpipe.explain.report import StageState
 
 WORKSPACE = "workspace"
 PARAMS_FILE = "params.yaml"
+CONFLICT_MARKERS = ("<<<<<<< ", "=======", ">>>>>>> ")
+EXPS_NAMESPACE = "refs/exps/"
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """YAML through libyaml when present (history parses a dvc.lock per distinct blob: 8x faster than pure Python).
+
+    A file holding git's merge conflict markers is named as such: its YAML error would not say why."""
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith(CONFLICT_MARKERS):
+            raise DflashpipeError(
+                f"{where}: unresolved merge conflict (line {number}: {line.strip()[:20]!r}); resolve it, "
+                "e.g. `git checkout --theirs dvc.lock && dvc repro`, then run this again"
+            )
+    try:
+        return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    except yaml.YAMLError as exc:
+        raise DflashpipeError(f"{where}: not valid YAML: {' '.join(str(exc).split())}") from None
+
+
+def known_refs(root: str | Path) -> list[str]:
+    """Branch, tag and DVC experiment names of the repository: what a revision argument can name."""
+    proc = subprocess.run(
+        ["git", "for-each-ref", "--format=%(refname)"], cwd=root, capture_output=True, text=True, check=False
+    )
+    names = []
+    for ref in proc.stdout.split():
+        for prefix in ("refs/heads/", "refs/tags/"):
+            if ref.startswith(prefix):
+                names.append(ref[len(prefix) :])
+        if ref.startswith(EXPS_NAMESPACE) and ref.count("/") == 4:
+            names.append(ref.rsplit("/", 1)[1])  # refs/exps/<sha[:2]>/<sha[2:]>/<name>: what `dvc exp list` shows
+    return sorted(set(names))
+
+
+def unknown_revision(name: str, root: str | Path) -> DflashpipeError:
+    refs = known_refs(root)
+    near = difflib.get_close_matches(name, refs, n=5, cutoff=0.5)
+    known = f"nearby refs: {', '.join(near)}" if near else f"known refs: {', '.join(refs[:10]) or 'none'}"
+    return DflashpipeError(f"{name!r} is neither a git revision nor a DVC experiment (see `dvc exp list`); {known}")
 
 
 class State:
@@ -32,7 +74,10 @@ class State:
         if name == WORKSPACE:
             self.rev, self.fs = None, None
         else:
-            self.rev = resolve_revision(repo, name)
+            try:
+                self.rev = resolve_revision(repo, name)
+            except DflashpipeError:
+                raise unknown_revision(name, repo.root_dir) from None
             self.fs = repo.scm.get_fs(self.rev)
 
     @property
@@ -50,7 +95,87 @@ class State:
 
     def read_yaml(self, path: str) -> Any:
         text = self.read_text(path)
-        return None if text is None else yaml.safe_load(text)
+        return None if text is None else parse_yaml(text, f"{path}@{self.label}")
+
+
+class GitObjects:
+    """Files of many commits through one `git cat-file --batch` process: history reads ~3 files per commit,
+    and a process (or a dulwich tree walk) per read would dominate its time. Parsed YAML is kept per blob."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self._proc = subprocess.Popen(
+            ["git", "cat-file", "--batch"], cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        self._yaml: dict[bytes, Any] = {}
+
+    def read(self, rev: str, path: str) -> tuple[bytes, bytes] | None:
+        """(blob id, content) of `path` at `rev`, or None when the commit has no such file."""
+        self._proc.stdin.write(f"{rev}:{path}\n".encode())
+        self._proc.stdin.flush()
+        header = self._proc.stdout.readline().split()
+        if len(header) != 3:  # "<object> missing"
+            return None
+        blob, kind, size = header
+        data = self._proc.stdout.read(int(size) + 1)[:-1]
+        return (blob, data) if kind == b"blob" else None
+
+    def yaml(self, rev: str, path: str, where: str) -> Any:
+        found = self.read(rev, path)
+        if found is None:
+            return None
+        if found[0] not in self._yaml:
+            self._yaml[found[0]] = parse_yaml(found[1].decode("utf-8"), where)
+        return self._yaml[found[0]]
+
+    def close(self) -> None:
+        self._proc.stdin.close()
+        self._proc.wait()
+
+    def __enter__(self) -> GitObjects:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Commit:
+    """One commit's files, as `State` reads a revision, through a shared GitObjects."""
+
+    def __init__(self, objects: GitObjects, rev: str, label: str) -> None:
+        self.objects, self.rev, self.name, self.label = objects, rev, label, label
+
+    def read_text(self, path: str) -> str | None:
+        found = self.objects.read(self.rev, path)
+        return None if found is None else found[1].decode("utf-8")
+
+    def read_yaml(self, path: str) -> Any:
+        return self.objects.yaml(self.rev, path, f"{path}@{self.label}")
+
+
+class LocalCache:
+    """DVC 3's local cache layout (`<cache>/files/md5/xx/yyyy`), enough to read `.dir` listings without
+    constructing a dvc Repo (1.5 s of imports and setup: most of history's time budget)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.dir = Path(root) / ".dvc" / "cache"
+        for config in (".dvc/config", ".dvc/config.local"):
+            self.dir = _configured_cache_dir(Path(root), config) or self.dir
+
+    def oid_to_path(self, md5: str) -> str:
+        return str(self.dir / "files" / "md5" / md5[:2] / md5[2:])
+
+
+def _configured_cache_dir(root: Path, config: str) -> Path | None:
+    import configparser
+
+    parser = configparser.ConfigParser()
+    try:
+        parser.read(root / config)
+    except configparser.Error:
+        return None
+    value = parser.get("cache", "dir", fallback=None)
+    return None if value is None else ((root / ".dvc") / value).resolve()
 
 
 def _dvc_yaml_stages(state: State) -> dict[str, dict]:
@@ -170,6 +295,17 @@ def in_cache(cache, md5: str) -> bool:
     return True
 
 
+def dir_listing(cache, md5: str | None) -> dict[str, str] | None:
+    """relpath -> md5 of a directory object `md5` (`...dir`) from the cache, None when the cache lacks it."""
+    if cache is None or not md5 or not md5.endswith(".dir"):
+        return None
+    try:
+        entries = json.loads(Path(cache.oid_to_path(md5)).read_text())
+    except (OSError, ValueError):
+        return None
+    return {e["relpath"]: e.get("md5") for e in entries if isinstance(e, dict) and "relpath" in e}
+
+
 def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(obj, dict):
         out = {}
@@ -184,4 +320,9 @@ def read_metrics(state: State, path: str) -> dict[str, Any]:
     text = state.read_text(path)
     if text is None:
         return {}
-    return _flatten(json.loads(text) if path.endswith(".json") else yaml.safe_load(text))
+    if not path.endswith(".json"):
+        return _flatten(parse_yaml(text, f"{path}@{state.label}"))
+    try:
+        return _flatten(json.loads(text))
+    except ValueError as exc:
+        raise DflashpipeError(f"{path}@{state.label}: not valid JSON ({exc})") from None

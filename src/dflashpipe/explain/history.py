@@ -1,0 +1,235 @@
+"""`dflashpipe history`: every commit of a range, and the DVC experiments on them, each with its headline
+metrics and, against its parent, the root causes explain would give and where a metric moved beyond noise.
+
+It reads only git: each commit's dvc.yaml, dvc.lock and committed metrics files (one `git cat-file --batch`
+process for all of them), and the DVC cache's `.dir` listings for file-level paths. Nothing is rerun or
+hashed, and no dvc Repo is built (its imports alone take most of a second), so a whole history takes well
+under two seconds. A step is compared by explain's own `compare`, `root_causes` and `metric_deltas`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflashpipe.errors import DflashpipeError
+from dflashpipe.explain.comparison import compare, metric_deltas, root_causes, upstream_of
+from dflashpipe.explain.report import CHANGE, NOISE, UNMEASURED, Cause, MetricDelta, Verdict
+from dflashpipe.explain.state import (
+    EXPS_NAMESPACE,
+    Commit,
+    GitObjects,
+    LocalCache,
+    read_metrics,
+    read_revision_state,
+    unknown_revision,
+)
+
+LOCK = "dvc.lock"
+
+
+@dataclass
+class Step:
+    """One commit (or experiment) against its parent (or baseline commit)."""
+
+    rev: str
+    label: str
+    """Short sha, or `exp <name>` for an experiment."""
+    subject: str
+    parent: str | None
+    """The label it is compared with; None for the first recorded commit (nothing before it)."""
+    metrics: dict[str, Any]
+    """The selected metrics as committed (`file:key` -> value; None where this commit has none)."""
+    deltas: list[MetricDelta] = field(default_factory=list)
+    root_causes: list[Cause] = field(default_factory=list)
+    stages: list[Verdict] = field(default_factory=list)
+    moved: list[str] = field(default_factory=list)
+    """Selected metrics that moved beyond noise here: a timed figure whose ranges do not overlap, or any
+    other metric whose value changed (the stages are deterministic)."""
+
+
+@dataclass
+class History:
+    since: str | None
+    metrics: list[str]
+    steps: list[Step]
+
+
+def _git(root: Path, *args: str) -> str:
+    proc = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise DflashpipeError(f"git {' '.join(args)}: {proc.stderr.strip().splitlines()[-1] if proc.stderr else ''}")
+    return proc.stdout
+
+
+def _commit_of(root: Path, rev: str) -> str | None:
+    proc = subprocess.run(["git", "rev-parse", "--verify", "-q", f"{rev}^{{commit}}"], cwd=root, capture_output=True)
+    return proc.stdout.decode().strip() if proc.returncode == 0 else None
+
+
+def _resolve(root: Path, name: str, experiments: dict[str, str]) -> str:
+    found = _commit_of(root, name) or experiments.get(name)
+    if found is None:
+        raise unknown_revision(name, root)
+    return found
+
+
+def _experiments(root: Path) -> dict[str, list[tuple[str, str]]]:
+    """baseline sha -> [(experiment name, its commit)], as `dvc exp list` reads them: refs parsed by DVC."""
+    lines = _git(root, "for-each-ref", "--format=%(objectname) %(refname)", EXPS_NAMESPACE).split("\n")
+    refs = [line.split(" ", 1) for line in lines if line]
+    if not refs:
+        return {}
+    from dvc.repo.experiments.refs import ExpRefInfo  # imported only when there are experiments (~0.5 s)
+
+    found: dict[str, list[tuple[str, str]]] = {}
+    for sha, ref in refs:
+        try:
+            info = ExpRefInfo.from_ref(ref)
+        except Exception:  # not an experiment ref (a stash, a temp ref): `dvc exp list` skips these too
+            continue
+        if info.name and info.baseline_sha:
+            found.setdefault(info.baseline_sha, []).append((info.name, sha))
+    return {k: sorted(v) for k, v in found.items()}
+
+
+def _commits(root: Path, since: str | None, experiments: dict[str, list[tuple[str, str]]]) -> list[tuple[str, str]]:
+    """(sha, subject), oldest first, first-parent from `since` (excluded) to HEAD, or from the first commit
+    that has a dvc.lock."""
+    if since is not None:
+        names = {name: sha for exps in experiments.values() for name, sha in exps}
+        spec = f"{_resolve(root, since, names)}..HEAD"
+    else:
+        added = _git(root, "log", "--first-parent", "--reverse", "--format=%H", "HEAD", "--", LOCK).split()
+        if not added:
+            raise DflashpipeError(f"{root}: no commit on HEAD's first-parent line has a {LOCK}")
+        spec = f"{added[0]}^..HEAD" if _commit_of(root, f"{added[0]}^") else "HEAD"
+    out = _git(root, "log", "--first-parent", "--reverse", "--format=%H%x00%s", spec)
+    commits = [tuple(line.split("\0", 1)) for line in out.splitlines() if line]
+    if not commits:
+        raise DflashpipeError(f"no commits in {since}..HEAD: {since!r} is HEAD or a descendant of it")
+    return commits
+
+
+def _metric_files(commit: Commit) -> list[str]:
+    stages = read_revision_state(commit)
+    return [path for st in stages.values() for path in st.metrics]
+
+
+def _selected(commits: list[Commit], wanted: list[str] | None) -> list[str]:
+    """`file:key` names of the metrics to show: `wanted` (bare keys or file:key), else report's headlines."""
+    known: dict[str, str] = {}
+    for commit in commits:
+        for path in _metric_files(commit):
+            for key in read_metrics(commit, path):
+                known.setdefault(f"{path}:{key}", path)
+    if not wanted:
+        from dflashpipe.report import HEADLINES  # the one list of headline figures
+
+        return [f"{file}:{key}" for _, file, key, _ in HEADLINES if f"{file}:{key}" in known]
+    chosen = []
+    for name in wanted:
+        matches = [k for k in known if k == name or k.split(":", 1)[1] == name]
+        if not matches:
+            bare = sorted({k.split(":", 1)[1] for k in known})
+            near = difflib.get_close_matches(name, bare, n=5, cutoff=0.5)
+            raise DflashpipeError(
+                f"no state in this range records metric {name!r}; "
+                + (f"nearby keys: {', '.join(near)}" if near else f"keys recorded: {', '.join(bare[:20]) or 'none'}")
+            )
+        chosen += [m for m in matches if m not in chosen]
+    return chosen
+
+
+def history(since: str | None = None, metrics: list[str] | None = None, root: str | Path = ".") -> History:
+    root = Path(root)
+    if _commit_of(root, "HEAD") is None:
+        repo = subprocess.run(["git", "rev-parse", "--git-dir"], cwd=root, capture_output=True).returncode == 0
+        raise DflashpipeError(f"{root}: {'the repository has no commit yet' if repo else 'not a git repository'}")
+    experiments = _experiments(root)
+    commits = _commits(root, since, experiments)
+    cache = LocalCache(root)
+    with GitObjects(root) as objects:
+        parent_sha = None if since is None else _commit_of(root, f"{commits[0][0]}^")
+        states = [Commit(objects, sha, sha[:8]) for sha, _ in commits]
+        exp_states = {
+            sha: [Commit(objects, exp, f"exp {name}") for name, exp in experiments.get(sha, [])] for sha, _ in commits
+        }
+        every = [c for c in states if c.read_text(LOCK) is not None]
+        every += [e for es in exp_states.values() for e in es]
+        keys = _selected(every, metrics)
+        steps = []
+        previous = Commit(objects, parent_sha, parent_sha[:8]) if parent_sha else None
+        for commit, (_, subject) in zip(states, commits, strict=True):
+            steps.append(_step(commit, subject, previous, keys, cache))
+            for exp in exp_states[commit.rev]:
+                steps.append(_step(exp, f"experiment on {commit.label}", commit, keys, cache))
+            previous = commit
+    return History(since, keys, steps)
+
+
+def _step(commit: Commit, subject: str, parent: Commit | None, keys: list[str], cache) -> Step:
+    values = {k: read_metrics(commit, k.split(":", 1)[0]).get(k.split(":", 1)[1]) for k in keys}
+    step = Step(commit.rev, commit.label, subject, parent.label if parent else None, values)
+    if parent is None or parent.read_text(LOCK) is None or commit.read_text(LOCK) is None:
+        return step
+    old, new = read_revision_state(parent), read_revision_state(commit)
+    verdicts = compare(old, new, {}, cache, parent.label, commit.label)
+    step.stages = verdicts
+    step.root_causes = root_causes(verdicts)
+    step.deltas = metric_deltas(parent, commit, new, verdicts, upstream_of(new))
+    for d in step.deltas:
+        name = f"{d.file}:{d.key}"
+        if name in keys and (d.call == CHANGE or d.call is None):
+            step.moved.append(name)
+    return step
+
+
+def history_lines(h: History) -> list[str]:
+    """Plain text: one block per step, the moves beyond noise marked `<<`."""
+    lines = []
+    for s in h.steps:
+        lines.append(f"{s.label}  {s.subject}" + (f"  (vs {s.parent})" if s.parent else "  (first record)"))
+        shown = ", ".join(f"{k.split(':', 1)[1]}={_value(v)}" for k, v in s.metrics.items() if v is not None)
+        lines.append(f"    metrics: {shown or 'none committed'}")
+        for d in s.deltas:
+            name = f"{d.file}:{d.key}"
+            if name not in h.metrics:
+                continue
+            mark = "  << moved" if name in s.moved else ""
+            call = f" [{d.call}: {d.spread}]" if d.call in (NOISE, CHANGE, UNMEASURED) else ""
+            why = f"; from {', '.join(d.causes)}" if d.causes else ""
+            lines.append(f"    {d.key}: {_value(d.old)} -> {_value(d.new)}{call}{why}{mark}")
+        for c in s.root_causes:
+            lines.append(
+                f"    cause: {c.kind} {c.what}: {_value(c.old)} -> {_value(c.new)} (hits {', '.join(c.stages)})"
+            )
+    return lines
+
+
+def history_markdown(h: History) -> str:
+    head = ["rev", "subject", *[k.split(":", 1)[1] for k in h.metrics], "root causes"]
+    lines = ["## History", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in h.steps:
+        cells = [f"`{s.label}`", s.subject.replace("|", "\\|")]
+        for k in h.metrics:
+            delta = next((d for d in s.deltas if f"{d.file}:{d.key}" == k), None)
+            cell = _value(s.metrics.get(k))
+            if delta is not None and delta.call:
+                cell += f" ({delta.call})"
+            cells.append(f"**{cell}**" if k in s.moved else cell)
+        causes = "; ".join(f"{c.what}: {_value(c.old)} -> {_value(c.new)}" for c in s.root_causes)
+        cells.append(causes.replace("|", "\\|") or ("" if s.parent else "first record"))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Bold: moved beyond noise against the row's parent (a timed figure's ranges do not overlap)."]
+    return "\n".join(lines) + "\n"
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, str) and (len(v) == 32 or v.endswith(".dir")):
+        return v[:12]
+    text = str(v)
+    return text if len(text) <= 60 else text[:57] + "..."

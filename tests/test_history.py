@@ -1,0 +1,248 @@
+"""`dflashpipe history` on a small real DVC project in a temporary git repo: three stages (prepare -> train ->
+evaluate) whose scripts are one-liners, run by real `dvc repro` and `dvc exp run`, so every commit, lock
+entry, `.dir` listing and experiment ref is DVC's own. Then the bad inputs: each one line, exit 2, nothing
+changed on disk."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflashpipe.errors import DflashpipeError
+from dflashpipe.explain import CHANGE, DOWNSTREAM, NOISE, UNMEASURED, explain
+from dflashpipe.explain.history import history, history_lines, history_markdown
+from tests.conftest import run
+
+TRAIN = "metrics/train/metrics.json"  # the file names report's headlines read
+
+# prepare writes one part file per 10 samples (growing n adds part files, the old ones keep their bytes) and
+# an eval split that n does not touch; train reads a speed file no stage tracks (a timing is an observation,
+# not an input) and records tokens_per_s with its spread; evaluate reads the model and the eval split only.
+PREPARE_PY = """
+import json, pathlib, yaml
+n = yaml.safe_load(open("params.yaml"))["n"]
+out = pathlib.Path("data/prep"); out.mkdir(parents=True, exist_ok=True)
+for i in range(n // 10):
+    (out / f"part-{i}.txt").write_text(f"part {i}\\n")
+(out / "eval.txt").write_text("held out\\n")
+"""
+TRAIN_PY = """
+import json, pathlib
+parts = sorted(pathlib.Path("data/prep").glob("part-*.txt"))
+pathlib.Path("data/model").mkdir(parents=True, exist_ok=True)
+pathlib.Path("data/model/weights.txt").write_text(f"{len(parts)} parts\\n")
+speed = json.loads(pathlib.Path("speed.json").read_text())
+record = {"final_loss": round(1 / (1 + len(parts)), 4), "tokens_per_s": speed["median"]}
+if speed.get("repeats", 1) > 1:
+    record["tokens_per_s_spread"] = {k: speed[k] for k in ("low", "high", "repeats")}
+pathlib.Path("metrics/train").mkdir(parents=True, exist_ok=True)
+pathlib.Path("metrics/train/metrics.json").write_text(json.dumps(record))
+"""
+EVALUATE_PY = """
+import json, pathlib
+w = pathlib.Path("data/model/weights.txt").read_text()
+e = pathlib.Path("data/prep/eval.txt").read_text()
+pathlib.Path("metrics/eval.json").write_text(json.dumps({"tau": len(w) + len(e)}))
+"""
+DVC_YAML = {
+    "stages": {
+        "prepare": {"cmd": "python prepare.py", "deps": ["prepare.py"], "params": ["n"], "outs": ["data/prep"]},
+        "train": {
+            "cmd": "python train.py",
+            "deps": ["train.py", "data/prep"],
+            "outs": ["data/model"],
+            "metrics": [{"metrics/train/metrics.json": {"cache": False}}],
+        },
+        "evaluate": {
+            "cmd": "python evaluate.py",
+            "deps": ["evaluate.py", "data/model", "data/prep/eval.txt"],
+            "metrics": [{"metrics/eval.json": {"cache": False}}],
+        },
+    }
+}
+
+
+def git(project: Path, *args: str) -> str:
+    return run(["git", *args], project).stdout.strip()
+
+
+def set_speed(project: Path, median: float, low: float, high: float, repeats: int) -> None:
+    (project / "speed.json").write_text(json.dumps({"median": median, "low": low, "high": high, "repeats": repeats}))
+
+
+def commit_run(project: Path, message: str, n: int | None = None) -> None:
+    if n is not None:
+        (project / "params.yaml").write_text(yaml.safe_dump({"n": n}))
+    run(["dvc", "repro", "-q"], project)
+    git(project, "add", "-A")
+    git(project, "commit", "-qm", message)
+
+
+@pytest.fixture(scope="module")
+def toy_history(tmp_path_factory) -> Path:
+    """Four commits: the project (no dvc.lock), a first run (n=20, speed without spread), grown data
+    (n=30, speed within noise of the next), a train.py edit (speed beyond noise)."""
+    project = tmp_path_factory.mktemp("toy") / "project"
+    project.mkdir()
+    for name, text in {"prepare.py": PREPARE_PY, "train.py": TRAIN_PY, "evaluate.py": EVALUATE_PY}.items():
+        (project / name).write_text(text)
+    (project / "dvc.yaml").write_text(yaml.safe_dump(DVC_YAML, sort_keys=False))
+    (project / "params.yaml").write_text(yaml.safe_dump({"n": 20}))
+    (project / ".gitignore").write_text("speed.json\n")
+    git(project, "init", "-q")
+    git(project, "config", "user.email", "test@example.com")
+    git(project, "config", "user.name", "test")
+    run(["dvc", "init", "-q"], project)
+    run(["dvc", "config", "core.analytics", "false"], project)
+    git(project, "add", "-A")
+    git(project, "commit", "-qm", "project")
+    set_speed(project, 100.0, 100.0, 100.0, 1)  # an old record: one repeat, no spread
+    commit_run(project, "first run")
+    set_speed(project, 95.0, 90.0, 104.0, 5)
+    commit_run(project, "grow the data", n=30)
+    set_speed(project, 70.0, 66.0, 73.0, 5)
+    with open(project / "train.py", "a") as fh:
+        fh.write("# slower\n")
+    commit_run(project, "edit train")
+    return project
+
+
+def test_every_commit_with_its_metrics_causes_and_noise_calls(toy_history):
+    h = history(root=toy_history)
+    assert [s.subject for s in h.steps] == ["first run", "grow the data", "edit train"]
+    # report's headline figures, those these commits record
+    assert h.metrics == ["metrics/eval.json:tau", f"{TRAIN}:tokens_per_s", f"{TRAIN}:final_loss"]
+    first, grown, edited = h.steps
+    assert first.parent is None and first.root_causes == [] and first.metrics[f"{TRAIN}:tokens_per_s"] == 100.0
+
+    # growing n reaches train through the DAG, but a move within the repeats' range is noise: not blamed on n
+    assert [(c.kind, c.what, c.old, c.new, c.stages) for c in grown.root_causes] == [
+        ("param", "params.yaml:n", 20, 30, ["prepare"])
+    ]
+    deltas = {d.key: d for d in grown.deltas}
+    assert deltas["tokens_per_s"].call == UNMEASURED  # the first run recorded no spread
+    assert deltas["tokens_per_s"].spread == "before no spread recorded; after 95 (range 90..104, 5 repeats)"
+    assert deltas["final_loss"].causes == ["params.yaml:n"] and grown.moved == [f"{TRAIN}:final_loss"]
+
+    deltas = {d.key: d for d in edited.deltas}
+    assert (deltas["tokens_per_s"].call, deltas["tokens_per_s"].causes) == (CHANGE, ["train.py"])
+    assert deltas["tokens_per_s"].spread.endswith("after 70 (range 66..73, 5 repeats)")
+    assert edited.moved == [f"{TRAIN}:tokens_per_s"]
+    assert [(c.what, c.stages) for c in edited.root_causes] == [("train.py", ["train"])]
+
+    text = "\n".join(history_lines(h))
+    assert "tokens_per_s: 95.0 -> 70.0 [change: before 95 (range 90..104, 5 repeats); after 70" in text
+    assert text.count("<< moved") == 2
+    assert "**70.0 (change)**" in history_markdown(history(root=toy_history))
+
+
+def test_a_move_within_noise_is_not_attributed_even_when_a_cause_reaches_the_stage(toy_history, tmp_path):
+    project = Path(run(["git", "clone", "-q", str(toy_history), str(tmp_path / "c")], tmp_path).args[-1])
+    set_speed(project, 72.0, 68.0, 75.0, 5)  # overlaps HEAD's 66..73
+    (project / "params.yaml").write_text(yaml.safe_dump({"n": 40}))
+    # the clone has no DVC cache: pull the outputs from the original's
+    run(["dvc", "cache", "dir", str(toy_history / ".dvc/cache")], project)
+    run(["dvc", "checkout", "-q"], project, check=False)
+    commit_run(project, "grow again")
+    (step,) = history(since="HEAD~1", metrics=["tokens_per_s", "final_loss"], root=project).steps
+    deltas = {d.key: d for d in step.deltas}
+    assert (deltas["tokens_per_s"].call, deltas["tokens_per_s"].causes) == (NOISE, [])
+    assert deltas["final_loss"].causes == ["params.yaml:n"]
+    assert step.moved == [f"{TRAIN}:final_loss"]  # a deterministic figure that changed did move
+
+
+def test_file_level_paths_name_only_files_whose_hash_changed(toy_history):
+    report = explain("HEAD~2", "HEAD~1", toy_history)  # n 20 -> 30: prepare adds part-2.txt
+    by_stage = {v.stage: v for v in report.stages}
+    assert by_stage["train"].paths == ["train <- data/prep/part-2.txt (prepare: params.yaml:n)"]
+    # evaluate also lists data/prep/eval.txt, whose hash did not change: it is reached through train only
+    assert by_stage["evaluate"].verdict == DOWNSTREAM
+    assert by_stage["evaluate"].paths == [
+        "evaluate <- data/model (train) <- data/prep/part-2.txt (prepare: params.yaml:n)"
+    ]
+
+
+def test_paths_say_so_when_the_cache_has_no_listing(toy_history, tmp_path):
+    project = Path(run(["git", "clone", "-q", str(toy_history), str(tmp_path / "c")], tmp_path).args[-1])
+    (v,) = [v for v in explain("HEAD~2", "HEAD~1", project).stages if v.stage == "train"]
+    assert v.paths == ["train <- data/prep: directory changed (file listing not in the cache) (prepare: params.yaml:n)"]
+
+
+def test_experiments_appear_after_their_baseline(toy_history, tmp_path):
+    project = Path(run(["git", "clone", "-q", str(toy_history), str(tmp_path / "c")], tmp_path).args[-1])
+    run(["dvc", "cache", "dir", str(toy_history / ".dvc/cache")], project)
+    run(["dvc", "checkout", "-q"], project, check=False)
+    set_speed(project, 71.0, 67.0, 74.0, 5)
+    run(["dvc", "exp", "run", "-q", "-n", "bigger", "-S", "n=50"], project)
+    steps = history(since="HEAD~1", metrics=["final_loss"], root=project).steps
+    assert [(s.label, s.parent) for s in steps] == [(steps[0].label, steps[0].parent), ("exp bigger", steps[0].label)]
+    assert [(c.what, c.old, c.new) for c in steps[1].root_causes] == [("params.yaml:n", 30, 50)]
+    assert steps[1].moved == [f"{TRAIN}:final_loss"]
+    # an experiment name works as --since too
+    with pytest.raises(DflashpipeError, match="no commits in bigger..HEAD"):
+        history(since="bigger", root=project)
+
+
+def _disk(project: Path) -> tuple[str, bytes]:
+    return git(project, "status", "--porcelain", "--ignored"), (project / "dvc.lock").read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["history", "--since", "firts-run"], "'firts-run' is neither a git revision nor a DVC experiment"),
+        (["history", "--metric", "tokens_per_sec"], "no state in this range records metric 'tokens_per_sec'"),
+        (["history", "--since", "HEAD"], "no commits in HEAD..HEAD"),
+        (["explain", "HEAD", "no-such-exp"], "'no-such-exp' is neither a git revision nor a DVC experiment"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_changes_nothing(toy_history, args, message):
+    git(toy_history, "tag", "-f", "first-run", "HEAD~2")
+    before = _disk(toy_history)
+    proc = run(["dflashpipe", *args], toy_history, check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    (line,) = proc.stderr.strip().splitlines()
+    assert message in line
+    if "firts-run" in args:
+        assert line.endswith("nearby refs: first-run")
+    if "tokens_per_sec" in args:
+        assert "nearby keys: tokens_per_s" in line
+    assert _disk(toy_history) == before
+
+
+def test_a_dvc_lock_merge_conflict_is_named(toy_history, tmp_path):
+    project = Path(run(["git", "clone", "-q", str(toy_history), str(tmp_path / "c")], tmp_path).args[-1])
+    run(["dvc", "cache", "dir", str(toy_history / ".dvc/cache")], project)
+    set_speed(project, 70.0, 66.0, 73.0, 5)
+    git(project, "checkout", "-qb", "other")
+    commit_run(project, "n=40 on other", n=40)
+    git(project, "checkout", "-q", "-")
+    commit_run(project, "n=50 here", n=50)
+    assert subprocess.run(["git", "merge", "-q", "other"], cwd=project, capture_output=True).returncode != 0
+    before = _disk(project)
+    proc = run(["dflashpipe", "explain"], project, check=False)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert "dvc.lock (workspace): unresolved merge conflict (line" in line
+    assert _disk(project) == before
+    # history reads commits, not the workspace: it still works mid-merge, until a conflicted lock is committed
+    assert [s.subject for s in history(since="HEAD~1", root=project).steps] == ["n=50 here"]
+    git(project, "add", "-A")
+    git(project, "commit", "-qm", "merged without resolving")
+    proc = run(["dflashpipe", "history", "--since", "HEAD~1"], project, check=False)
+    assert proc.returncode == 2 and "dvc.lock@" in proc.stderr and "unresolved merge conflict" in proc.stderr
+
+
+def test_no_dvc_lock_anywhere_is_an_error(tmp_path):
+    git(tmp_path, "init", "-q")
+    with pytest.raises(DflashpipeError, match="the repository has no commit yet"):
+        history(root=tmp_path)
+    (tmp_path / "a.txt").write_text("a\n")
+    run(["git", "-c", "user.email=t@e", "-c", "user.name=t", "add", "a.txt"], tmp_path)
+    run(["git", "-c", "user.email=t@e", "-c", "user.name=t", "commit", "-qm", "a"], tmp_path)
+    with pytest.raises(DflashpipeError, match="no commit on HEAD's first-parent line has a dvc.lock"):
+        history(root=tmp_path)
