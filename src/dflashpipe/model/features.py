@@ -103,13 +103,8 @@ def target_layer_features(
     hidden = decoder.embed_tokens(input_ids)
     if position_ids is None:
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-    mask_kwargs = {
-        "config": config,
-        "inputs_embeds": hidden,
-        "attention_mask": attention_mask,
-        "cache": None,
-        "position_ids": position_ids,
-    }
+    # Positional up to the (absent) cache: transformers 5.17 names it past_key_values, 5.24 cache.
+    mask_args = (config, hidden, attention_mask, None)
     masks: dict[str, object] = {}
     for kind in sorted(set(layer_types[: last + 1])):
         if kind not in ("full_attention", "sliding_attention"):
@@ -118,9 +113,9 @@ def target_layer_features(
         if document_ids is not None:
             masks[kind] = document_causal_mask(document_ids, window, hidden.dtype)
         elif window is None:
-            masks[kind] = create_causal_mask(**mask_kwargs)
+            masks[kind] = create_causal_mask(*mask_args, position_ids=position_ids)
         else:
-            masks[kind] = create_sliding_window_causal_mask(**mask_kwargs)
+            masks[kind] = create_sliding_window_causal_mask(*mask_args, position_ids=position_ids)
     position_embeddings = decoder.rotary_emb(hidden, position_ids=position_ids)
 
     chosen, out = set(ids), []

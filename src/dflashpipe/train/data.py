@@ -20,11 +20,14 @@ import functools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from dflashpipe.tokens.shards import TokenData
+if TYPE_CHECKING:  # only an annotation: training imports no pyarrow (the GPU check's machine has none)
+    from dflashpipe.tokens.shards import TokenData
+
 
 OPEN_ROWS = 16
 """Rows a sequence may still be packed into. On the embedded default's chats (mean 1032 tokens) in rows of

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,10 +42,12 @@ from dflashpipe.model import DFlashDrafter, DraftLoss, TargetHead, sample_anchor
 from dflashpipe.model.features import target_layer_features
 from dflashpipe.params import CompileParams, ModelParams, TopologyParams, TrainParams
 from dflashpipe.target import load_materialised_target
-from dflashpipe.tokens.shards import TokenData
 from dflashpipe.train.data import Batch, BatchPlan, collate
 from dflashpipe.train.metrics import StepRecord
 from dflashpipe.train.topology import Topology
+
+if TYPE_CHECKING:  # only an annotation: training imports no pyarrow (the GPU check's machine has none)
+    from dflashpipe.tokens.shards import TokenData
 
 POLL_S = 0.05
 
