@@ -15,14 +15,16 @@ At --scale 1 (--scale 0.25 runs a quarter of every count):
    hundred batches, memory-mapped (this code) and as one flat in-memory array (the loading before it),
    side by side (goal: under 2 GB). The peak is the child's VmHWM: getrusage's maxrss of a process
    started from this large one begins at this one's high-water mark (Linux carries it across exec),
-   so it is printed too but overstates small peaks.
+   so it is printed too but overstates small peaks. The batches are train's own: its packing plan
+   (the 8-GPU profile's shapes: seq_len 2048, 3 drafter replicas) and collate.
+
+`--memory-only` runs 4 alone at the full scale, on synthetic token shards written by tokenize's own
+shard writer (random ids, the real set's mean length): what train reads, without hours of encoding.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
-import itertools
 import json
 import resource
 import shutil
@@ -38,7 +40,6 @@ import numpy as np  # noqa: E402
 import orjson  # noqa: E402
 
 from dflashpipe.data.manifest import build_manifest  # noqa: E402
-from dflashpipe.data.sources import read_source  # noqa: E402
 from dflashpipe.params import DataParams, SourceSpec, TokenizeParams  # noqa: E402
 from dflashpipe.pipeline import StageKey  # noqa: E402
 
@@ -123,7 +124,7 @@ def vm(field: str) -> str:
 def memory_child(tokens_dir: str, mode: str, batches: int) -> None:
     """Load the tokens (mapped, or flat as before), collate `batches` batches; print the peak RSS as JSON."""
     from dflashpipe.tokens.shards import TokenData, TokenShard, load_tokens, read_shard
-    from dflashpipe.train.data import collate
+    from dflashpipe.train.data import BatchPlan, collate
 
     before_load = vm("VmRSS")
     began = time.perf_counter()
@@ -139,14 +140,15 @@ def memory_child(tokens_dir: str, mode: str, batches: int) -> None:
         data = TokenData((TokenShard.of(np.concatenate(ids), np.concatenate(masks), offsets),))
         del ids, masks
     loaded = time.perf_counter() - began
-    rng = np.random.default_rng(0)
-    rows_api = list(inspect.signature(collate).parameters)[1] == "rows"  # packing: rows of sequences
+    # Train's own path: the packing plan over every sequence (the 8-GPU profile's shapes: seq_len 2048,
+    # 3 drafter replicas, micro_batch 1), then collate of its rows, step after step.
+    plan = BatchPlan(data.lengths, 2048, 1, 3, 1, 0)
     began = time.perf_counter()
     tokens = 0
-    for _ in range(batches):
-        picked = [int(i) for i in rng.integers(0, len(data), size=8)]
-        batch = collate(data, [[i] for i in picked] if rows_api else picked, 2048, 0)
-        tokens += int(batch.attention_mask.sum())
+    for step in range(batches):
+        for replica in range(3):
+            batch = collate(data, plan.rows(step, 0, replica), 2048, 0)
+            tokens += int(batch.attention_mask.sum())
     status = dict(
         line.split(":", 1)
         for line in Path("/proc/self/status").read_text().splitlines()
@@ -189,6 +191,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=300)
     parser.add_argument("--work", type=Path, default=Path("/tmp/dflashpipe-scale"))
     parser.add_argument("--skip-tokenize", action="store_true", help="manifest only")
+    parser.add_argument(
+        "--memory-only", action="store_true", help="only 4, on synthetic token shards of the 1.1M scale's sizes"
+    )
     parser.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
@@ -197,6 +202,13 @@ def main() -> None:
     lines, full, grown = (round(n * args.scale) for n in (LINES, FULL, GROWN))
     root = args.work
     root.mkdir(parents=True, exist_ok=True)
+    if args.memory_only:
+        tokens = root / "tokens-synthetic"
+        if not (tokens / "files.json").is_file():
+            seconds, count = timed(lambda: write_synthetic_tokens(tokens, grown))
+            print(f"synthetic tokens: {count:,} tokens in {grown:,} sequences ({seconds:.0f} s)")
+        report_memory(tokens, args.batches)
+        return
     source = root / SOURCE
     with open(source, "rb") if source.is_file() else open("/dev/null", "rb") as fh:
         have = sum(1 for _ in fh)
@@ -224,17 +236,6 @@ def main() -> None:
     print(
         f"  (before: growth rebuilt everything: a fresh {grown:,} build took {fresh_s:.2f} s, "
         f"{fresh_s / statistics.median(full_s):.2f}x; grown == fresh byte for byte: {same})"
-    )
-    # What growth spends passing over the records the old build consumed: the jsonl reader parses each
-    # one (it has no way to start at a line), where counting raw lines would do.
-    spec = data_params(full).sources[0]
-    parse_s, _ = timed(lambda: sum(1 for _ in itertools.islice(read_source(spec, root), full)))
-    with open(source, "rb") as fh:
-        raw_s, _ = timed(lambda: sum(1 for _ in itertools.islice((line for line in fh if line.strip()), full)))
-    print(
-        f"  of the growth, the reader passing over the {full:,} consumed records: {parse_s:.2f} s; as raw lines: "
-        f"{raw_s:.2f} s: with a reader that can start at a record, growth would be about "
-        f"{(statistics.median(grow_s) - parse_s + raw_s) / statistics.median(full_s):.2f}x"
     )
     if args.skip_tokenize:
         return
@@ -266,14 +267,49 @@ def main() -> None:
         f"{again_s / first_s:.2f}x the first run; on disk {disk / 1e9:.2f} GB"
     )
 
+    report_memory(tokens, args.batches)
+
+
+def report_memory(tokens: Path, batches: int) -> None:
     for mode in ("mapped", "flat"):
-        m = memory(tokens, mode, args.batches)
+        m = memory(tokens, mode, batches)
         print(
             f"memory, {mode}: peak RSS {m['VmHWM']} (VmHWM; {m['before_load']} after the imports; getrusage maxrss "
             f"{m['maxrss_mb']:,.0f} MB) for {m['tokens']:,} tokens in {m['sequences']:,} sequences "
-            f"(load {m['load_s']} s, {args.batches} batches {m['collate_s']} s; at the end "
+            f"(load {m['load_s']} s, {batches} steps x 3 replicas {m['collate_s']} s; at the end "
             f"RssAnon {m['RssAnon']}, RssFile {m['RssFile']})"
         )
+
+
+SYNTHETIC_MEAN_TOKENS = 323
+"""355M tokens over 1.1M sequences: the real-text set's mean length, measured on the landed main."""
+
+
+def write_synthetic_tokens(out: Path, sequences: int) -> int:
+    """Token shards of `sequences` random sequences (lengths around the real set's mean, ids below
+    SmolLM2's vocabulary), written by tokenize's own shard writer, summary and listing: what train reads,
+    without hours of encoding."""
+    from dflashpipe.artifacts import write_file_listing, write_json_atomic
+    from dflashpipe.tokens.encode import EncodedRows, TokenStats
+    from dflashpipe.tokens.shards import SUMMARY_FILE, shard_name, write_shard
+
+    rng = np.random.default_rng(0)
+    out.mkdir(parents=True, exist_ok=True)
+    entries, total = [], 0
+    for index in range(-(-sequences // SHARD_SIZE)):
+        n = min(SHARD_SIZE, sequences - index * SHARD_SIZE)
+        lengths = np.clip(rng.exponential(SYNTHETIC_MEAN_TOKENS, n).astype(np.int64), 16, 2048)
+        ids = [rng.integers(0, 49152, int(k), dtype=np.int32) for k in lengths]
+        masks = [(np.arange(int(k)) >= int(k) // 2).astype(np.uint8) for k in lengths]
+        rows = EncodedRows([str(i) for i in range(n)], ["synthetic"] * n, [False] * n, lengths.tolist(), ids, masks)
+        stats = TokenStats(samples_in=n, samples_out=n, tokens=int(lengths.sum()))
+        stats.supervised_tokens = int(sum(int(m.sum()) for m in masks))
+        write_shard(out / shard_name(index), rows, stats, None, {"file": "synthetic", "sha256": ""})
+        entries.append({"file": shard_name(index), "samples": n})
+        total += int(lengths.sum())
+    write_json_atomic(out / SUMMARY_FILE, {"shards": entries})
+    write_file_listing(out)
+    return total
 
 
 if __name__ == "__main__":
