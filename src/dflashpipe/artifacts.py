@@ -98,10 +98,24 @@ def file_sha256(path: Path | str, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def write_file_listing(directory: Path) -> None:
-    """Record every file under `directory` (sha256, size) in its files.json. Call last."""
+def write_file_listing(directory: Path, verified: Path | None = None) -> None:
+    """Record every file under `directory` (sha256, size) in its files.json. Call last.
+
+    `verified`: an earlier output whose files.json this run has already checked against its files.
+    A file here that is the very same file as there (a hard link to the same inode) takes its listed
+    sha256 instead of being read again: growing an output costs what was added, not all of it."""
+    known = {}
+    if verified is not None and (verified / FILE_LISTING).is_file():
+        known = json.loads((verified / FILE_LISTING).read_text())
+
+    def entry(p: Path, rel: str) -> dict:
+        old, size = known.get(rel), p.stat().st_size
+        if old is not None and old.get("size") == size and os.path.samefile(p, verified / rel):
+            return {"sha256": old["sha256"], "size": size}
+        return {"sha256": file_sha256(p), "size": size}
+
     files = {
-        p.relative_to(directory).as_posix(): {"sha256": file_sha256(p), "size": p.stat().st_size}
+        p.relative_to(directory).as_posix(): entry(p, p.relative_to(directory).as_posix())
         for p in sorted(directory.rglob("*"))
         if p.is_file() and p.name != FILE_LISTING
     }

@@ -270,7 +270,9 @@ def build_manifest(params: DataParams, out: Path | str, root: Path | str = ".", 
             },
         }
         write_json_atomic(tmp / SUMMARY_FILE, summary)
-        write_file_listing(tmp)  # last: every reader checks the directory against it first
+        # last: every reader checks the directory against it first. `previous` passed verify_manifest
+        # (files.json against every file) in this run, so the files kept from it are not read again.
+        write_file_listing(tmp, verified=out if previous is not None else None)
     written = len(shards.entries) - shards.kept
     print(f"manifest: kept {shards.kept} training shard(s) of the earlier build, wrote {written}")
     return summary
