@@ -529,12 +529,12 @@ class MetricsState(LockState):
 
 def deltas_between(stages: dict, old: tuple, new: tuple) -> dict:
     """metric key -> MetricDelta between two (lock, metrics) revisions, as explain computes them."""
-    from dflashpipe.explain import metric_deltas, upstream_of
+    from dflashpipe.explain import metric_deltas
 
     sa, sb = MetricsState("HEAD", stages, *old), MetricsState("new", stages, *new)
     before, after = read_revision_state(sa), read_revision_state(sb)
     found = compare(before, after, {}, None, "HEAD", "new")
-    return {m.key: m for m in metric_deltas(sa, sb, after, found, upstream_of(after))}
+    return {m.key: m for m in metric_deltas(sa, sb, after, found)}
 
 
 def train_metrics(tokens_per_s: float, spread: dict | None) -> dict:
@@ -543,7 +543,9 @@ def train_metrics(tokens_per_s: float, spread: dict | None) -> dict:
 
 
 def test_a_throughput_drop_within_noise_is_not_blamed_on_grown_data(dag):
-    grown = (lock_of(dag, values={"data.num_samples": 2000}), lock_of(dag, values={"data.num_samples": 2400}))
+    # growing the data, rerun: the manifest, the tokens and the drafter get new hashes
+    rerun = {p: f"new md5({p})" for p in ("data/manifest", "data/tokens", "data/drafter")}
+    grown = (lock_of(dag, values={"data.num_samples": 2000}), lock_of(dag, rerun, {"data.num_samples": 2400}))
     spread = {"low": 48.0, "high": 53.0, "repeats": 5}
 
     # data.num_samples reaches train through the DAG, yet the ranges overlap: noise, attributed to nothing
@@ -568,6 +570,26 @@ def test_a_throughput_drop_within_noise_is_not_blamed_on_grown_data(dag):
     assert found["tokens_per_s"].call == UNMEASURED
     assert found["tokens_per_s"].spread == "before no spread recorded; after 51 (range 48..53, 5 repeats)"
     assert found["tokens_per_s"].causes == ["params.yaml:data.num_samples"]  # unmeasured: the causes stand
+
+
+def test_a_metric_is_not_attributed_through_an_upstream_that_reran_to_the_same_bytes(dag):
+    # an edit of the manifest's code reran manifest and tokenize, but the tokens came out byte-identical:
+    # train's inputs did not change, so nothing of it may be blamed on that edit
+    edit = {"src/dflashpipe/data/manifest.py": "md5(edited)", "data/manifest": "new md5(data/manifest)"}
+    found = deltas_between(
+        dag,
+        (lock_of(dag), train_metrics(52.0, {"low": 50.0, "high": 53.0, "repeats": 5})),
+        (lock_of(dag, edit), train_metrics(31.0, {"low": 30.0, "high": 33.0, "repeats": 5})),
+    )
+    assert (found["tokens_per_s"].call, found["tokens_per_s"].causes) == (CHANGE, [])
+    # the same edit with the tokens changed: now it reaches train
+    edit["data/tokens"] = "new md5(data/tokens)"
+    found = deltas_between(
+        dag,
+        (lock_of(dag), train_metrics(52.0, {"low": 50.0, "high": 53.0, "repeats": 5})),
+        (lock_of(dag, edit), train_metrics(31.0, {"low": 30.0, "high": 33.0, "repeats": 5})),
+    )
+    assert found["tokens_per_s"].causes == ["src/dflashpipe/data/manifest.py"]
 
 
 def test_a_metric_is_attributed_only_to_causes_that_reach_its_stage(dag):

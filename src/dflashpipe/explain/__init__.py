@@ -113,7 +113,7 @@ def explain(a: str = "HEAD", b: str = WORKSPACE, root: str | Path = ".", machine
             new, recorded = read_workspace_state(repo)
         cache = repo.cache.local
         verdicts = compare(old, new, recorded, cache, sa.label, sb.label)
-        metrics = metric_deltas(sa, sb, new, verdicts, upstream_of(new))
+        metrics = metric_deltas(sa, sb, new, verdicts)
     roots = root_causes(verdicts)
     live = observe_machine(root, new) if machine and WORKSPACE in (sa.label, sb.label) else None
     return Report(sa.label, sb.label, roots, verdicts, metrics, live)

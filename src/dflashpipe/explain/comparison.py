@@ -154,6 +154,8 @@ def _trace_paths(verdicts: dict[str, Verdict], old, new, ups, cache, workspace: 
                 was, now = (before.deps.get(dep) if before else None), st.deps.get(dep)
                 if was == now and not pending:
                     continue  # same bytes: not on the path, whatever happened upstream
+                if u not in verdicts[name].linked:
+                    verdicts[name].linked.append(u)
                 upper = [] if verdicts[u].verdict == DIRECT else below(u)
                 if upper:
                     found += [f"{dep} ({u}{', not rerun yet' if was == now else ''}) <- {c}" for c in upper]
@@ -224,9 +226,7 @@ def root_causes(verdicts: list[Verdict]) -> list[Cause]:
     return list(merged.values())
 
 
-def metric_deltas(
-    sa: State, sb: State, new: dict[str, StageState], verdicts: list[Verdict], ups: dict[str, list[str]]
-) -> list[MetricDelta]:
+def metric_deltas(sa: State, sb: State, new: dict[str, StageState], verdicts: list[Verdict]) -> list[MetricDelta]:
     by_stage = {v.stage: v for v in verdicts}
 
     def causes_reaching(stage: str) -> list[str]:
@@ -237,7 +237,8 @@ def metric_deltas(
                 continue
             seen.add(s)
             found.extend(f"{c.what}" for c in by_stage[s].causes if by_stage[s].verdict == DIRECT)
-            todo.extend(ups.get(s, []))
+            # only through deps whose bytes changed: an upstream that reran to the same output is no path
+            todo.extend(by_stage[s].linked)
         return sorted(set(found))
 
     deltas = []

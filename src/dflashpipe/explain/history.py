@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dflashpipe.errors import DflashpipeError
-from dflashpipe.explain.comparison import compare, metric_deltas, root_causes, upstream_of
+from dflashpipe.explain.comparison import compare, metric_deltas, root_causes
 from dflashpipe.explain.report import CHANGE, NOISE, UNMEASURED, Cause, MetricDelta, Verdict
 from dflashpipe.explain.state import (
     EXPS_NAMESPACE,
@@ -180,7 +180,7 @@ def _step(commit: Commit, subject: str, parent: Commit | None, keys: list[str], 
     verdicts = compare(old, new, {}, cache, parent.label, commit.label)
     step.stages = verdicts
     step.root_causes = root_causes(verdicts)
-    step.deltas = metric_deltas(parent, commit, new, verdicts, upstream_of(new))
+    step.deltas = metric_deltas(parent, commit, new, verdicts)
     for d in step.deltas:
         name = f"{d.file}:{d.key}"
         if name in keys and (d.call == CHANGE or d.call is None):

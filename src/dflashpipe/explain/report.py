@@ -58,6 +58,8 @@ class Verdict:
     """File-level chains from this stage to a changed input, e.g. `evaluate <- data/drafter (train) <-
     data/tokens (tokenize) <- data/manifest/train-00003.parquet (manifest: param ...)`. Only deps whose
     recorded hash changed are named (or, in a workspace not yet rerun, deps of a stage that will rerun)."""
+    linked: list[str] = field(default_factory=list)
+    """The upstream stages those paths go through: a metric is attributed only to causes along them."""
 
 
 @dataclass
