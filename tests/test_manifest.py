@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
-from dflashpipe.artifacts import FILE_LISTING
+from dflashpipe.artifacts import FILE_LISTING, write_file_listing, write_json_atomic
 from dflashpipe.data.manifest import build_manifest
-from dflashpipe.data.shards import EVAL_FILE, SUMMARY_FILE, shard_name
+from dflashpipe.data.shards import EVAL_FILE, HASHES_FILE, SUMMARY_FILE, shard_name, verify_manifest
 from dflashpipe.data.sources import package_file, read_json_list, read_sharegpt
 from dflashpipe.errors import SourceError
 from dflashpipe.params import DataParams, SourceSpec
@@ -69,7 +71,7 @@ def test_two_builds_give_the_same_bytes(tmp_path):
     assert (
         names
         == sorted(p.name for p in b.iterdir())
-        == sorted([EVAL_FILE, SUMMARY_FILE, FILE_LISTING] + [shard_name(i) for i in range(4)])
+        == sorted([EVAL_FILE, HASHES_FILE, SUMMARY_FILE, FILE_LISTING] + [shard_name(i) for i in range(4)])
     )
     for name in names:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
@@ -301,5 +303,45 @@ def test_a_changed_key_a_damaged_or_a_smaller_build_reuses_only_what_still_holds
     after = inodes(out)
     assert [after[shard_name(i)][:2] == before[shard_name(i)][:2] for i in range(3)] == [True, True, False]
     assert after[EVAL_FILE] == before[EVAL_FILE]
-    assert sorted(after) == sorted([EVAL_FILE, SUMMARY_FILE, FILE_LISTING] + [shard_name(i) for i in range(3)])
+    assert sorted(after) == sorted(
+        [EVAL_FILE, HASHES_FILE, SUMMARY_FILE, FILE_LISTING] + [shard_name(i) for i in range(3)]
+    )
     assert [s["samples"] for s in shrunk["shards"]] == [10, 10, 5]
+
+
+def test_growth_seeks_past_what_a_jsonl_source_gave_and_never_reads_it_again(tmp_path):
+    records = [conv(i) for i in range(30)]
+    records[12:12] = [b"", b"{not json", conv(3)]  # past the first build's cut: a blank line, a bad line, a duplicate
+    source = write_jsonl(tmp_path / "data/sources/mine.jsonl", records)
+    specs, out, fresh = [user_source(eval=2)], tmp_path / "m", tmp_path / "fresh"
+    first = build_manifest(params(specs, num_samples=10), out, root=tmp_path, key=KEY)
+    build_manifest(params(specs, num_samples=25), fresh, root=tmp_path, key=KEY)
+    offset, line = first["sources"]["mine"]["resume_at"]
+    assert line == 12
+    # the records the first build consumed, blanked (lines kept): read again by count, they would be missed
+    data = source.read_bytes()
+    source.write_bytes(re.sub(rb"[^\n]", b" ", data[:offset]) + data[offset:])
+    grown = build_manifest(params(specs, num_samples=25), out, root=tmp_path, key=KEY)
+    assert grown["sources"]["mine"]["skipped"] == {"duplicate": 1, "malformed_json": 1}
+    assert {p.name: p.read_bytes() for p in sorted(out.iterdir())} == {
+        p.name: p.read_bytes() for p in sorted(fresh.iterdir())
+    }
+
+
+def test_a_hashes_file_short_of_the_counts_is_refused_and_rebuilt(tmp_path):
+    # hashes.bin is the dedup set a growth resumes from: one that misses samples (a writer bug, listed as it is)
+    # would let duplicates through, so it is checked against the counts like the shards are
+    specs, out = mixed_sources(tmp_path), tmp_path / "m"
+    expected = build_manifest(params(specs, num_samples=20), out, root=tmp_path, key=KEY)
+    hashes = out / HASHES_FILE
+    os.chmod(hashes, 0o644)
+    hashes.write_bytes(hashes.read_bytes()[:-32])
+    summary = json.loads((out / SUMMARY_FILE).read_text())
+    summary["hashes"]["sha256"] = hashlib.sha256(hashes.read_bytes()).hexdigest()
+    write_json_atomic(out / SUMMARY_FILE, summary)
+    write_file_listing(out)
+    with pytest.raises(
+        SourceError, match=rf"{hashes}: 704 bytes, but {out / SUMMARY_FILE} counts 23 samples of 32 bytes"
+    ):
+        verify_manifest(out)
+    assert build_manifest(params(specs, num_samples=20), out, root=tmp_path, key=KEY) == expected

@@ -15,16 +15,19 @@ lists for `manifest`) less `data.num_samples`, which only says where the stream 
 earlier manifest under the same key that passes `verify_manifest` holds exactly the stream's
 first samples: its eval split and every shard that would get the same rows are hard-linked
 into the new directory (same inode, bytes and mtime; nothing rewritten), and when the data
-grew, the stream resumes where the old one stopped, from the state its summary recorded
-(per source: records read, kept, skipped, with examples) and the content hashes in its shards
-(the dedup set): each source's reader passes over the records already consumed, which are
-neither hashed, deduplicated nor written again. The new directory is still built beside the old one
-and renamed into place whole, so a killed run leaves the old output or the new one, and no
-stale file survives.
+grew, the stream resumes where the old one stopped, from the state it recorded: per source, records
+read, kept, skipped (with examples) and where its reader stopped (summary.json), and every content
+hash met, in order (hashes.bin: the dedup set and the content hash's input, in one read). A jsonl
+source seeks past the records already consumed; other readers pass over them, never hashing,
+deduplicating or writing them again. Both files are checked against files.json with the rest
+before anything is kept, so a damaged or edited earlier build is rebuilt, never resumed. The new
+directory is still built beside the old one and renamed into place whole, so a killed run leaves the
+old output or the new one, and no stale file survives.
 """
 
 from __future__ import annotations
 
+import binascii
 import hashlib
 import heapq
 import os
@@ -33,12 +36,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyarrow.parquet as pq
+import numpy as np
 from tqdm import tqdm
 
 from dflashpipe.artifacts import atomic_directory, write_file_listing, write_json_atomic
 from dflashpipe.data.shards import (
+    DIGEST_SIZE,
     EVAL_FILE,
+    HASHES_FILE,
     SUMMARY_FILE,
     ShardWriter,
     conversation_hash,
@@ -69,16 +74,53 @@ class SourceStats:
             shown.append(where)
 
 
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """A usable sample met for the first time, as the shards store it."""
+
+    id: str
+    conversation: Conversation
+    hash: str
+    """The sha256 of the conversation (conversation_hash), in hex."""
+
+
+class SeenHashes:
+    """Every content hash met so far: a set, to drop duplicates, and in the order met (the eval split's,
+    then the training samples': every sample that passes is used) the bytes of HASHES_FILE, from which a
+    growth restores both in one read."""
+
+    def __init__(self, ordered: bytes = b"") -> None:
+        self.ordered = bytearray(ordered)
+        # void items come out as whole bytes objects (an "S" dtype would strip trailing zero bytes), faster
+        # than slicing `ordered` in Python
+        self.known = set(np.frombuffer(ordered, f"V{DIGEST_SIZE}").tolist())
+
+    def add(self, digest: bytes) -> bool:
+        """Whether `digest` is new (it is seen from now on)."""
+        if digest in self.known:
+            return False
+        self.known.add(digest)
+        self.ordered += digest
+        return True
+
+    def content_hash(self, eval_samples: int) -> str:
+        """The sha256 of the training samples' hex hashes, in order."""
+        return hashlib.sha256(binascii.hexlify(memoryview(self.ordered)[DIGEST_SIZE * eval_samples :])).hexdigest()
+
+
 class SampleStream:
     """One source's usable, not-yet-seen samples, counting everything it passes over."""
 
-    def __init__(self, spec: SourceSpec, records: Iterator[Record], seen: set[bytes], on_bad: str) -> None:
+    def __init__(self, spec: SourceSpec, records: Iterator[Record], seen: SeenHashes, on_bad: str) -> None:
         self.spec, self.records, self.seen, self.on_bad = spec, records, seen, on_bad
         self.stats = SourceStats()
+        self.resume_at: tuple[int, int] | None = None
+        """The last record's `resume_at`: where a growth's reader can start again."""
 
-    def next(self) -> tuple[str, Conversation, str] | None:
+    def next(self) -> Sample | None:
         for record in self.records:
             self.stats.read += 1
+            self.resume_at = record.resume_at
             if record.bad is not None:
                 if self.on_bad == "error":
                     raise SourceError(
@@ -88,12 +130,10 @@ class SampleStream:
                 self.stats.skip(record.bad, f"{record.locator}: {record.detail}")
                 continue
             digest = conversation_hash(record.conversation)
-            key = bytes.fromhex(digest)
-            if key in self.seen:
+            if not self.seen.add(bytes.fromhex(digest)):
                 self.stats.skip("duplicate", record.locator)
                 continue
-            self.seen.add(key)
-            return f"{self.spec.name}/{record.native_id}", record.conversation, digest
+            return Sample(f"{self.spec.name}/{record.native_id}", record.conversation, digest)
         return None
 
 
@@ -169,21 +209,15 @@ class TrainShards:
 
 
 def resume(
-    previous: dict, out: Path, tmp: Path, streams: list[SampleStream], seen: set[bytes], content, root: Path
+    previous: dict, out: Path, tmp: Path, streams: list[SampleStream], root: Path
 ) -> tuple[dict, int, TrainShards]:
     """Pick the stream up where `previous` (a smaller or equal manifest under this key) stopped.
 
     Its eval split and full shards are kept as they are; a partial last shard is read back into the
-    writer, to be filled up. The dedup set and the content hash are rebuilt from the shards' hash
-    columns; each source skips the records the old build read, with its counts restored.
-    Returns the eval split's entry and characters, and the training shards so far."""
+    writer, to be filled up. Each source starts again after the records the old build read, with its
+    counts restored (the dedup set came from its hashes.bin). Returns the eval split's entry and
+    characters, and the training shards so far."""
     keep_file(out / EVAL_FILE, tmp / EVAL_FILE)
-    for name in [EVAL_FILE] + [e["file"] for e in previous["shards"]]:
-        hashes = pq.read_table(out / name, columns=["hash"]).column("hash").to_pylist()
-        seen.update(bytes.fromhex(h) for h in hashes)
-        if name != EVAL_FILE:
-            for h in hashes:
-                content.update(h.encode())
     shards = TrainShards(out, previous)
     old = previous["shards"]
     last_partial = bool(old) and old[-1]["samples"] < previous["shard_size"]
@@ -200,7 +234,8 @@ def resume(
         stream.stats = SourceStats(
             done["read"], done["train"], done["eval"], dict(done["skipped"]), dict(done["skipped_examples"])
         )
-        stream.records = read_source(stream.spec, root, skip=done["read"])  # a jsonl skips without parsing
+        stream.resume_at = tuple(done["resume_at"]) if done["resume_at"] else None
+        stream.records = read_source(stream.spec, root, done["read"], stream.resume_at)
     return previous["eval"], previous["characters"]["eval"], shards
 
 
@@ -213,12 +248,13 @@ def build_manifest(params: DataParams, out: Path | str, root: Path | str = ".", 
     root, out = Path(root), Path(out)
     digest = None if key is None else key.digest
     previous = previous_manifest(out, digest)
-    seen: set[bytes] = set()
+    grow = previous is not None and previous["num_samples"] <= params.num_samples
+    # verify_manifest checked hashes.bin against files.json and its size against the sample counts
+    seen = SeenHashes((out / previous["hashes"]["file"]).read_bytes() if grow else b"")
     streams = [SampleStream(spec, read_source(spec, root), seen, params.on_bad_record) for spec in params.sources]
-    content = hashlib.sha256()
     with atomic_directory(out) as tmp:
-        if previous is not None and previous["num_samples"] <= params.num_samples:
-            eval_entry, eval_characters, shards = resume(previous, out, tmp, streams, seen, content, root)
+        if grow:
+            eval_entry, eval_characters, shards = resume(previous, out, tmp, streams, root)
         else:
             eval_entry, eval_characters = draw_eval(streams, tmp, previous, out)
             shards = TrainShards(out, previous)
@@ -239,8 +275,7 @@ def build_manifest(params: DataParams, out: Path | str, root: Path | str = ".", 
                     mix.exhausted()
                     continue
                 mix.took()
-                shards.writer.add(sample[0], stream.spec.name, sample[1], sample[2])
-                content.update(sample[2].encode())
+                shards.writer.add(sample.id, stream.spec.name, sample.conversation, sample.hash)
                 stream.stats.train += 1
                 produced += 1
                 bar.update(1)
@@ -248,14 +283,21 @@ def build_manifest(params: DataParams, out: Path | str, root: Path | str = ".", 
                     shards.flush(tmp)
             if len(shards.writer):
                 shards.flush(tmp)
+        (tmp / HASHES_FILE).write_bytes(seen.ordered)
+        hashes = {
+            "file": HASHES_FILE,
+            "samples": len(seen.ordered) // DIGEST_SIZE,
+            "sha256": hashlib.sha256(seen.ordered).hexdigest(),
+        }
 
         summary = {
             "num_samples": params.num_samples,
             "shard_size": params.shard_size,
             "shards": shards.entries,
             "eval": eval_entry,
+            "hashes": hashes,
             "characters": {"train": shards.characters, "eval": eval_characters},
-            "content_hash": content.hexdigest(),
+            "content_hash": seen.content_hash(eval_entry["samples"]),
             "reuse_key": digest,
             "sources": {
                 s.spec.name: {
@@ -265,6 +307,7 @@ def build_manifest(params: DataParams, out: Path | str, root: Path | str = ".", 
                     "eval": s.stats.eval,
                     "skipped": dict(sorted(s.stats.skipped.items())),
                     "skipped_examples": dict(sorted(s.stats.examples.items())),
+                    "resume_at": s.resume_at,
                 }
                 for s in streams
             },
@@ -290,7 +333,7 @@ def draw_eval(streams: list[SampleStream], tmp: Path, previous: dict | None, out
                     f"source {stream.spec.name!r} has only {stream.stats.eval} usable records for "
                     f"data.sources[{stream.spec.name}].eval = {stream.spec.eval}: lower it"
                 )
-            eval_writer.add(sample[0], stream.spec.name, sample[1], sample[2])
+            eval_writer.add(sample.id, stream.spec.name, sample.conversation, sample.hash)
             stream.stats.eval += 1
     if previous is not None:
         keep_file(out / EVAL_FILE, tmp / EVAL_FILE)

@@ -1,10 +1,12 @@
 """The manifest's files: their schema, the writer of a shard, and the reader that checks them.
 
-`data/manifest/` holds `train-NNNNN.parquet` shards, `eval.parquet`, `summary.json` (per source:
-read / train / eval / skipped by reason; per shard: samples and sha256) and `files.json`, the
-sha256 of every other file. A reader (tokenize, evaluate) checks what it reads against files.json
-first, so a damaged or hand-edited manifest is refused naming the file and the fix. This module is
-all that a reader of the manifest imports: the sources the build reads are not its concern.
+`data/manifest/` holds `train-NNNNN.parquet` shards, `eval.parquet`, `hashes.bin` (the content hash of
+every sample, 32 bytes each, the eval split's then the training samples' in stream order: the state the
+next growth resumes from, in one read), `summary.json` (per source: read / train / eval / skipped by
+reason, where its reader stopped; per file: samples and sha256) and `files.json`, the sha256 of every
+other file. A reader (tokenize, evaluate) checks what it reads against files.json first, so a damaged
+or hand-edited manifest is refused naming the file and the fix. This module is all that a reader of
+the manifest imports: the sources the build reads are not its concern.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ SCHEMA = pa.schema(
     ]
 )
 EVAL_FILE = "eval.parquet"
+HASHES_FILE = "hashes.bin"
+DIGEST_SIZE = 32
+"""Bytes of one sample's entry in HASHES_FILE: its sha256 (the `hash` column's hex, as bytes)."""
 SUMMARY_FILE = "summary.json"
 
 
@@ -148,7 +153,9 @@ def verify_manifest(manifest_dir: Path | str) -> dict:
         raise SourceError(f"{summary_path}: not a manifest summary (a JSON {type(summary).__name__}): {fix}")
     if not isinstance(summary.get("shards"), list):
         raise SourceError(f"{summary_path}: not a manifest summary (no list of shards): {fix}")
-    entries = [_check_entry(e, summary_path, fix) for e in [summary.get("eval"), *summary["shards"]]]
+    entries = [
+        _check_entry(e, summary_path, fix) for e in [summary.get("eval"), summary.get("hashes"), *summary["shards"]]
+    ]
     try:
         sources = summary["sources"]
         for name, s in sources.items():
@@ -159,6 +166,8 @@ def verify_manifest(manifest_dir: Path | str) -> dict:
             raise ValueError(f"shards hold {shard_samples} samples, num_samples is {summary['num_samples']}")
         if summary["eval"]["samples"] != sum(s["eval"] for s in sources.values()):
             raise ValueError("the eval split's size differs from the per-source eval counts")
+        if summary["hashes"]["samples"] != summary["eval"]["samples"] + summary["num_samples"]:
+            raise ValueError(f"{summary['hashes']['file']} does not hold one hash per eval and training sample")
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
         raise SourceError(f"{summary_path}: counts do not add up or are missing ({exc}): {fix}") from None
     listed = {e["file"] for e in entries} | {SUMMARY_FILE, FILE_LISTING}
@@ -176,6 +185,12 @@ def verify_manifest(manifest_dir: Path | str) -> dict:
                 f"{summary_path}: gives {entry['file']} the sha256 {entry['sha256'][:12]}..., but the "
                 f"file's is {checked[entry['file']]['sha256'][:12]}...: {fix}"
             )
+    hashes = summary["hashes"]
+    if checked[hashes["file"]]["size"] != DIGEST_SIZE * hashes["samples"]:
+        raise SourceError(
+            f"{manifest_dir / hashes['file']}: {checked[hashes['file']]['size']} bytes, but {summary_path} counts "
+            f"{hashes['samples']} samples of {DIGEST_SIZE} bytes: {fix}"
+        )
     return summary
 
 

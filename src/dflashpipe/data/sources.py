@@ -53,6 +53,9 @@ class Record:
     bad: str | None = None
     """Why it is not usable (malformed_json, invalid_utf8, no_turns, unknown_role, ...)."""
     detail: str = ""
+    resume_at: tuple[int, int] | None = None
+    """Where reading can start again just past this record, for readers that can seek there (jsonl: the
+    byte offset and line number after its line); None where the records before it must be passed over."""
 
 
 class BadRecord(Exception):
@@ -87,19 +90,20 @@ def to_conversation(value: Any) -> Conversation:
     return conversation
 
 
-def _record(locator: str, native_id: str, value: Any) -> Record:
+def _record(locator: str, native_id: str, value: Any, resume_at: tuple[int, int] | None = None) -> Record:
     try:
-        return Record(locator, native_id, to_conversation(value))
+        return Record(locator, native_id, to_conversation(value), resume_at=resume_at)
     except BadRecord as bad:
-        return Record(locator, native_id, bad=bad.reason, detail=bad.detail)
+        return Record(locator, native_id, bad=bad.reason, detail=bad.detail, resume_at=resume_at)
 
 
-def read_jsonl(path: Path, label: str, skip: int = 0) -> Iterator[Record]:
+def read_jsonl(path: Path, label: str, start: tuple[int, int] = (0, 0)) -> Iterator[Record]:
+    """One record per non-blank line, from `start` (a record's `resume_at`: byte offset, line number) on."""
+    offset, lineno = start
     with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            if skip and raw.strip():  # every non-blank line is one record
-                skip -= 1
-                continue
+        fh.seek(offset)
+        for raw in fh:
+            offset, lineno = offset + len(raw), lineno + 1
             try:
                 value = orjson.loads(raw)  # validates UTF-8 too; the common case costs one call
             except orjson.JSONDecodeError as exc:
@@ -108,11 +112,12 @@ def read_jsonl(path: Path, label: str, skip: int = 0) -> Iterator[Record]:
                 try:
                     raw.decode("utf-8")
                 except UnicodeDecodeError as bad:
-                    yield Record(f"{label}:{lineno}", str(lineno), bad="invalid_utf8", detail=str(bad))
+                    reason, detail = "invalid_utf8", str(bad)
                 else:
-                    yield Record(f"{label}:{lineno}", str(lineno), bad="malformed_json", detail=str(exc))
+                    reason, detail = "malformed_json", str(exc)
+                yield Record(f"{label}:{lineno}", str(lineno), bad=reason, detail=detail, resume_at=(offset, lineno))
                 continue
-            yield _record(f"{label}:{lineno}", str(lineno), value)
+            yield _record(f"{label}:{lineno}", str(lineno), value, (offset, lineno))
 
 
 def _decode_text(path: Path, label: str) -> str:
@@ -265,12 +270,15 @@ def humaneval_to_messages(task: dict) -> dict:
     }
 
 
-def read_source(spec: SourceSpec, root: Path, skip: int = 0) -> Iterator[Record]:
-    """The records of one source, in their stable order, from record `skip` on."""
+def read_source(
+    spec: SourceSpec, root: Path, skip: int = 0, resume_at: tuple[int, int] | None = None
+) -> Iterator[Record]:
+    """The records of one source, in their stable order, past the first `skip`; `resume_at` (the last
+    skipped record's) lets a jsonl seek there instead of reading them."""
     if skip:
-        if spec.kind == "jsonl":
+        if spec.kind == "jsonl" and resume_at is not None:
             path = project_path(root, spec.path, f"data.sources[{spec.name}].path")
-            return read_jsonl(path, spec.path, skip)
+            return read_jsonl(path, spec.path, resume_at)
         return itertools.islice(read_source(spec, root), skip, None)
     if spec.kind == "sharegpt":
         return read_sharegpt()
