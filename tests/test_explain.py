@@ -657,3 +657,42 @@ def test_a_stale_fingerprint_names_the_edited_torch_file_and_the_stages_it_inval
         "edited installed file torch/fx/_symbolic_trace.py: sha256=new (the wheel's RECORD says sha256=old); "
         "changed definitions: Tracer.trace"
     )
+
+
+def test_the_live_check_imports_torch_only_when_its_key_moved(tmp_path, monkeypatch):
+    """explain observes the machine with the fingerprint stage's own code; the facts only an imported torch
+    tells are reused when recorded under the same key (torch's files, the CPU, the GPUs, the loading variables)."""
+    import sys
+
+    from dflashpipe import env
+
+    hashes, loaded = tmp_path / "hashes.json", tmp_path / "loaded.json"
+    if (ROOT / env.HASH_STATE).is_file():  # spares hashing torch's 12K files again: the test is not about that
+        shutil.copy(ROOT / env.HASH_STATE, hashes)
+    stage = env.observe(hashes, loaded)  # as the fingerprint stage runs it: always imports torch, records
+    assert stage.probed and json.loads(loaded.read_text())["key"] == env.loaded_key(stage.integrity)
+    reused = env.observe(hashes, loaded, reuse_loaded=True)
+    assert (reused.probed, reused.facts, reused.integrity.rehashed) == (False, stage.facts, 0)
+    code = (
+        "import json, sys; from dflashpipe import env; "
+        f"o = env.observe({str(hashes)!r}, {str(loaded)!r}, reuse_loaded=True); "
+        "print(o.probed, 'torch' in sys.modules, json.dumps(o.facts, sort_keys=True))"
+    )
+    probed, imported, facts = run([sys.executable, "-c", code], tmp_path).stdout.split(" ", 2)
+    assert (probed, imported, json.loads(facts)) == ("False", "False", stage.facts)
+    # a variable that steers which libraries load moved: import torch again, and record under the new key
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(tmp_path))
+    assert env.observe(hashes, loaded, reuse_loaded=True).probed
+    assert not env.observe(hashes, loaded, reuse_loaded=True).probed
+    # a record made under another key (another machine, other torch files) is never taken
+    loaded.write_text(json.dumps({**json.loads(loaded.read_text()), "key": "another machine's"}))
+    assert env.observe(hashes, loaded, reuse_loaded=True).probed
+
+
+def test_a_figure_read_off_a_clock_is_never_called_a_deterministic_move():
+    from dflashpipe.explain.comparison import is_throughput
+
+    timed = ["tokens_per_s", "encoded_tokens_per_second", "busy_s.target", "compile.warmup_s", "speedup", "seconds"]
+    counted = ["per_source.chitchat.tau", "throughput.flops_per_step", "verify_steps", "final_loss", "shards"]
+    assert [k for k in timed + counted if is_throughput(k, {}, {})] == timed
+    assert is_throughput("tau", {"tau_spread.low": 1.0}, {})  # a recorded spread says so whatever the name

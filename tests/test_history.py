@@ -5,6 +5,7 @@ changed on disk."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 from pathlib import Path
@@ -164,6 +165,26 @@ def test_file_level_paths_name_only_files_whose_hash_changed(toy_history):
     assert by_stage["evaluate"].paths == [
         "evaluate <- data/model (train) <- data/prep/part-2.txt (prepare: params.yaml:n)"
     ]
+
+
+def test_a_commit_that_changes_code_or_params_without_re_running_is_marked_unrecorded(toy_history, tmp_path):
+    project = Path(run(["git", "clone", "-q", str(toy_history), str(tmp_path / "c")], tmp_path).args[-1])
+    with open(project / "train.py", "a") as fh:
+        fh.write("# faster now?\n")
+    git(project, "commit", "-qam", "edit train, no re-run")
+    (project / "params.yaml").write_text(yaml.safe_dump({"n": 60}))
+    git(project, "commit", "-qam", "grow n, no re-run")
+    h = history(since="HEAD~2", root=project)
+    code, param = h.steps
+    # the locks are identical, so comparing them finds nothing; git says what changed under the record
+    assert code.root_causes == [] and param.root_causes == []
+    assert [(u.stage, u.changed) for u in code.unrecorded] == [("train", ["train.py"])]
+    assert [(u.stage, u.changed) for u in param.unrecorded] == [("prepare", ["params.yaml:n"])]
+    assert "    unrecorded: train.py changed, dvc.lock not re-run for train (its committed" in history_lines(h)[2]
+    assert "**unrecorded**: params.yaml:n changed, dvc.lock not re-run for prepare |" in history_markdown(h)
+    assert dataclasses.asdict(h)["steps"][0]["unrecorded"] == [{"stage": "train", "changed": ["train.py"]}]
+    # commits that re-ran what they changed (n grown, train.py edited, each with `dvc repro`) are not marked
+    assert [s.unrecorded for s in history(root=toy_history).steps] == [[], [], []]
 
 
 def test_paths_say_so_when_the_cache_has_no_listing(toy_history, tmp_path):

@@ -11,17 +11,20 @@ timestamps: the same machine gives the same bytes.
 from __future__ import annotations
 
 import base64
+import csv
 import hashlib
 import importlib.metadata as metadata
 import json
 import os
 import platform
+import re
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflashpipe.artifacts import write_json_atomic
+from dflashpipe.artifacts import canonical_json, write_json_atomic
 
 COMPILE_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHDYNAMO_", "TRITON_")
 COMPILE_ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "TORCH_CUDA_ARCH_LIST")
@@ -62,10 +65,26 @@ class Integrity:
     rehashed: int
     """How many files were read and hashed (the rest came from the hash state)."""
     checked: int
+    content: str = ""
+    """sha256 over every listed file's hash now (or its absence): what the files are, for keying facts on them."""
 
     @property
     def full(self) -> bool:
         return self.rehashed == self.checked
+
+
+def _record_entries(dist: metadata.Distribution) -> list[tuple[str, str, str, str]]:
+    """(path as RECORD names it, hash mode, hash value, path on disk) of every hashed file of `dist`.
+
+    RECORD read directly: `dist.files` builds a PackagePath and a FileHash per line, 0.3 s of torch's 12K."""
+    text = dist.read_text("RECORD") or ""
+    base = str(dist.locate_file(""))
+    entries = []
+    for row in csv.reader(text.splitlines()):
+        if len(row) >= 2 and "=" in row[1]:
+            mode, value = row[1].split("=", 1)
+            entries.append((row[0], mode, value, os.path.join(base, row[0])))
+    return entries
 
 
 def distribution_integrity(dist: metadata.Distribution, hash_state: Path | None = None) -> Integrity:
@@ -74,41 +93,42 @@ def distribution_integrity(dist: metadata.Distribution, hash_state: Path | None 
     With `hash_state`, a file whose (size, mtime_ns) match the state's record reuses its digest; the
     state is rewritten atomically afterwards. The result does not depend on the state, only the time.
     """
-    entries = [(f, str(f.locate())) for f in (dist.files or []) if f.hash is not None]
+    entries = _record_entries(dist)
     known = _read_hash_state(hash_state)
-    edited: dict[str, tuple[str, str]] = {}
     missing, stale, updated = [], [], {}
     # stat everything first (cheap, in order); only files whose size or mtime moved are read, in threads
-    for entry, path in entries:
+    for rel, mode, _, path in entries:
         try:
             st = os.stat(path)
         except FileNotFoundError:
-            missing.append(str(entry))
+            missing.append(rel)
             continue
         record = known.get(path)
-        if record and record[:2] == [st.st_size, st.st_mtime_ns] and record[2].startswith(entry.hash.mode + "="):
+        if record and record[:2] == [st.st_size, st.st_mtime_ns] and record[2].startswith(mode + "="):
             updated[path] = record
         else:
-            stale.append((entry, path, st))
+            stale.append((mode, path, st))
 
     def digest(item) -> str:
-        entry, path, _ = item
+        mode, path, _ = item
         with open(path, "rb") as fh:
-            raw = hashlib.file_digest(fh, entry.hash.mode).digest()
-        return f"{entry.hash.mode}={base64.urlsafe_b64encode(raw).rstrip(b'=').decode()}"
+            raw = hashlib.file_digest(fh, mode).digest()
+        return f"{mode}={base64.urlsafe_b64encode(raw).rstrip(b'=').decode()}"
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         for (_, path, st), found in zip(stale, pool.map(digest, stale), strict=True):
             updated[path] = [st.st_size, st.st_mtime_ns, found]
-    for entry, path in entries:
+    edited: dict[str, tuple[str, str]] = {}
+    content = hashlib.sha256()
+    for rel, mode, value, path in entries:
         record = updated.get(path)
-        recorded = f"{entry.hash.mode}={entry.hash.value}"
-        if record is not None and record[2] != recorded:
-            edited[str(entry)] = (recorded, record[2])
+        content.update(f"{rel}\t{record[2] if record else 'missing'}\n".encode())
+        if record is not None and record[2] != f"{mode}={value}":
+            edited[rel] = (f"{mode}={value}", record[2])
     if hash_state is not None and stale:
         known.update(updated)
         write_json_atomic(hash_state, known)
-    return Integrity(dict(sorted(edited.items())), sorted(missing), len(stale), len(entries))
+    return Integrity(dict(sorted(edited.items())), sorted(missing), len(stale), len(entries), content.hexdigest())
 
 
 def _read_hash_state(path: Path | None) -> dict[str, list]:
@@ -173,7 +193,29 @@ def _version(package: str) -> str:
         return NONE
 
 
-def _torch_facts(integrity: Integrity) -> dict[str, Any]:
+LOADED_STATE = Path(".dvc/tmp/dflashpipe-loaded-torch.json")
+"""The facts only an imported torch tells (its build, cuDNN, NCCL, CPU capability, the GPUs), with the key they
+were observed under (git-ignored, beside the hash state). Importing torch takes ~3 s, most of explain's time;
+those facts are a function of `loaded_key`'s inputs, so a reader whose key matches may reuse them. The
+fingerprint stage never does: it always imports torch, and rewrites this record."""
+
+LOADED_ENV_PREFIXES = ("CUDA_", "NVIDIA_", "ATEN_", "HIP_", "ROCR_", "ROCM_", "LD_")
+"""Variables that choose devices (CUDA_VISIBLE_DEVICES), a CPU kernel set (ATEN_CPU_CAPABILITY) or the shared
+libraries torch loads (LD_LIBRARY_PATH, LD_PRELOAD): part of the loaded facts' key."""
+
+
+@dataclass
+class Observation:
+    """The fingerprint, the torch files check behind it, and whether torch was imported to observe it."""
+
+    facts: dict[str, Any]
+    integrity: Integrity
+    probed: bool
+    """False when the loaded facts came from LOADED_STATE, recorded under the same key."""
+
+
+def _loaded_facts() -> dict[str, Any]:
+    """What needs torch imported: the build, its libraries, the CPU kernel set, the GPUs."""
     import torch
 
     if torch.version.cuda:
@@ -189,18 +231,16 @@ def _torch_facts(integrity: Integrity) -> dict[str, Any]:
             nccl = ".".join(map(str, torch.cuda.nccl.version()))
         except Exception:  # nccl absent from this build
             nccl = None
-    return {
-        "version": torch.__version__,
+    torch_facts = {
+        "version": str(torch.__version__),
         "git_version": torch.version.git_version,
         "build": build,
         "cuda": torch.version.cuda or NONE,
         "cudnn": str(cudnn) if cudnn else NONE,
         "nccl": nccl or NONE,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "files_ok": not integrity.edited and not integrity.missing,
-        "files_edited": list(integrity.edited),
-        "files_missing": integrity.missing,
     }
+    return {"torch": torch_facts, "gpu": _gpu_facts()}
 
 
 def _gpu_facts() -> dict[str, Any]:
@@ -223,26 +263,96 @@ def _gpu_facts() -> dict[str, Any]:
     return {"count": count, "names": names, "capabilities": caps, "driver": driver}
 
 
+def loaded_key(integrity: Integrity, environ: dict[str, str] | None = None) -> str:
+    """What the loaded facts depend on: torch's files as they are now (integrity.content), the versions of the
+    distributions torch requires, this interpreter, the CPU's model and flags, the GPUs and driver the kernel
+    lists, and the variables that choose devices or libraries. Any change means importing torch again."""
+    environ = os.environ if environ is None else environ
+    requires = sorted({re.split(r"[ ;<>=!~\[(]", r, maxsplit=1)[0] for r in metadata.requires("torch") or []})
+    parts = {
+        "torch_files": integrity.content,
+        "requires": {name: _version(name) for name in requires},
+        "python": [sys.executable, sys.version],
+        "cpu": _cpu_identity(),
+        "gpus": _gpu_identity(),
+        "env": {k: v for k, v in sorted(environ.items()) if k.startswith(LOADED_ENV_PREFIXES)},
+    }
+    return hashlib.sha256(canonical_json(parts)).hexdigest()
+
+
+def _cpu_identity() -> list[str]:
+    """The first CPU's vendor, model and flags from /proc/cpuinfo (not its clock, which moves); elsewhere what
+    `platform` says."""
+    try:
+        block = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").split("\n\n", 1)[0]
+    except OSError:
+        return [platform.machine(), platform.processor()]
+    return [line for line in block.splitlines() if line.startswith(("vendor_id", "model name", "flags"))]
+
+
+def _gpu_identity() -> dict[str, str]:
+    """The NVIDIA driver's version and per-GPU information files, and which GPU device nodes exist."""
+    found: dict[str, str] = {}
+    proc = Path("/proc/driver/nvidia")
+    for path in [proc / "version", *sorted(proc.glob("gpus/*/information"))]:
+        try:
+            found[str(path)] = path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+    try:
+        nodes = sorted(n for n in os.listdir("/dev") if n.startswith(("nvidia", "kfd")))
+    except OSError:
+        nodes = []
+    found["/dev"] = " ".join(nodes)
+    return found
+
+
+def _read_loaded(path: Path, key: str) -> dict[str, Any] | None:
+    try:
+        record = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record.get("facts") if isinstance(record, dict) and record.get("key") == key else None
+
+
 def fingerprint(hash_state: Path | None = None) -> dict[str, Any]:
     """Observe this machine. Same machine, same packages, same variables: same dict (with or without
     `hash_state`, which only saves re-hashing torch's unchanged files)."""
-    return observe(hash_state)[0]
+    return observe(hash_state).facts
 
 
-def observe(hash_state: Path | None = None) -> tuple[dict[str, Any], Integrity]:
-    """The fingerprint and the torch files check behind it (edited files' hashes, how many were re-hashed)."""
+def observe(
+    hash_state: Path | None = None, loaded_state: Path | None = None, reuse_loaded: bool = False
+) -> Observation:
+    """The fingerprint and the torch files check behind it (edited files' hashes, how many were re-hashed).
+
+    With `reuse_loaded`, the facts that need torch imported come from `loaded_state` when it was recorded
+    under this `loaded_key`; otherwise torch is imported, and the facts recorded there (when given)."""
     integrity = distribution_integrity(metadata.distribution("torch"), hash_state)
+    key = loaded_key(integrity)
+    loaded = _read_loaded(loaded_state, key) if reuse_loaded and loaded_state is not None else None
+    probed = loaded is None
+    if loaded is None:
+        loaded = _loaded_facts()
+        if loaded_state is not None:
+            write_json_atomic(loaded_state, {"key": key, "facts": loaded})
+    torch_facts = {
+        **loaded["torch"],
+        "files_ok": not integrity.edited and not integrity.missing,
+        "files_edited": list(integrity.edited),
+        "files_missing": integrity.missing,
+    }
     facts: dict[str, Any] = {
         "python": {
             "version": platform.python_version(),
             "implementation": platform.python_implementation(),
         },
         "platform": {"system": platform.system(), "machine": platform.machine()},
-        "torch": _torch_facts(integrity),
+        "torch": torch_facts,
         "triton": {"version": _version("triton")},
-        "gpu": _gpu_facts(),
+        "gpu": loaded["gpu"],
         "env": compile_environment(),
     }
     for package in VERSIONED_PACKAGES:
         facts[package] = {"version": _version(package)}
-    return facts, integrity
+    return Observation(facts, integrity, probed)

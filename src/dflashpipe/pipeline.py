@@ -36,12 +36,14 @@ PARAMS_FILE = "params.yaml"
 FINGERPRINT = Path("data/env/fingerprint.json")
 TARGET = Path("data/target")
 MANIFEST = Path("data/manifest")
+REGENERATED = Path("data/regenerated")
 TOKENS = Path("data/tokens")
 COMPILE = Path("data/compile")
 DRAFTER = Path("data/drafter")
 TRAIN_STATE = Path("data/train-state")
 METRICS = Path("metrics")
 MANIFEST_METRICS = METRICS / "manifest.json"
+REGENERATE_METRICS = METRICS / "regenerate.json"
 TOKENIZE_METRICS = METRICS / "tokenize.json"
 TRAIN_METRICS_DIR = METRICS / "train"
 TRAIN_METRICS = TRAIN_METRICS_DIR / "metrics.json"
@@ -85,7 +87,11 @@ def stage_spec(name: str, root: Path | str = ".") -> StageSpec:
     stages = read_dvc_yaml(root).get("stages", {})
     if name not in stages:
         raise PipelineError(f"{Path(root) / DVC_FILE}: no stage {name!r}; stages: {sorted(stages)}")
-    entry = stages[name]
+    return spec_of(name, stages[name])
+
+
+def spec_of(name: str, entry: dict[str, Any]) -> StageSpec:
+    """A stage's spec from its dvc.yaml entry (any revision's: `dflashpipe history` reads old ones)."""
     params: list[tuple[str, str]] = []
     for item in entry.get("params", []) or []:
         if isinstance(item, str):
@@ -97,7 +103,8 @@ def stage_spec(name: str, root: Path | str = ".") -> StageSpec:
         for kind in ("outs", "metrics", "plots")
         for o in entry.get(kind, []) or []
     ]
-    return StageSpec(name, tuple(entry.get("deps", []) or []), tuple(params), tuple(outs))
+    deps = [next(iter(d)) if isinstance(d, dict) else d for d in entry.get("deps", []) or []]
+    return StageSpec(name, tuple(deps), tuple(params), tuple(outs))
 
 
 @dataclass(frozen=True)
@@ -155,8 +162,14 @@ REUSE = {
         why="num_samples only says where the fixed training stream is cut: the eval split and every shard "
         "of the same rows stay valid, so growing the data keeps them and resumes the stream",
     ),
-    "tokenize": Reuse(
+    "regenerate": Reuse(
         ("data/manifest",),
+        ("topology.drafter_devices", "topology.allow_shared_devices"),
+        "each shard's key adds its own input shard's sha256, so growing the manifest reuses the replies "
+        "already generated; the drafter's devices come with the topology section and never reach a reply",
+    ),
+    "tokenize": Reuse(
+        ("data/regenerated",),
         ("tokenize.num_proc",),
         "each shard's key adds its own input shard's sha256, so growing the manifest reuses the "
         "shards it already had; num_proc never changes a byte",

@@ -264,9 +264,16 @@ def metric_deltas(sa: State, sb: State, new: dict[str, StageState], verdicts: li
     return deltas
 
 
+TIMED_NAMES = ("seconds", "speedup", "mfu", "compiled_over_eager", "bound_by")
+"""Figures read off a clock whose names do not say so (a time ratio, a utilisation, which side was busier)."""
+
+
 def is_throughput(key: str, *flat_metrics: dict) -> bool:
-    """A timed figure: its name says per second, or a side records its spread over repeats."""
-    return any("per_s" in part for part in key.split(".")) or any(
+    """A timed figure: its name says seconds or per second (`_s`, `per_second`; not `per_step`, `per_source`),
+    it is a ratio of times, or a side records its spread over repeats. Such a move is never called
+    deterministic: without a spread it is unmeasured."""
+    parts = key.split(".")
+    return any(p.endswith("_s") or "per_second" in p or p in TIMED_NAMES for p in parts) or any(
         f"{key}{spread.SUFFIX}.low" in m for m in flat_metrics
     )
 

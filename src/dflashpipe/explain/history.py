@@ -2,9 +2,15 @@
 metrics and, against its parent, the root causes explain would give and where a metric moved beyond noise.
 
 It reads only git: each commit's dvc.yaml, dvc.lock and committed metrics files (one `git cat-file --batch`
-process for all of them), and the DVC cache's `.dir` listings for file-level paths. Nothing is rerun or
-hashed, and no dvc Repo is built (its imports alone take most of a second), so a whole history takes well
-under two seconds. A step is compared by explain's own `compare`, `root_causes` and `metric_deltas`.
+process for all of them), the files each commit changed (one `git log`), and the DVC cache's `.dir` listings
+for file-level paths. Nothing is rerun or hashed, and no dvc Repo is built (its imports alone take most of a
+second), so a whole history takes well under two seconds. A step is compared by explain's own `compare`,
+`root_causes` and `metric_deltas`.
+
+A commit can change a stage's code or params without re-running it: its dvc.lock and metrics then describe
+the older code, and comparing locks sees nothing. Such a step is marked `unrecorded`, from facts alone: a
+file under one of the stage's deps (or a params key it names) changed in the commit, and the commit's
+dvc.lock records the same hash (or value) for it as the parent's.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Any
 
 from dflashpipe.errors import DflashpipeError
 from dflashpipe.explain.comparison import compare, metric_deltas, root_causes
-from dflashpipe.explain.report import CHANGE, NOISE, UNMEASURED, Cause, MetricDelta, Verdict
+from dflashpipe.explain.report import CHANGE, NOISE, UNMEASURED, Cause, MetricDelta, StageState, Verdict
 from dflashpipe.explain.state import (
     EXPS_NAMESPACE,
     Commit,
@@ -27,8 +33,23 @@ from dflashpipe.explain.state import (
     read_revision_state,
     unknown_revision,
 )
+from dflashpipe.pipeline import _param_value as param_value  # the value as the stage keys read it
+from dflashpipe.pipeline import spec_of
 
 LOCK = "dvc.lock"
+
+
+@dataclass
+class Unrecorded:
+    """A stage whose inputs changed in a commit that did not re-run it: its dvc.lock entry and metrics there
+    describe the older inputs."""
+
+    stage: str
+    changed: list[str]
+    """The changed inputs: files under its deps (as git lists them) and `params-file:key` names."""
+
+    def line(self) -> str:
+        return f"{', '.join(self.changed)} changed, dvc.lock not re-run for {self.stage}"
 
 
 @dataclass
@@ -49,6 +70,8 @@ class Step:
     moved: list[str] = field(default_factory=list)
     """Selected metrics that moved beyond noise here: a timed figure whose ranges do not overlap, or any
     other metric whose value changed (the stages are deterministic)."""
+    unrecorded: list[Unrecorded] = field(default_factory=list)
+    """Stages whose code or params changed here while dvc.lock kept the older record."""
 
 
 @dataclass
@@ -114,6 +137,17 @@ def _commits(root: Path, since: str | None, experiments: dict[str, list[tuple[st
     return commits
 
 
+def _changed_paths(root: Path, commits: list[tuple[str, str]]) -> dict[str, list[str]]:
+    """sha -> the paths it changed against its first parent, for every commit of the range: one `git log`."""
+    spec = f"{commits[0][0]}^..{commits[-1][0]}" if _commit_of(root, f"{commits[0][0]}^") else commits[-1][0]
+    out = _git(root, "log", "--first-parent", "--diff-merges=first-parent", "--name-only", "--format=%x00%H", spec)
+    changed: dict[str, list[str]] = {}
+    for block in out.split("\0")[1:]:
+        sha, *paths = block.splitlines()
+        changed[sha] = [path for path in paths if path]
+    return changed
+
+
 def _metric_files(commit: Commit) -> list[str]:
     stages = read_revision_state(commit)
     return [path for st in stages.values() for path in st.metrics]
@@ -161,17 +195,19 @@ def history(since: str | None = None, metrics: list[str] | None = None, root: st
         every = [c for c in states if c.read_text(LOCK) is not None]
         every += [e for es in exp_states.values() for e in es]
         keys = _selected(every, metrics)
+        changed = _changed_paths(root, commits)
         steps = []
         previous = Commit(objects, parent_sha, parent_sha[:8]) if parent_sha else None
         for commit, (_, subject) in zip(states, commits, strict=True):
-            steps.append(_step(commit, subject, previous, keys, cache))
+            steps.append(_step(commit, subject, previous, keys, cache, changed.get(commit.rev, [])))
             for exp in exp_states[commit.rev]:
-                steps.append(_step(exp, f"experiment on {commit.label}", commit, keys, cache))
+                exp_changed = _git(root, "diff", "--name-only", commit.rev, exp.rev).split()
+                steps.append(_step(exp, f"experiment on {commit.label}", commit, keys, cache, exp_changed))
             previous = commit
     return History(since, keys, steps)
 
 
-def _step(commit: Commit, subject: str, parent: Commit | None, keys: list[str], cache) -> Step:
+def _step(commit: Commit, subject: str, parent: Commit | None, keys: list[str], cache, changed: list[str]) -> Step:
     values = {k: read_metrics(commit, k.split(":", 1)[0]).get(k.split(":", 1)[1]) for k in keys}
     step = Step(commit.rev, commit.label, subject, parent.label if parent else None, values)
     if parent is None or parent.read_text(LOCK) is None or commit.read_text(LOCK) is None:
@@ -181,11 +217,42 @@ def _step(commit: Commit, subject: str, parent: Commit | None, keys: list[str], 
     step.stages = verdicts
     step.root_causes = root_causes(verdicts)
     step.deltas = metric_deltas(parent, commit, new, verdicts)
+    step.unrecorded = unrecorded(commit, parent, old, new, changed)
     for d in step.deltas:
         name = f"{d.file}:{d.key}"
         if name in keys and (d.call == CHANGE or d.call is None):
             step.moved.append(name)
     return step
+
+
+def unrecorded(
+    commit: Commit, parent: Commit, old: dict[str, StageState], new: dict[str, StageState], changed: list[str]
+) -> list[Unrecorded]:
+    """Stages with an input that changed in `commit` (a file under a dep of its dvc.yaml entry there, the deps and
+    params the stage keys read, or a params key it names) while the commit's dvc.lock records that input as
+    the parent's did. Inputs git does not hold (DVC outputs under data/) change only by a run: never listed."""
+    stages = (commit.read_yaml("dvc.yaml") or {}).get("stages", {}) or {}
+    found = []
+    for name, entry in stages.items():
+        now, before = new.get(name), old.get(name)
+        if now is None or before is None or not now.locked or not before.locked:
+            continue  # no record on one side: compare() already says the stage is unknowable there
+        spec, inputs = spec_of(name, entry), []
+        for dep in spec.deps:
+            files = [p for p in changed if p == dep or p.startswith(dep.rstrip("/") + "/")]
+            if files and now.deps.get(dep) == before.deps.get(dep):
+                inputs += files
+        for file in sorted({f for f, _ in spec.params}):
+            if file not in changed:
+                continue
+            values, was = commit.read_yaml(file) or {}, parent.read_yaml(file) or {}
+            for key in (k for f, k in spec.params if f == file):
+                recorded, recorded_before = now.params.get(file, {}).get(key), before.params.get(file, {}).get(key)
+                if param_value(values, key) != param_value(was, key) and recorded == recorded_before:
+                    inputs.append(f"{file}:{key}")
+        if inputs:
+            found.append(Unrecorded(name, inputs))
+    return found
 
 
 def history_lines(h: History) -> list[str]:
@@ -195,13 +262,15 @@ def history_lines(h: History) -> list[str]:
         lines.append(f"{s.label}  {s.subject}" + (f"  (vs {s.parent})" if s.parent else "  (first record)"))
         shown = ", ".join(f"{k.split(':', 1)[1]}={_value(v)}" for k, v in s.metrics.items() if v is not None)
         lines.append(f"    metrics: {shown or 'none committed'}")
+        for u in s.unrecorded:
+            lines.append(f"    unrecorded: {u.line()} (its committed dvc.lock and metrics describe the older inputs)")
         for d in s.deltas:
             name = f"{d.file}:{d.key}"
             if name not in h.metrics:
                 continue
             mark = "  << moved" if name in s.moved else ""
             call = f" [{d.call}: {d.spread}]" if d.call in (NOISE, CHANGE, UNMEASURED) else ""
-            why = f"; from {', '.join(d.causes)}" if d.causes else ""
+            why = f"; inputs changed on its path: {', '.join(d.causes)}" if d.causes else ""
             lines.append(f"    {d.key}: {_value(d.old)} -> {_value(d.new)}{call}{why}{mark}")
         for c in s.root_causes:
             lines.append(
@@ -221,8 +290,9 @@ def history_markdown(h: History) -> str:
             if delta is not None and delta.call:
                 cell += f" ({delta.call})"
             cells.append(f"**{cell}**" if k in s.moved else cell)
-        causes = "; ".join(f"{c.what}: {_value(c.old)} -> {_value(c.new)}" for c in s.root_causes)
-        cells.append(causes.replace("|", "\\|") or ("" if s.parent else "first record"))
+        causes = [f"**unrecorded**: {u.line()}" for u in s.unrecorded]
+        causes += [f"{c.what}: {_value(c.old)} -> {_value(c.new)}" for c in s.root_causes]
+        cells.append("; ".join(causes).replace("|", "\\|") or ("" if s.parent else "first record"))
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Bold: moved beyond noise against the row's parent (a timed figure's ranges do not overlap)."]
     return "\n".join(lines) + "\n"

@@ -4,6 +4,10 @@ The fingerprint stage records the machine when it last ran; `dvc repro` reruns i
 `dvc status` compare against the file as it is. So explain observes the machine now, with the fingerprint
 stage's own code (`dflashpipe.env.observe`), and says first when the file is stale and which stages that
 makes invalid here: those whose dvc.yaml params name a changed key, and what is downstream of them.
+
+It costs no torch import when nothing moved: torch's files are re-hashed only where their size or mtime moved,
+and the facts only an imported torch tells are reused when recorded under the same key (torch's files, the
+CPU, the GPUs, the variables that steer loading); the report says which of those happened.
 """
 
 from __future__ import annotations
@@ -55,12 +59,19 @@ def invalid_stages(changes: list[Cause], stages: dict[str, StageState]) -> list[
 
 def observe_machine(root: str | Path, stages: dict[str, StageState], distribution: str = "torch") -> Machine:
     root = Path(root)
-    now, integrity = env.observe(root / env.HASH_STATE)
+    seen = env.observe(root / env.HASH_STATE, root / env.LOADED_STATE, reuse_loaded=True)
+    now, integrity = seen.facts, seen.integrity
     check = (
         f"full check: hashed all {integrity.checked} {distribution} files"
         if integrity.full
         else f"re-hashed {integrity.rehashed} of {integrity.checked} {distribution} files (the rest kept their "
         f"size and mtime since {env.HASH_STATE} recorded them)"
+    )
+    check += (
+        f"; imported {distribution} for its build, libraries, CPU capability and GPUs"
+        if seen.probed
+        else f"; its build, libraries, CPU capability and GPUs as {env.LOADED_STATE} recorded them under the same "
+        "key (its files, the CPU, the GPUs, the loading variables)"
     )
     dist = metadata.distribution(distribution)
     edited = [

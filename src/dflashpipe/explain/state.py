@@ -21,9 +21,9 @@ import yaml
 from dflashpipe.errors import DflashpipeError
 from dflashpipe.evaluate.regression import resolve_revision
 from dflashpipe.explain.report import StageState
+from dflashpipe.pipeline import spec_of
 
 WORKSPACE = "workspace"
-PARAMS_FILE = "params.yaml"
 CONFLICT_MARKERS = ("<<<<<<< ", "=======", ">>>>>>> ")
 EXPS_NAMESPACE = "refs/exps/"
 
@@ -64,6 +64,33 @@ def unknown_revision(name: str, root: str | Path) -> DflashpipeError:
     near = difflib.get_close_matches(name, refs, n=5, cutoff=0.5)
     known = f"nearby refs: {', '.join(near)}" if near else f"known refs: {', '.join(refs[:10]) or 'none'}"
     return DflashpipeError(f"{name!r} is neither a git revision nor a DVC experiment (see `dvc exp list`); {known}")
+
+
+def resolve(root: str | Path, name: str) -> str:
+    """A git revision, or a DVC experiment's name, to a commit sha, through git alone (no dvc Repo: its imports
+    take most of a second). An experiment is found by its ref, `refs/exps/<sha[:2]>/<sha[2:]>/<name>`."""
+    proc = subprocess.run(
+        ["git", "rev-parse", "--verify", "-q", f"{name}^{{commit}}"], cwd=root, capture_output=True, text=True
+    )
+    if proc.returncode == 0:
+        return proc.stdout.strip()
+    refs = subprocess.run(
+        ["git", "for-each-ref", "--format=%(objectname) %(refname)", EXPS_NAMESPACE],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.splitlines()
+    found = sorted(
+        {sha for sha, ref in (r.split(" ", 1) for r in refs) if ref.count("/") == 4 and ref.endswith("/" + name)}
+    )
+    if len(found) > 1:
+        raise DflashpipeError(
+            f"{name!r} names {len(found)} DVC experiments (commits {', '.join(found)}): give one's sha"
+        )
+    if not found:
+        raise unknown_revision(name, root)
+    return found[0]
 
 
 class State:
@@ -108,17 +135,23 @@ class GitObjects:
             ["git", "cat-file", "--batch"], cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
         self._yaml: dict[bytes, Any] = {}
+        self._read: dict[tuple[str, str], tuple[bytes, bytes] | None] = {}
 
     def read(self, rev: str, path: str) -> tuple[bytes, bytes] | None:
-        """(blob id, content) of `path` at `rev`, or None when the commit has no such file."""
+        """(blob id, content) of `path` at `rev`, or None when the commit has no such file. Each (rev, path) is
+        asked of git once: a step reads the same metrics file for every key, and again as the next's parent."""
+        if (rev, path) in self._read:
+            return self._read[rev, path]
         self._proc.stdin.write(f"{rev}:{path}\n".encode())
         self._proc.stdin.flush()
         header = self._proc.stdout.readline().split()
-        if len(header) != 3:  # "<object> missing"
-            return None
-        blob, kind, size = header
-        data = self._proc.stdout.read(int(size) + 1)[:-1]
-        return (blob, data) if kind == b"blob" else None
+        found = None
+        if len(header) == 3:  # else "<object> missing"
+            blob, kind, size = header
+            data = self._proc.stdout.read(int(size) + 1)[:-1]
+            found = (blob, data) if kind == b"blob" else None
+        self._read[rev, path] = found
+        return found
 
     def yaml(self, rev: str, path: str, where: str) -> Any:
         found = self.read(rev, path)
@@ -185,22 +218,14 @@ def _dvc_yaml_stages(state: State) -> dict[str, dict]:
     return doc.get("stages", {}) or {}
 
 
-def _entry_path(entry: Any) -> str:
-    return next(iter(entry)) if isinstance(entry, dict) else entry
-
-
-def _declared(stage: dict) -> tuple[list[str], dict[str, list[str]], list[str], list[str]]:
-    """deps, params by file, outs (all kinds), metrics of one dvc.yaml stage."""
+def _declared(name: str, stage: dict) -> tuple[list[str], dict[str, list[str]], list[str], list[str]]:
+    """deps, params by file, outs (all kinds), metrics of one dvc.yaml stage (read as the stage keys read it)."""
+    spec = spec_of(name, stage)
     params: dict[str, list[str]] = {}
-    for entry in stage.get("params", []) or []:
-        if isinstance(entry, str):
-            params.setdefault(PARAMS_FILE, []).append(entry)
-        else:
-            for file, keys in entry.items():
-                params.setdefault(file, []).extend(keys or [])
-    outs = [_entry_path(o) for kind in ("outs", "metrics", "plots") for o in stage.get(kind, []) or []]
-    metrics = [_entry_path(o) for o in stage.get("metrics", []) or []]
-    return [_entry_path(d) for d in stage.get("deps", []) or []], params, outs, metrics
+    for file, key in spec.params:
+        params.setdefault(file, []).append(key)
+    metrics = [next(iter(o)) if isinstance(o, dict) else o for o in stage.get("metrics", []) or []]
+    return list(spec.deps), params, list(spec.outs), metrics
 
 
 def _lock_hash(entry: dict) -> str | None:
@@ -212,7 +237,7 @@ def read_revision_state(state: State) -> dict[str, StageState]:
     lock = (state.read_yaml("dvc.lock") or {}).get("stages", {})
     result = {}
     for name, definition in stages.items():
-        deps, params, outs, metrics = _declared(definition)
+        deps, params, outs, metrics = _declared(name, definition)
         entry = lock.get(name)
         st = StageState(
             name,
@@ -247,7 +272,7 @@ def read_workspace_state(repo) -> tuple[dict[str, StageState], dict[str, dict[st
     """The workspace as DVC computes it now, and what the workspace's dvc.lock recorded for outs."""
     from dvc.dependency.param import ParamsDependency
 
-    result, recorded_outs = {}, {}
+    result, recorded_outs, params_files = {}, {}, {}
     for stage in repo.index.stages:
         name = stage.name
         st = StageState(
@@ -259,7 +284,7 @@ def read_workspace_state(repo) -> tuple[dict[str, StageState], dict[str, dict[st
         )
         for dep in stage.deps:
             if isinstance(dep, ParamsDependency):
-                values = dep.read_params()
+                values = _read_params(dep, params_files)
                 st.params[dep.def_path] = dict(values)
                 for key in values:
                     st.where[f"param:{dep.def_path}:{key}"] = f"{dep.def_path} (workspace) {key}"
@@ -273,6 +298,29 @@ def read_workspace_state(repo) -> tuple[dict[str, StageState], dict[str, dict[st
             st.where[f"out:{out.def_path}"] = f"md5 of {out.def_path} in the workspace (computed by DVC)"
         result[name] = st
     return result, recorded_outs
+
+
+def _read_params(dep, files: dict[str, Any]) -> dict[str, Any]:
+    """What DVC's `dep.read_params()` returns, with each params file parsed once (by DVC's own loader) instead
+    of once per stage: ruamel parsing params.yaml eight times was a third of explain's time."""
+    import dpath
+    from dvc.utils.serialize import ParseError, load_path
+
+    if dep.fs_path not in files:
+        try:
+            files[dep.fs_path] = load_path(dep.fs_path, dep.repo.fs) if dep.exists and not dep.isdir() else None
+        except ParseError as exc:
+            raise DflashpipeError(f"{dep.def_path} (workspace): unreadable params file ({exc})") from None
+    config = files[dep.fs_path]
+    if config is None:
+        return {}
+    values = {}
+    for key in dep.params or list(config):
+        try:
+            values[key] = dpath.get(config, key, separator=".")
+        except KeyError:  # a missing key is absent, as DVC reports it
+            continue
+    return values
 
 
 def _hash_now(item) -> str | None:
