@@ -9,6 +9,7 @@ import typer
 
 from dflashpipe import explain as explaining
 from dflashpipe.errors import DflashpipeError
+from dflashpipe.explain import verify as verifying
 from dflashpipe.params import load_params, load_stage_params
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
@@ -37,21 +38,28 @@ def explain(
     since: str = typer.Option(None, help="Compare this revision against the workspace."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     as_md: bool = typer.Option(False, "--md", help="Markdown, for pasting into an issue or PR."),
+    verify: str = typer.Option(
+        None, help="A metric key: rerun the pipeline with each cause reaching it reverted alone to A, and measure."
+    ),
+    budget: int = typer.Option(None, min=0, help="With --verify: run at most this many interventions."),
+    runs: int = typer.Option(3, min=1, help="With --verify: measured runs per arm, interleaved across arms."),
 ) -> None:
     """What changed between two states, what it invalidated (and what not), what it cost."""
     if since:
         a, b = since, explaining.WORKSPACE
     try:
-        report = explaining.explain(a, b)
+        result = verifying.verify(verify, a, b, budget=budget, runs=runs) if verify else explaining.explain(a, b)
     except DflashpipeError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     if as_json:
-        typer.echo(explaining.to_json(report))
+        typer.echo(verifying.verification_json(result) if verify else explaining.to_json(result))
     elif as_md:
-        typer.echo(explaining.to_markdown(report), nl=False)
+        typer.echo((verifying.verification_markdown if verify else explaining.to_markdown)(result), nl=False)
+    elif verify:
+        typer.echo("\n".join(verifying.verification_lines(result)))
     else:
-        explaining.print_text(report)
+        explaining.print_text(result)
 
 
 METRIC_OPTION = typer.Option(None, help="A metric key (or file:key) to follow; repeatable.")

@@ -1,0 +1,514 @@
+"""`dflashpipe explain --verify METRIC`: each root cause explain finds on METRIC's path, proven by intervention.
+
+For every cause reaching METRIC's stage, the pipeline runs with that cause alone reverted to A (a param set
+back, a code or data dep restored from A's commit, a deleted output restored from the DVC cache), and METRIC
+is measured there and in the baseline (B as it is), the arms interleaved round by round so that load on the
+machine falls on all of them alike. Each arm's figure pools its runs' spreads; spread.compare calls the
+intervention's effect noise or change. Causes that no run can revert (the machine itself: a torch build, an
+edited installed file, keys of a file a stage writes from the machine) are listed with their evidence.
+
+Invariant: the workspace is never touched. Each arm is a private `git clone --shared` of the project at B,
+with the workspace's uncommitted edits and missing outputs replayed into it, sharing the project's DVC cache
+through `cache.dir` — what `dvc exp run --temp` does with its clones under .dvc/tmp/exps, done here because
+`exp run -S` can set a param but cannot restore a file from another commit or keep an output missing. Arms
+save what they compute into that cache, so a stage any run ever computed (the run cache) is restored, never
+recomputed; the measured runs alone are forced and commit nothing.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflashpipe import spread
+from dflashpipe.errors import DflashpipeError
+from dflashpipe.explain import DIRECT, OUTPUTS, RESTORABLE, WORKSPACE, Cause, Report, cause_line, explain
+from dflashpipe.explain.comparison import figure, topological, upstream_of
+from dflashpipe.explain.state import State, read_metrics, read_revision_state
+from dflashpipe.pipeline import FINGERPRINT
+
+MEASURED, FIXED, OVER_BUDGET, FAILED = "measured", "cannot revert here", "over budget", "failed"
+
+
+@dataclass
+class Intervention:
+    cause: Cause
+    action: str
+    """What the arm does ("revert param ... to 40"), or why no arm can (for FIXED)."""
+    status: str
+    figure: dict | None = None
+    """The arm's METRIC: median, low, high, repeats (pooled over its runs)."""
+    change: float | None = None
+    """Relative to the baseline's median."""
+    call: str | None = None
+    """noise or change (spread.compare of the two arms)."""
+    share: float | None = None
+    """How much of the gap from the baseline back to A's recorded figure this one reversion closes."""
+    seconds: float | None = None
+    """What the arm cost: preparing it and its measured runs."""
+    note: str = ""
+
+
+@dataclass
+class Verification:
+    metric: str
+    file: str
+    key: str
+    stage: str
+    a: str
+    b: str
+    runs: int
+    """Measured runs per arm, interleaved with the other arms'."""
+    recorded_a: Any
+    recorded_b: Any
+    baseline: dict | None
+    baseline_seconds: float | None
+    interventions: list[Intervention] = field(default_factory=list)
+    together: Intervention | None = None
+    """Every revertible cause reverted at once (when more than one ran): what the causes explain between them."""
+    report: Report | None = None
+
+
+def verify(
+    metric: str,
+    a: str = "HEAD",
+    b: str = WORKSPACE,
+    root: str | Path = ".",
+    budget: int | None = None,
+    runs: int = 3,
+    progress: bool = True,
+) -> Verification:
+    """Revert each cause reaching `metric` alone (at most `budget` of them) and measure it `runs` times
+    against the baseline B, interleaved."""
+    from dvc.repo import Repo
+
+    root = Path(root).resolve()
+    if a == WORKSPACE:
+        raise DflashpipeError("--verify reverts causes to A, which must be a recorded state (a revision or experiment)")
+    report = explain(a, b, root, machine=(root / FINGERPRINT).is_file())  # no fingerprint file: nothing to check
+    with Repo(str(root)) as repo:
+        sa, sb = State(repo, a), State(repo, b)
+        stages = read_revision_state(sb)
+        file, key, stage = _locate(metric, sa, sb, stages)
+        recorded_a, recorded_b = read_metrics(sa, file).get(key), read_metrics(sb, file).get(key)
+        base_rev = sb.rev or repo.scm.get_rev()
+        cache_dir = repo.cache.local_cache_dir
+    found = Verification(metric, file, key, stage, report.a, report.b, runs, recorded_a, recorded_b, None, None)
+    found.report = report
+    producers = {out: st.name for st in stages.values() for out in st.outs}
+    for cause in causes_reaching(report, stage):
+        action, can = _plan(cause, sa.rev, root, producers)
+        found.interventions.append(Intervention(cause, action, MEASURED if can else FIXED))
+    planned = [i for i in found.interventions if i.status == MEASURED]
+    for i in planned[budget:] if budget is not None else []:
+        i.status = OVER_BUDGET
+    planned = planned[:budget] if budget is not None else planned
+    if len(planned) > 1 and not any(i.status == OVER_BUDGET for i in found.interventions):
+        every = " + ".join(i.cause.what for i in planned)
+        found.together = Intervention(
+            Cause("together", every, None, None, "each cause above"), "revert all of them", MEASURED
+        )
+    if planned:
+        _run_arms(found, planned, root, (sa.rev, base_rev), b == WORKSPACE, stages, cache_dir, progress)
+    return found
+
+
+def _locate(metric: str, sa: State, sb: State, stages) -> tuple[str, str, str]:
+    """(metrics file, key, stage) of `metric` (a key, or file:key), from B's and A's metrics files."""
+    wanted_file, _, wanted_key = metric.rpartition(":")
+    known: dict[str, str] = {}
+    matches = []
+    for st in stages.values():
+        for path in st.metrics:
+            keys = set(read_metrics(sb, path)) | set(read_metrics(sa, path))
+            if wanted_key in keys and wanted_file in ("", path):
+                matches.append((path, wanted_key, st.name))
+            known.update({k: path for k in keys if not any(p.endswith(spread.SUFFIX) for p in k.split("."))})
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        named = ", ".join(f"{path}:{key} (stage {name})" for path, key, name in matches)
+        raise DflashpipeError(f"{metric!r} is recorded by {len(matches)} metrics files; name one of: {named}")
+    near = difflib.get_close_matches(wanted_key, list(known), n=5, cutoff=0.5)
+    listed = ", ".join(f"{k} ({known[k]})" for k in near or sorted(known)[:20]) or "none"
+    which = "nearby keys" if near else "keys recorded"
+    raise DflashpipeError(f"no metrics file of {sb.label} or {sa.label} records {metric!r}; {which}: {listed}")
+
+
+def causes_reaching(report: Report, stage: str) -> list[Cause]:
+    """The root causes on `stage`'s file-level paths (explain's `linked`), then the machine's changes when the
+    live machine makes `stage` invalid: the same attribution explain gives the stage's metrics."""
+    by_stage = {v.stage: v for v in report.stages}
+    keys, todo, seen = set(), [stage], set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in by_stage:
+            continue
+        seen.add(name)
+        v = by_stage[name]
+        if v.verdict in (DIRECT, OUTPUTS):
+            keys |= {(c.kind, c.what) for c in v.causes}
+        todo.extend(v.linked)
+    found = [c for c in report.root_causes if (c.kind, c.what) in keys]
+    machine = report.machine
+    if machine is not None and machine.stale and stage in machine.invalid:
+        found += [c for c in machine.changes if c.stages]
+    return found
+
+
+def _plan(cause: Cause, a_rev: str, root: Path, producers: dict[str, str]) -> tuple[str, bool]:
+    """What reverting `cause` alone means, and whether an arm can do it here."""
+    if cause.kind == "machine":
+        return f"the machine now differs from the fingerprint file ({cause.evidence}): revert it on the machine", False
+    if cause.kind == "param":
+        file, key = cause.what.split(":", 1)
+        if file in producers:
+            machine = f"{file} is written by stage {producers[file]} from the machine it runs on"
+            return f"{machine}: only a machine like A's ({_short(cause.old)}) reverts it; {cause.evidence}", False
+        return f"revert param {key} in {file} to {_short(cause.old)}", True
+    if cause.kind == "cmd":
+        return f"restore stage {cause.what}'s cmd from A", True
+    if cause.kind == "out":
+        if cause.evidence.endswith(RESTORABLE):
+            return f"restore output {cause.what} from the DVC cache", True
+        return f"output {cause.what}: {cause.evidence.split('; ')[-1]}", False
+    tracked = cause.old is None or _in_commit(root, a_rev, cause.what) or _in_commit(root, a_rev, cause.what + ".dvc")
+    if not tracked:
+        return f"{cause.what} is in neither git nor a .dvc file at A: nothing to restore it from", False
+    return f"restore {cause.what} from A ({a_rev[:8]})", True
+
+
+def _in_commit(root: Path, rev: str, path: str) -> bool:
+    return subprocess.run(["git", "cat-file", "-e", f"{rev}:{path}"], cwd=root, capture_output=True).returncode == 0
+
+
+@dataclass
+class Arm:
+    """One private clone of B: the baseline, one cause reverted, or all of them."""
+
+    dir: Path
+    causes: list[Cause]
+    """Reverted in this arm: none for the baseline, one for an intervention, all of them together."""
+    result: Intervention | None
+    samples: list[spread.Spread] = field(default_factory=list)
+    seconds: float = 0.0
+    error: str | None = None
+
+
+def _run_arms(found: Verification, planned, root, revs, workspace, stages, cache_dir, progress) -> None:
+    from tqdm import tqdm
+
+    a_rev, base_rev = revs
+    kept_missing = [c for c in (found.report.root_causes if workspace else []) if c.kind == "out"]
+    upstream = _upstream(found.stage, stages)
+    with tempfile.TemporaryDirectory(prefix="dflashpipe-verify-") as tmp:
+        arms = [Arm(Path(tmp) / "baseline", [], None)]
+        arms += [Arm(Path(tmp) / f"arm{n}", [i.cause], i) for n, i in enumerate(planned, 1)]
+        if found.together is not None:
+            arms.append(Arm(Path(tmp) / "together", [i.cause for i in planned], found.together))
+        total = len(arms) * (1 + found.runs)
+        with tqdm(total=total, desc=f"verify {found.metric}", unit="run", disable=not progress, file=sys.stderr) as bar:
+            for arm in arms:
+                bar.set_postfix_str(f"preparing {arm.dir.name}")
+                _prepare(arm, root, base_rev, workspace, kept_missing, a_rev, cache_dir, found.stage, upstream)
+                bar.update(1)
+            for _ in range(found.runs):
+                for arm in arms:
+                    if arm.error is None:
+                        _measure(arm, found, kept_missing)
+                    bar.update(1)
+    baseline = _pooled(arms[0].samples)
+    found.baseline = baseline and asdict(baseline)
+    found.baseline_seconds = round(arms[0].seconds, 1)
+    for arm in arms[1:]:
+        arm.result.seconds = round(arm.seconds, 1)
+    if arms[0].error:
+        for i in [arm.result for arm in arms[1:]]:
+            i.status, i.note = FAILED, f"the baseline failed: {arms[0].error}"
+        return
+    target = _number(found.recorded_a)
+    for arm in arms[1:]:
+        i = arm.result
+        if arm.error:
+            i.status, i.note = FAILED, arm.error
+            continue
+        measured = _pooled(arm.samples)
+        i.figure = asdict(measured)
+        i.call = spread.compare(baseline, measured)
+        if baseline.median:
+            i.change = (measured.median - baseline.median) / abs(baseline.median)
+        if target is not None and target != baseline.median:
+            i.share = (measured.median - baseline.median) / (target - baseline.median)
+
+
+def _upstream(stage: str, stages) -> list[str]:
+    """The stages `stage` reads outputs of, directly or not, upstream first."""
+    ups = upstream_of(stages)
+    found, todo = set(), [stage]
+    while todo:
+        for producer in ups[todo.pop()]:
+            if producer not in found:
+                found.add(producer)
+                todo.append(producer)
+    return [name for name in topological(stages, ups) if name in found]
+
+
+def _prepare(arm: Arm, root, base_rev, workspace, kept_missing, a_rev, cache_dir, stage, upstream) -> None:
+    """Clone B into the arm, replay the workspace, apply the intervention, bring the stage's upstream to date."""
+    from dvc.repo import Repo
+
+    started = time.perf_counter()
+    try:
+        _git(root, "clone", "-q", "--shared", "--no-checkout", str(root), str(arm.dir))
+        _git(arm.dir, "checkout", "-q", "--detach", base_rev)
+        (arm.dir / ".dvc" / "config.local").write_text(f"[cache]\n    dir = {cache_dir}\n", encoding="utf-8")
+        if workspace:
+            _replay_workspace(root, arm.dir)
+        for cause in arm.causes:
+            if cause.kind != "out":
+                _revert(arm.dir, cause, a_rev)
+        missing = [c for c in kept_missing if c not in arm.causes]  # a restored output is checked out below
+        with _in_arm(arm.dir), Repo(str(arm.dir)) as repo:
+            # only what the metric's stage reads, directly or not: each arm holds a copy of it
+            repo.checkout(targets=[stage], with_deps=True, force=True, allow_missing=True)
+            for c in missing:
+                _replay_output(root, arm.dir, c.what)
+            _bring_up_to_date(repo, upstream, {c.what for c in missing})
+    except Exception as exc:  # a reverted cause may break the pipeline: that is a finding, not a crash
+        arm.error = _one_line(exc, arm)
+    arm.seconds += time.perf_counter() - started
+
+
+def _bring_up_to_date(repo, upstream: list[str], missing: set[str]) -> None:
+    """`dvc repro` of each upstream stage, except that a stage whose output is kept missing (as the workspace
+    has it) runs only when its own inputs changed: DVC would otherwise restore the output from its run cache,
+    and the arm would measure a repaired workspace."""
+    stages = {s.name: s for s in repo.index.stages}
+    for name in upstream:
+        stage = stages[name]
+        if {o.def_path for o in stage.outs} & missing:
+            with repo.lock:
+                if not (stage.changed_deps() or stage.changed_stage()):
+                    continue
+        repo.reproduce(targets=[name], single_item=True, allow_missing=bool(missing))
+
+
+def _measure(arm: Arm, found: Verification, kept_missing) -> None:
+    """One forced run of the metric's stage (no run cache, nothing committed), and its figure."""
+    from dvc.repo import Repo
+
+    started = time.perf_counter()
+    try:
+        with _in_arm(arm.dir), Repo(str(arm.dir)) as repo:
+            repo.reproduce(
+                targets=[found.stage], single_item=True, force=True, no_commit=True, allow_missing=bool(kept_missing)
+            )
+        flat = read_metrics(_ArmFiles(arm.dir), found.file)
+        measured = figure(flat, found.key)
+        value = _number(flat.get(found.key))
+        if measured is None and value is None:
+            raise DflashpipeError(f"{found.file} has no number under {found.key!r} after the run")
+        arm.samples.append(measured or spread.Spread.of([value]))
+    except Exception as exc:
+        arm.error = _one_line(exc, arm)
+    arm.seconds += time.perf_counter() - started
+
+
+class _ArmFiles:
+    """An arm's files as read_metrics reads a state."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.label = root, f"arm {root.name}"
+
+    def read_text(self, path: str) -> str | None:
+        try:
+            return (self.root / path).read_text(encoding="utf-8")
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+
+
+def _replay_workspace(root: Path, dest: Path) -> None:
+    """The workspace's uncommitted edits of tracked files, and its untracked (not ignored) files."""
+    diff = subprocess.run(["git", "diff", "--binary", "HEAD"], cwd=root, capture_output=True, check=True).stdout
+    if diff:
+        subprocess.run(["git", "apply", "--whitespace=nowarn"], cwd=dest, input=diff, capture_output=True, check=True)
+    untracked = _git(root, "ls-files", "-z", "--others", "--exclude-standard").split("\0")
+    for rel in filter(None, untracked):
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / rel, dest / rel)
+
+
+def _replay_output(root: Path, dest: Path, path: str) -> None:
+    """An output the workspace lacks (or has other bytes for) is made so in the arm."""
+    target, source = dest / path, root / path
+    if target.is_dir() and not target.is_symlink():
+        shutil.rmtree(target)
+    elif target.exists() or target.is_symlink():
+        target.unlink()
+    if source.is_dir():
+        shutil.copytree(source, target, symlinks=True)
+    elif source.exists():
+        shutil.copy2(source, target)
+
+
+def _revert(dest: Path, cause: Cause, a_rev: str) -> None:
+    if cause.kind == "param":
+        from dvc.utils.serialize import MODIFIERS
+
+        file, key = cause.what.split(":", 1)
+        with MODIFIERS[Path(file).suffix.lower()](dest / file) as data:
+            *parents, leaf = key.split(".")
+            node = data
+            for part in parents:
+                node = node.setdefault(part, {})
+            if cause.old is None:
+                node.pop(leaf, None)
+            else:
+                node[leaf] = cause.old
+    elif cause.kind == "cmd":
+        from dvc.utils.serialize import modify_yaml
+
+        with modify_yaml(dest / "dvc.yaml") as data:
+            data["stages"][cause.what]["cmd"] = cause.old
+    else:  # a dep: git's copy at A, or its .dvc file at A (the data then comes from the cache at checkout)
+        path = cause.what
+        tracked_by_dvc = _in_commit(dest, a_rev, path + ".dvc")
+        restored = path + ".dvc" if tracked_by_dvc else path
+        target = dest / path
+        if not tracked_by_dvc and target.is_dir():
+            shutil.rmtree(target)
+        elif not tracked_by_dvc and target.exists():
+            target.unlink()
+        if _in_commit(dest, a_rev, restored):
+            _git(dest, "checkout", "-q", a_rev, "--", restored)
+
+
+def _git(cwd: Path, *args: str) -> str:
+    proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise DflashpipeError(f"git {' '.join(args)}: {proc.stderr.strip().splitlines()[-1:] or ''}")
+    return proc.stdout
+
+
+@contextmanager
+def _in_arm(arm: Path):
+    """Inside the arm as `dvc` run there would be (DVC resolves targets against the working directory), the
+    stages' own output and DVC's going to the arm's log at the file-descriptor level: a stage's command
+    inherits the descriptors, not sys.stdout."""
+    log = arm / ".dvc" / "tmp" / "verify.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cwd = os.getcwd()
+    os.chdir(arm)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(log, "ab") as fh:
+        os.dup2(fh.fileno(), 1)
+        os.dup2(fh.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+            os.chdir(cwd)
+
+
+def _one_line(exc: Exception, arm: Arm) -> str:
+    log = arm.dir / ".dvc" / "tmp" / "verify.log"
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    tail = [line for line in lines if line.strip() and "%|" not in line][-1:]  # not our progress bar's redraws
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return f"{text}{f' (last output: {tail[0].strip()[:160]})' if tail else ''}"
+
+
+def _pooled(samples: list[spread.Spread]) -> spread.Spread | None:
+    """An arm's runs as one figure: the median of their medians, the widest range, every repeat counted."""
+    if not samples:
+        return None
+    middle = spread.Spread.of([s.median for s in samples]).median
+    return spread.Spread(
+        middle, min(s.low for s in samples), max(s.high for s in samples), sum(s.repeats for s in samples)
+    )
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _short(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def amount(value: Any) -> str:
+    """4.3K, 12.6K, 1.1M: figures as a person reads them."""
+    number = _number(value)
+    if number is None:
+        return str(value)
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if abs(number) >= scale:
+            return f"{number / scale:.1f}{suffix}"
+    return f"{number:.3g}"
+
+
+def _figure_text(fig: dict | None) -> str:
+    if fig is None:
+        return "no figure"
+    return f"{amount(fig['median'])} (range {amount(fig['low'])}..{amount(fig['high'])}, {fig['repeats']} repeats)"
+
+
+def verification_lines(v: Verification) -> list[str]:
+    """One line per cause: what was reverted, the measured effect with its spread and call, and its cost."""
+    lines = [
+        f"verify {v.metric} ({v.file}, stage {v.stage}): {v.a} -> {v.b}, each cause reverted alone to {v.a}",
+        f"recorded: {amount(v.recorded_a)} at {v.a}, {amount(v.recorded_b)} at {v.b}",
+    ]
+    if v.baseline is not None or v.baseline_seconds is not None:
+        lines.append(
+            f"baseline ({v.b} as it is): {_figure_text(v.baseline)} over {v.runs} runs interleaved with each arm's; "
+            f"prepared and measured in {v.baseline_seconds} s"
+        )
+    if not v.interventions:
+        lines.append(f"no root cause reaches stage {v.stage}: nothing to revert")
+    for i in v.interventions + ([v.together] if v.together else []):
+        what = f"together: {i.cause.what}" if i.cause.kind == "together" else cause_line(i.cause)
+        if i.status == MEASURED:
+            pct = f" ({i.change:+.0%})" if i.change is not None else ""
+            call = {"noise": "within noise", "change": "change"}.get(i.call, i.call)
+            share = ""
+            if i.share is not None and i.call == "change":
+                share = f"; {i.share:.0%} of the way back to {v.a}'s {amount(v.recorded_a)}"
+            lines.append(
+                f"{i.action} [{what}]: {amount(v.baseline and v.baseline['median'])} -> {_figure_text(i.figure)}"
+                f"{pct}, {call}{share} [cost {i.seconds} s]"
+            )
+        elif i.status == FAILED:
+            lines.append(f"{i.action} [{what}]: failed after {i.seconds} s: {i.note}")
+        elif i.status == OVER_BUDGET:
+            lines.append(f"{i.action} [{what}]: not run (over --budget)")
+        else:
+            lines.append(f"cannot revert here [{what}]: {i.action}")
+    return lines
+
+
+def verification_markdown(v: Verification) -> str:
+    head, *rest = verification_lines(v)
+    return "\n".join([f"## {head}", "", *[f"- {line}" for line in rest]]) + "\n"
+
+
+def verification_json(v: Verification) -> str:
+    return json.dumps(asdict(v), indent=2, default=str)
