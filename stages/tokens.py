@@ -10,16 +10,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the code DVC hashed
 
 from dflashpipe.artifacts import write_json_atomic  # noqa: E402
-from dflashpipe.pipeline import MANIFEST, TARGET, TOKENIZE_METRICS, TOKENS, reuse_key  # noqa: E402
+from dflashpipe.pipeline import REGENERATED, TARGET, TOKENIZE_METRICS, TOKENS, reuse_key  # noqa: E402
 from dflashpipe.stage import run_stage  # noqa: E402
 from dflashpipe.tokens.run import tokenize_manifest, tokenize_metrics  # noqa: E402
 
 
 def tokenize(params) -> None:
     # The key is what dvc.yaml lists for the stage, less two things (pipeline.REUSE, with the reasons):
-    # data/manifest, because each shard is also keyed by its own input shard's sha256, so growing the
+    # data/regenerated, because each shard is also keyed by its own input shard's sha256, so growing the
     # data reuses the old shards; and tokenize.num_proc, which never changes a byte of a shard.
-    run = tokenize_manifest(params.tokenize, MANIFEST, TARGET, TOKENS, key=reuse_key("tokenize"))
+    run = tokenize_manifest(params.tokenize, REGENERATED, TARGET, TOKENS, key=reuse_key("tokenize"))
     write_json_atomic(TOKENIZE_METRICS, tokenize_metrics(run))
 
 

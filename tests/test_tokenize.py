@@ -304,7 +304,7 @@ def test_the_stage_key_reuses_shards_exactly_when_dvc_would_keep_them(project, s
 def test_a_manifest_shard_that_does_not_match_its_summary_is_refused(project, smollm2_tokenizer_dir):
     m = manifest(project, 20)
     (m / "train-00001.parquet").write_bytes(b"not parquet")
-    with pytest.raises(SourceError, match=r"train-00001.parquet: .*`dvc repro -f manifest`"):
+    with pytest.raises(SourceError, match=r"train-00001.parquet: .*`dvc repro -f regenerate`"):
         tokenize_manifest(PARAMS, m, smollm2_tokenizer_dir, project / "tokens", KEY)
 
 

@@ -1,5 +1,7 @@
-"""The tokenize stage: bring data/tokens/ to one tokens shard per manifest shard, reusing what still holds.
+"""The tokenize stage: bring data/tokens/ to one tokens shard per conversation shard, reusing what still holds.
 
+Its input is data/regenerated/ (the manifest's shards as they are, or with the target's own replies; the
+same names and, disabled, the same bytes), called "the manifest" below.
 Incremental by content. A tokens shard depends only on its manifest shard and on what dvc.yaml
 lists for the stage (the tokenizer and template in data/target, the tokenize params, this package's
 code, the stage script, the library versions): the caller passes that as a `StageKey`, read from
@@ -31,9 +33,9 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from dflashpipe.artifacts import file_sha256, write_file_listing, write_json_atomic
-from dflashpipe.data.shards import verify_manifest
 from dflashpipe.params import TokenizeParams
 from dflashpipe.pipeline import StageKey
+from dflashpipe.regenerate.shards import ConversationShard, read_conversation_shards
 from dflashpipe.spread import Spread
 from dflashpipe.tokens.chat import ChatTokenizer, load_chat_tokenizer
 from dflashpipe.tokens.encode import EncodedRows, SampleEncoder, TokenStats, concat_rows, length_edges
@@ -41,23 +43,6 @@ from dflashpipe.tokens.shards import SUMMARY_FILE, reusable_shard, shard_key, sh
 
 CHUNK_SAMPLES = 64
 """Samples per task handed to a worker: small enough to balance, large enough for encode_batch."""
-
-
-@dataclass(frozen=True)
-class ManifestShard:
-    index: int
-    path: Path
-    samples: int
-    sha256: str
-
-
-def read_manifest(manifest_dir: Path) -> list[ManifestShard]:
-    """The manifest's training shards, after the manifest's own check of every file's sha256."""
-    summary = verify_manifest(manifest_dir)
-    return [
-        ManifestShard(index, manifest_dir / e["file"], e["samples"], e["sha256"])
-        for index, e in enumerate(summary["shards"])
-    ]
 
 
 # --- running it across processes -----------------------------------------------------------
@@ -91,7 +76,7 @@ def _encode_task(task: tuple[int, str, int, int]) -> tuple[int, EncodedRows, Tok
     return index, rows, stats, time.perf_counter() - began
 
 
-def _tasks(shards: list[ManifestShard]) -> list[tuple[int, str, int, int]]:
+def _tasks(shards: list[ConversationShard]) -> list[tuple[int, str, int, int]]:
     return [
         (s.index, str(s.path), start, min(start + CHUNK_SAMPLES, s.samples))
         for s in shards
@@ -202,7 +187,7 @@ def tokenize_manifest(
     began = time.perf_counter()
     manifest_dir, out_dir = Path(manifest_dir), Path(out_dir)
     chat = load_chat_tokenizer(target_dir)
-    shards = read_manifest(manifest_dir)
+    shards = read_conversation_shards(manifest_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _remove_all_but(out_dir, {shard_name(s.index) for s in shards})
     keys = {s.index: shard_key(None if key is None else key.digest, s.sha256) for s in shards}
@@ -217,7 +202,7 @@ def tokenize_manifest(
     def empty_stats() -> TokenStats:
         return TokenStats(length_histogram=[0] * len(length_edges(params.max_length)))
 
-    def finish(shard: ManifestShard, parts: list[tuple[EncodedRows, TokenStats]]) -> None:
+    def finish(shard: ConversationShard, parts: list[tuple[EncodedRows, TokenStats]]) -> None:
         stats = empty_stats()
         for _, part_stats in parts:
             stats.merge(part_stats)

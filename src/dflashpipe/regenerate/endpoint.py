@@ -1,0 +1,95 @@
+"""Replies from an OpenAI-compatible server (vLLM, SGLang): what users run to regenerate at scale.
+
+Prompts are sent to `<base>/completions` as token ids (the OpenAI API's `prompt: int[][]`), rendered and
+encoded here exactly as in the in-process path, so the server's own chat template or BOS handling cannot
+change them; temperature 0, one request per batch. A connection failure, a timeout, 429 or a 5xx is
+retried with exponential backoff; what still fails is one line naming the URL.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dflashpipe.errors import DflashpipeError
+
+
+class EndpointError(DflashpipeError):
+    """The endpoint is unreachable, refuses the request, or answers something that is not a completion."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    stopped: bool
+    """It ended on its own (finish_reason `stop`), not at max_tokens (`length`)."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    base_url: str
+    model: str | None = None
+    """None: the first model `<base>/models` lists."""
+    retries: int = 4
+    backoff_s: float = 1.0
+    """The first wait; each retry waits twice as long as the one before."""
+    timeout_s: float = 600.0
+
+    def _request(self, path: str, body: dict | None = None) -> dict:
+        url = self.base_url.rstrip("/") + path
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+        for attempt in range(self.retries + 1):
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                    return json.loads(response.read())
+            except urllib.error.HTTPError as exc:  # before URLError: it is one
+                detail = exc.read().decode(errors="replace")[:300]
+                if exc.code != 429 and exc.code < 500:
+                    raise EndpointError(
+                        f"regenerate.endpoint {url} refused the request: HTTP {exc.code}: {detail}"
+                    ) from None
+                failure = f"HTTP {exc.code}: {detail}"
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+                failure = str(getattr(exc, "reason", exc))
+            except ValueError as exc:
+                raise EndpointError(f"regenerate.endpoint {url} answered something that is not JSON: {exc}") from None
+            if attempt < self.retries:
+                time.sleep(self.backoff_s * 2**attempt)
+        raise EndpointError(
+            f"regenerate.endpoint {url} unreachable after {self.retries + 1} attempts ({failure}): start the "
+            f"server, or set regenerate.endpoint: null to generate in this process"
+        )
+
+    def model_name(self) -> str:
+        if self.model is not None:
+            return self.model
+        answer = self._request("/models")
+        try:
+            return str(answer["data"][0]["id"])
+        except (KeyError, IndexError, TypeError):
+            raise EndpointError(f"regenerate.endpoint {self.base_url}/models lists no model: {answer!r:.200}") from None
+
+    def complete(self, model: str, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Completion]:
+        """One greedy completion per prompt, in the prompts' order."""
+        body = {
+            "model": model,
+            "prompt": [list(p) for p in prompts],
+            "max_tokens": max_new_tokens,
+            "temperature": 0,
+            "n": 1,
+        }
+        answer = self._request("/completions", body)
+        try:
+            choices = sorted(answer["choices"], key=lambda c: c["index"])
+            if [c["index"] for c in choices] != list(range(len(prompts))):
+                raise ValueError(f"{len(choices)} choices for {len(prompts)} prompts")
+            return [Completion(str(c["text"]), c["finish_reason"] != "length") for c in choices]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EndpointError(
+                f"regenerate.endpoint {self.base_url}/completions: not a completions answer ({exc})"
+            ) from None

@@ -1,0 +1,383 @@
+"""The regenerate stage: bring data/regenerated/ to one shard per manifest training shard, reusing what holds.
+
+Every assistant turn of a training conversation is answered again by the target, greedily: its prompt is
+the conversation before it, rendered with the target's chat template and generation prompt. A later turn
+is asked after the *regenerated* earlier replies (as the reference trainers do), so each conversation is
+one the target could have had; turns are therefore asked in rounds (every conversation's first
+assistant turn, then every second one...), each round batched across conversations, sorted by length.
+
+What cannot be answered ends the conversation there, counted by reason: leading assistant turns with no
+prompt are dropped (`no_prompt`); a turn whose prompt exceeds max_prompt_tokens (`prompt_too_long`) or
+whose reply is empty (`empty_reply`) ends it before that turn; a reply cut at max_new_tokens is kept
+(`stopped_at_limit`) and ends it after that turn, since what follows answered a finished reply. A
+conversation left with no reply is dropped (`no_reply`, or `no_assistant_turn`). Trailing turns after the
+last reply carry no supervision and are dropped.
+
+Reuse is tokenize's: the key is the stage key from dvc.yaml less data/manifest, plus each input shard's
+sha256 (pipeline.REUSE), so growing the data answers only the new shards. Disabled, the output is the
+manifest's shards, hard-linked: tokenize's input bytes are exactly what they were without this stage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from dflashpipe.artifacts import file_sha256, write_file_listing, write_json_atomic
+from dflashpipe.data.shards import SUMMARY_FILE, ShardWriter, conversation_hash, read_manifest_shard, verify_manifest
+from dflashpipe.errors import SourceError
+from dflashpipe.params.sections import RegenerateParams
+from dflashpipe.pipeline import StageKey
+from dflashpipe.regenerate.endpoint import Endpoint
+from dflashpipe.regenerate.shards import reusable_record, shard_key, write_shard
+from dflashpipe.spread import Spread
+from dflashpipe.tokens.chat import ChatTokenizer, load_chat_tokenizer
+
+SKIPPED_TURNS = ("no_prompt", "prompt_too_long", "empty_reply")
+DROPPED_SAMPLES = ("no_assistant_turn", "no_reply")
+
+
+@dataclass
+class RegenerateCounts:
+    """What one shard (or all of them) went through; sums across shards."""
+
+    samples_in: int = 0
+    samples_out: int = 0
+    replies: int = 0
+    stopped_at_limit: int = 0
+    generated_tokens: int = 0
+    skipped_turns: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SKIPPED_TURNS, 0))
+    dropped_samples: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROPPED_SAMPLES, 0))
+
+    def merge(self, other: RegenerateCounts | dict) -> None:
+        other = other if isinstance(other, dict) else asdict(other)
+        for name in ("samples_in", "samples_out", "replies", "stopped_at_limit", "generated_tokens"):
+            setattr(self, name, getattr(self, name) + other[name])
+        for name in ("skipped_turns", "dropped_samples"):
+            for reason, n in other[name].items():
+                getattr(self, name)[reason] += n
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    stopped: bool
+    """It ended with a stop token (else at max_new_tokens)."""
+    tokens: int
+
+
+class Replier:
+    """Answers a round of prompts (token ids), in their order; sorts them by length into batches."""
+
+    def __init__(self, batch_size: int) -> None:
+        self.batch_size = batch_size
+        self.batch_rates: list[float] = []
+
+    def answer(self, prompts: Sequence[Sequence[int]], progress: Callable[[int], None]) -> list[Answer]:
+        order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
+        batches = [order[k : k + self.batch_size] for k in range(0, len(order), self.batch_size)]
+        answers: list[Answer | None] = [None] * len(prompts)
+
+        def run(batch: list[int], worker: int) -> None:
+            began = time.perf_counter()
+            done = self.batch([prompts[i] for i in batch], worker, progress)
+            seconds = time.perf_counter() - began
+            if seconds > 0:
+                self.batch_rates.append(sum(a.tokens for a in done) / seconds)
+            for i, a in zip(batch, done, strict=True):
+                answers[i] = a
+
+        self.each(batches, run)
+        return answers  # type: ignore[return-value]
+
+    def each(self, batches: list[list[int]], run: Callable[[list[int], int], None]) -> None:
+        for batch in batches:
+            run(batch, 0)
+
+    def batch(self, prompts: list[Sequence[int]], worker: int, progress: Callable[[int], None]) -> list[Answer]:
+        raise NotImplementedError
+
+
+class InProcessReplier(Replier):
+    """The materialised target, one copy per device of topology.target_devices, one thread each; batch j runs
+    on device j mod n, so what each batch holds, and so its output, does not depend on thread timing."""
+
+    def __init__(self, target_dir: Path, devices: Sequence[str], chat: ChatTokenizer, params: RegenerateParams) -> None:
+        import torch
+
+        from dflashpipe.regenerate.generate import stop_token_ids
+        from dflashpipe.target import load_materialised_target
+
+        super().__init__(params.batch_size)
+        for device in devices:
+            if device.startswith("cuda") and int(device.partition(":")[2] or 0) >= torch.cuda.device_count():
+                raise SourceError(
+                    f"params.yaml: topology.target_devices names {device!r}, but this machine has "
+                    f"{torch.cuda.device_count()} CUDA device(s)"
+                )
+        self.targets = [load_materialised_target(target_dir, device) for device in dict.fromkeys(devices)]
+        self.chat, self.max_new_tokens = chat, params.max_new_tokens
+        self.stop = stop_token_ids(self.targets[0], chat.tokenizer)
+
+    def each(self, batches, run) -> None:
+        if len(self.targets) == 1:
+            return super().each(batches, run)
+        with ThreadPoolExecutor(len(self.targets)) as pool:
+            jobs = [
+                pool.submit(lambda w: [run(b, w) for b in batches[w :: len(self.targets)]], w)
+                for w in range(len(self.targets))
+            ]
+            for job in jobs:
+                job.result()
+
+    def batch(self, prompts, worker, progress) -> list[Answer]:
+        from dflashpipe.regenerate.generate import greedy_replies
+
+        replies = greedy_replies(self.targets[worker], prompts, self.max_new_tokens, self.stop, progress)
+        decode = self.chat.tokenizer.decode
+        return [
+            Answer(decode(r.tokens, skip_special_tokens=True), r.stopped, len(r.tokens) + r.stopped) for r in replies
+        ]
+
+
+class EndpointReplier(Replier):
+    """An OpenAI-compatible server; tokens are counted by encoding each reply again."""
+
+    def __init__(self, endpoint: Endpoint, chat: ChatTokenizer, params: RegenerateParams) -> None:
+        super().__init__(params.batch_size)
+        self.endpoint, self.chat, self.max_new_tokens = endpoint, chat, params.max_new_tokens
+        self.model = endpoint.model_name()
+
+    def batch(self, prompts, worker, progress) -> list[Answer]:
+        done = self.endpoint.complete(self.model, prompts, self.max_new_tokens)
+        answers = [
+            Answer(c.text, c.stopped, len(self.chat.backend.encode(c.text, add_special_tokens=False).ids) + c.stopped)
+            for c in done
+        ]
+        progress(sum(a.tokens for a in answers))
+        return answers
+
+
+@dataclass
+class _Conversation:
+    turns: list[dict]
+    next_turn: int | None
+    """The assistant turn to answer next; None: finished."""
+    kept: int = 0
+    """Turns kept: through the last accepted reply."""
+
+
+def _next_assistant(turns: list[dict], after: int) -> int | None:
+    return next((j for j in range(after, len(turns)) if turns[j]["role"] == "assistant"), None)
+
+
+def regenerate_rows(
+    rows: list[dict], chat: ChatTokenizer, replier: Replier, params: RegenerateParams, progress: Callable[[int], None]
+) -> tuple[list[dict], RegenerateCounts]:
+    """The rows (manifest schema) with every reply the target's own; the conversations cut as the module says."""
+    counts = RegenerateCounts(samples_in=len(rows))
+    conversations = []
+    for row in rows:
+        turns = [dict(t) for t in row["conversation"]]
+        start = next((j for j, t in enumerate(turns) if t["role"] != "assistant"), len(turns))
+        counts.skipped_turns["no_prompt"] += start
+        conversations.append(_Conversation(turns[start:], _next_assistant(turns[start:], 1)))
+    while True:
+        asked = []
+        for c in conversations:
+            if c.next_turn is None:
+                continue
+            text = chat.render(c.turns[: c.next_turn], add_generation_prompt=True)
+            ids = chat.backend.encode(text, add_special_tokens=False).ids
+            if len(ids) > params.max_prompt_tokens:
+                counts.skipped_turns["prompt_too_long"] += 1
+                c.next_turn = None
+            else:
+                asked.append((c, ids))
+        if not asked:
+            break
+        for (c, _), answer in zip(asked, replier.answer([ids for _, ids in asked], progress), strict=True):
+            turn = c.next_turn
+            if not answer.text.strip():
+                counts.skipped_turns["empty_reply"] += 1
+                c.next_turn = None
+                continue
+            c.turns[turn] = {"role": "assistant", "content": answer.text}
+            c.kept = turn + 1
+            counts.replies += 1
+            counts.generated_tokens += answer.tokens
+            counts.stopped_at_limit += not answer.stopped
+            c.next_turn = _next_assistant(c.turns, turn + 1) if answer.stopped else None
+    out = []
+    for row, c in zip(rows, conversations, strict=True):
+        if c.kept == 0:
+            had_reply = any(t["role"] == "assistant" for t in c.turns)
+            counts.dropped_samples["no_reply" if had_reply else "no_assistant_turn"] += 1
+            continue
+        turns = c.turns[: c.kept]
+        out.append({"id": row["id"], "source": row["source"], "conversation": turns, "hash": conversation_hash(turns)})
+    counts.samples_out = len(out)
+    return out, counts
+
+
+# --- the stage ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RegenerateRun:
+    """What one run produced (`summary`: the same bytes however it came about) and what it did."""
+
+    summary: dict
+    regenerated_shards: list[str]
+    reused_shards: list[str]
+    generated_tokens: int
+    seconds: float
+    batch_rates: list[float]
+
+
+def regenerate_metrics(run: RegenerateRun) -> dict:
+    """The counts, and how much of the work this run redid, for `dvc metrics diff`."""
+    s = run.summary
+    counts = s.get("counts") or {}
+    return {
+        "enabled": s["enabled"],
+        "shards": len(s["shards"]),
+        "regenerated_shards": len(run.regenerated_shards),
+        "reused_shards": len(run.reused_shards),
+        **counts,
+        "generated_tokens_this_run": run.generated_tokens,
+        "seconds": round(run.seconds, 3),
+        **(Spread.of(run.batch_rates).record("tokens_per_s", digits=1) if run.batch_rates else {"tokens_per_s": 0.0}),
+    }
+
+
+def _keep_file(old: Path, new: Path) -> None:
+    """A hard link (a copy where links are not possible): the same bytes for nothing."""
+    new.unlink(missing_ok=True)
+    try:
+        os.link(old, new)
+    except OSError:
+        shutil.copy2(old, new)
+
+
+def _remove_all_but(out_dir: Path, wanted: set[str]) -> None:
+    for stale in sorted(out_dir.iterdir()):
+        if stale.name not in wanted:
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+
+
+def _target_sha256(target_dir: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(target_dir.iterdir()):
+        if f.is_file() and (f.name == "config.json" or f.suffix == ".safetensors"):
+            h.update(f.name.encode() + b"\0" + file_sha256(f).encode())
+    return h.hexdigest()
+
+
+def regenerate_manifest(
+    params: RegenerateParams,
+    devices: Sequence[str],
+    manifest_dir: Path | str,
+    target_dir: Path | str,
+    out_dir: Path | str,
+    key: StageKey | None = None,
+    endpoint: Endpoint | None = None,
+) -> RegenerateRun:
+    """Bring `out_dir` to one shard per manifest training shard, then summary.json, then files.json.
+
+    `key`: the stage's reuse key (stages/regenerate.py); None reuses nothing. `endpoint`: overrides the
+    one params name (tests pass a short backoff)."""
+    began = time.perf_counter()
+    manifest_dir, target_dir, out_dir = Path(manifest_dir), Path(target_dir), Path(out_dir)
+    entries = verify_manifest(manifest_dir)["shards"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _remove_all_but(out_dir, {e["file"] for e in entries})
+    if not params.enabled:
+        for e in entries:
+            _keep_file(manifest_dir / e["file"], out_dir / e["file"])
+        shards = [{**e, "input": {"file": e["file"], "sha256": e["sha256"]}} for e in entries]
+        return _finish(out_dir, {"enabled": False, "shards": shards}, [], [], 0, began, [])
+
+    chat = load_chat_tokenizer(target_dir)
+    if endpoint is None and params.endpoint is not None:
+        endpoint = Endpoint(params.endpoint, params.endpoint_model)
+    settings = {
+        "temperature": 0,
+        "max_new_tokens": params.max_new_tokens,
+        "max_prompt_tokens": params.max_prompt_tokens,
+        "batch_size": params.batch_size,
+        "chat_template_sha256": hashlib.sha256(chat.template.encode()).hexdigest(),
+        "target_sha256": _target_sha256(target_dir),
+        "generator": "in_process" if endpoint is None else {"endpoint": endpoint.base_url, "model": endpoint.model},
+    }
+    keys = {e["file"]: None if key is None else shard_key(key.digest, e["sha256"]) for e in entries}
+    records = {e["file"]: r for e in entries if (r := reusable_record(out_dir / e["file"], keys[e["file"]]))}
+    todo = [e for e in entries if e["file"] not in records]
+    replier: Replier | None = None
+    generated = 0
+    for e in todo:
+        if replier is None:  # loading the target (or asking the endpoint) only when there is work
+            replier = (
+                InProcessReplier(target_dir, devices, chat, params)
+                if endpoint is None
+                else EndpointReplier(endpoint, chat, params)
+            )
+        rows = read_manifest_shard(manifest_dir, e).to_pylist()
+        with tqdm(desc=f"regenerate {e['file']}", unit="tok", unit_scale=True, mininterval=1.0) as bar:
+            out_rows, counts = regenerate_rows(rows, chat, replier, params, bar.update)
+        writer = ShardWriter()
+        for row in out_rows:
+            writer.add(row["id"], row["source"], row["conversation"], row["hash"])
+        record = {
+            "key": keys[e["file"]],
+            "input": {"file": e["file"], "sha256": e["sha256"]},
+            "settings": settings,
+            "counts": asdict(counts),
+        }
+        write_shard(out_dir / e["file"], writer.table(), record)
+        records[e["file"]] = record
+        generated += counts.generated_tokens
+    total = RegenerateCounts()
+    shards = []
+    for e in entries:
+        record = records[e["file"]]
+        total.merge(record["counts"])
+        path = out_dir / e["file"]
+        shards.append(
+            {
+                "file": e["file"],
+                "samples": record["counts"]["samples_out"],
+                "sha256": file_sha256(path),
+                "key": record["key"],
+                "input": record["input"],
+                "counts": record["counts"],
+            }
+        )
+    summary = {"enabled": True, "settings": settings, "counts": asdict(total), "shards": shards}
+    rates = replier.batch_rates if replier is not None else []
+    return _finish(
+        out_dir,
+        summary,
+        [e["file"] for e in todo],
+        sorted(records.keys() - {e["file"] for e in todo}),
+        generated,
+        began,
+        rates,
+    )
+
+
+def _finish(out_dir, summary, regenerated, reused, generated, began, rates) -> RegenerateRun:
+    write_json_atomic(out_dir / SUMMARY_FILE, summary)
+    write_file_listing(out_dir)  # last: a directory without it is not a complete output
+    run = RegenerateRun(summary, regenerated, reused, generated, time.perf_counter() - began, rates)
+    what = "linked the manifest's" if not summary["enabled"] else f"answered {len(regenerated)}, reused {len(reused)}"
+    print(f"regenerate: {what} shard(s) of {len(summary['shards'])}")
+    return run

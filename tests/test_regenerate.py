@@ -1,0 +1,256 @@
+"""Regenerate: the target's own greedy replies, the same in this process and from an OpenAI-compatible server;
+disabled, tokenize's input is the manifest's bytes; shards are reused only under their key.
+
+The target is tests/tiny.py's tiny Llama with the real SmolLM2 tokenizer, its LM head scaled as a trained one's
+(so that greedy replies vary with the prompt) and one frequent token made a stop token (so that some replies
+end on their own, and later turns are asked). The server is a stdlib HTTP server in a thread that answers
+with transformers' own `generate`, one prompt at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import socket
+import threading
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from dflashpipe.params.sections import RegenerateParams
+from dflashpipe.pipeline import REGENERATE_METRICS, REGENERATED, TOKENS, StageKey
+from dflashpipe.regenerate.endpoint import Endpoint, EndpointError
+from dflashpipe.regenerate.run import regenerate_manifest
+from dflashpipe.tokens.chat import load_chat_tokenizer
+from dflashpipe.tokens.run import tokenize_manifest
+from tests.conftest import RUN_PROFILE, copy_project, run, set_params
+from tests.test_tokenize import KEY, PARAMS, chat_jsonl, files, manifest
+from tests.tiny import project_params, random_target, target_config
+
+REGENERATE = dataclasses.replace(
+    RegenerateParams(**project_params("regenerate")), enabled=True, max_new_tokens=6, batch_size=4
+)
+STAGE_KEY = StageKey("regenerate", {"param:params.yaml:regenerate.max_new_tokens": "6"})
+
+
+@pytest.fixture(scope="module")
+def talking_target(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    """A tiny target whose greedy replies differ by prompt, some ending at a stop token: a model directory."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from dflashpipe.regenerate.generate import greedy_replies
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    config = target_config(
+        len(tokenizer),
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = random_target(config)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.5)  # a trained head's scale: at init's 0.02 every reply is "\n\n..."
+    chat = load_chat_tokenizer(smollm2_tokenizer_dir)
+    prompts = [
+        chat.backend.encode(
+            chat.render([{"role": "user", "content": f"Question {i}: the number {i * 7919 % 1000}."}], True),
+            add_special_tokens=False,
+        ).ids
+        for i in range(12)
+    ]
+    replies = greedy_replies(model, prompts, 6, [tokenizer.eos_token_id])
+    common = Counter(r.tokens[3] for r in replies).most_common(1)[0][0]  # ends some replies after 3 tokens
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, common]
+    out = tmp_path_factory.mktemp("talking-target")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+class CompletionsServer:
+    """/v1/models and /v1/completions (token-id prompts, greedy), answered by transformers' `generate`."""
+
+    def __init__(self, target_dir: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype="float32").eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        self.requests: list[int] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def reply(self, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self.reply({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                assert self.path == "/v1/completions" and body["temperature"] == 0 and body["model"] == "tiny"
+                server.requests.append(len(body["prompt"]))
+                self.reply(
+                    {"choices": [server.complete(i, p, body["max_tokens"]) for i, p in enumerate(body["prompt"])]}
+                )
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def complete(self, index: int, prompt: list[int], max_tokens: int) -> dict:
+        import torch
+
+        with torch.no_grad():
+            out = self.model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)
+        tokens = out[0, len(prompt) :].tolist()
+        stopped = tokens[-1] in self.model.generation_config.eos_token_id
+        text = self.tokenizer.decode(tokens[:-1] if stopped else tokens, skip_special_tokens=True)
+        return {"index": index, "text": text, "finish_reason": "stop" if stopped else "length"}
+
+
+def conversations(directory: Path) -> list[list]:
+    return [
+        row["conversation"]
+        for path in sorted(directory.glob("train-*.parquet"))
+        for row in pq.read_table(path).to_pylist()
+    ]
+
+
+def test_the_target_answers_every_turn_in_process_and_from_an_endpoint_alike(tmp_path, talking_target):
+    chat_jsonl(tmp_path / "chats.jsonl", 40)
+    m = manifest(tmp_path, 30)
+    here = regenerate_manifest(REGENERATE, ["cpu"], m, talking_target, tmp_path / "here", STAGE_KEY)
+    server = CompletionsServer(talking_target)
+    try:
+        there = regenerate_manifest(
+            dataclasses.replace(REGENERATE, batch_size=7, endpoint=server.url),
+            ["cpu"],
+            m,
+            talking_target,
+            tmp_path / "there",
+            STAGE_KEY,
+        )
+    finally:
+        server.httpd.shutdown()
+    assert conversations(tmp_path / "here") == conversations(tmp_path / "there")
+    assert server.requests and max(server.requests) == 7  # batched: one request per 7 prompts
+    counts = here.summary["counts"]
+    # the same counts; tokens aside: the endpoint's are counted by encoding its text again
+    assert {**counts, "generated_tokens": 0} == {**there.summary["counts"], "generated_tokens": 0}
+    # every sample's replies are the target's; later turns asked after its earlier replies; nothing lost uncounted
+    dropped = counts["dropped_samples"]
+    assert counts["samples_in"] == 30 == counts["samples_out"] + sum(dropped.values())
+    assert dropped["no_assistant_turn"] == 2  # chat_jsonl: every 17th sample has no assistant turn
+    assert 0 < counts["stopped_at_limit"] < counts["replies"] and counts["replies"] > counts["samples_out"]
+    original = {json.dumps(c[0]): c for c in conversations(m)}
+    for turns in conversations(tmp_path / "here"):
+        assert turns[-1]["role"] == "assistant" and turns[1]["content"] != original[json.dumps(turns[0])][1]["content"]
+    # a second reply is the target's answer to the conversation that holds its own first reply
+    chat = load_chat_tokenizer(talking_target)
+    turns = next(t for t in conversations(tmp_path / "here") if len(t) == 4)
+    prompt = chat.backend.encode(chat.render(turns[:3], add_generation_prompt=True), add_special_tokens=False).ids
+    assert server.complete(0, prompt, 6)["text"] == turns[3]["content"]
+    settings = here.summary["settings"]
+    assert (settings["temperature"], settings["max_new_tokens"], len(settings["target_sha256"])) == (0, 6, 64)
+    assert settings["chat_template_sha256"] == there.summary["settings"]["chat_template_sha256"]
+
+    # A prompt longer than max_prompt_tokens is skipped, and its conversation ends before it.
+    short = regenerate_manifest(
+        dataclasses.replace(REGENERATE, max_prompt_tokens=48), ["cpu"], m, talking_target, tmp_path / "short"
+    )
+    assert short.summary["counts"]["skipped_turns"]["prompt_too_long"] > 0
+    assert short.summary["counts"]["replies"] < counts["replies"]
+
+
+def test_an_unreachable_endpoint_is_one_error_naming_the_url(tmp_path, talking_target):
+    chat_jsonl(tmp_path / "chats.jsonl", 10)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    endpoint = Endpoint(url, "tiny", retries=2, backoff_s=0.01)
+    with pytest.raises(EndpointError, match=rf"^regenerate.endpoint {url}/completions unreachable after 3 attempts"):
+        regenerate_manifest(
+            REGENERATE, ["cpu"], manifest(tmp_path, 10), talking_target, tmp_path / "out", endpoint=endpoint
+        )
+
+
+def test_disabled_tokenize_reads_the_manifests_bytes_and_writes_the_same_tokens(tmp_path, smollm2_tokenizer_dir):
+    chat_jsonl(tmp_path / "chats.jsonl", 40)
+    m, out = manifest(tmp_path, 30), tmp_path / "regenerated"
+    (out).mkdir()
+    (out / "train-00007.parquet").write_text("left over from a larger run")
+    disabled = dataclasses.replace(REGENERATE, enabled=False)
+    regenerate_manifest(disabled, ["cpu"], m, smollm2_tokenizer_dir, out, STAGE_KEY)
+    shards = sorted(p.name for p in m.glob("train-*"))
+    assert sorted(p.name for p in out.iterdir()) == ["files.json", "summary.json", *shards]
+    assert all(os.path.samefile(m / name, out / name) for name in shards)  # hard links: no bytes copied
+    # tokenize under one key: the same bytes, whether it reads the manifest or the disabled stage's output
+    tokenize_manifest(PARAMS, m, smollm2_tokenizer_dir, tmp_path / "from-manifest", KEY)
+    tokenize_manifest(PARAMS, out, smollm2_tokenizer_dir, tmp_path / "from-regenerated", KEY)
+    assert {k: v[0] for k, v in files(tmp_path / "from-manifest").items()} == {
+        k: v[0] for k, v in files(tmp_path / "from-regenerated").items()
+    }
+
+
+def test_growing_the_data_answers_only_the_new_shards_and_a_new_key_all(tmp_path, talking_target):
+    chat_jsonl(tmp_path / "chats.jsonl", 40)
+    out = tmp_path / "regenerated"
+    first = regenerate_manifest(REGENERATE, ["cpu"], manifest(tmp_path, 20), talking_target, out, STAGE_KEY)
+    assert first.regenerated_shards == ["train-00000.parquet", "train-00001.parquet"]
+    before = files(out)
+    grown = regenerate_manifest(REGENERATE, ["cpu"], manifest(tmp_path, 30), talking_target, out, STAGE_KEY)
+    assert (grown.regenerated_shards, grown.reused_shards) == (["train-00002.parquet"], first.regenerated_shards)
+    after = files(out)
+    assert all(after[name] == before[name] for name in first.regenerated_shards)  # same bytes, never rewritten
+    regenerate_manifest(REGENERATE, ["cpu"], tmp_path / "manifest", talking_target, tmp_path / "fresh", STAGE_KEY)
+    assert {k: v[0] for k, v in files(tmp_path / "fresh").items()} == {k: v[0] for k, v in after.items()}
+    # a damaged shard is answered again; another key answers every shard
+    damaged = out / "train-00001.parquet"
+    damaged.write_bytes(damaged.read_bytes()[:-64])
+    again = regenerate_manifest(REGENERATE, ["cpu"], tmp_path / "manifest", talking_target, out, STAGE_KEY)
+    assert again.regenerated_shards == ["train-00001.parquet"]
+    other = StageKey("regenerate", {"param:params.yaml:regenerate.max_new_tokens": "7"})
+    assert (
+        len(
+            regenerate_manifest(
+                REGENERATE, ["cpu"], tmp_path / "manifest", talking_target, out, other
+            ).regenerated_shards
+        )
+        == 3
+    )
+
+
+def test_dvc_repro_regenerates_then_reuses_the_old_shards_when_the_data_grows(pipeline_run, tmp_path, talking_target):
+    project = copy_project(pipeline_run, tmp_path / "project")
+    shutil.rmtree(project / "models/tiny")  # the pipeline's tiny target says only "\n\n...": all empty replies
+    shutil.copytree(talking_target, project / "models/tiny")
+    run(["dvc", "repro", "-f", "-s", "target"], project)  # its source directory is a param, not a dep
+    set_params(project, regenerate__enabled=True, regenerate__max_new_tokens=3, regenerate__batch_size=32)
+    assert "Running stage 'regenerate'" in run(["dvc", "repro", "tokenize"], project).stdout
+    before = files(project / REGENERATED)
+    shards = [n for n in before if n.endswith(".parquet")]
+    summary = json.loads((project / REGENERATED / "summary.json").read_text())
+    assert summary["enabled"] and summary["counts"]["replies"] > 0
+    set_params(project, data__num_samples=RUN_PROFILE["data__num_samples"] + 40)
+    out = run(["dvc", "repro", "tokenize"], project)
+    assert "Running stage 'regenerate'" in out.stdout and "Running stage 'tokenize'" in out.stdout
+    after = files(project / REGENERATED)
+    assert all(after[name] == before[name] for name in shards)
+    metrics = json.loads((project / REGENERATE_METRICS).read_text())
+    assert (metrics["regenerated_shards"], metrics["reused_shards"]) == (2, len(shards))
+    assert json.loads((project / TOKENS / "summary.json").read_text())["samples_in"] == metrics["samples_out"]
