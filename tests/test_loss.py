@@ -1,7 +1,8 @@
 """The chunked loss is the unchunked definition: same loss, slot counts and gradients, chunk by chunk.
 
 `decay_weighted_loss` over full logits is the reference; the chunked form computes the same from the
-hidden states and the frozen LM head, holding one chunk's logits at a time (model/loss.py).
+hidden states and the frozen LM head, holding one chunk's logits at a time (model/loss.py). With
+distillation the reference is autograd through the textbook CE / KL over the target's full logits.
 """
 
 from __future__ import annotations
@@ -30,16 +31,17 @@ def case(dtype: torch.dtype, seed: int = 0, weights: torch.Tensor | None = None)
     return hidden, head, labels, weights
 
 
-def both(hidden, head, labels, weights, rows, autocast_dtype=None):
+def both(hidden, head, labels, weights, rows, autocast_dtype=None, teacher=None, distill="none", alpha=0.0):
     """(loss, slot_correct, slot_count, grad wrt hidden) for the reference and the chunked form."""
     out = []
     for chunked in (False, True):
         h = hidden.clone().requires_grad_(True)
         with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
             if chunked:
-                terms = chunked_decay_weighted_loss(h, head, labels, weights, rows=rows)
+                terms = chunked_decay_weighted_loss(h, head, labels, weights, rows, teacher, distill, alpha)
             else:
-                terms = decay_weighted_loss(head(h.to(head.weight.dtype)), labels, weights)
+                t_logits = None if teacher is None else head(teacher)
+                terms = decay_weighted_loss(head(h.to(head.weight.dtype)), labels, weights, t_logits, distill, alpha)
         terms.loss.backward()
         out.append((terms.loss.detach(), terms.slot_correct, terms.slot_count, h.grad))
     return out
@@ -110,3 +112,31 @@ def test_a_trainable_lm_head_or_one_with_bias_is_refused():
             assert "frozen LM head" in str(exc)
         else:
             raise AssertionError("accepted an LM head it cannot differentiate correctly")
+
+
+@pytest.mark.parametrize("distill", ["argmax", "kl"])
+def test_distilled_chunked_equals_the_unchunked_definition(distill):
+    hidden, head, labels, weights = case(torch.float64, seed=4)
+    teacher = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    for rows in (1, 7, 1000):
+        (ref, ref_correct, ref_count, ref_grad), (got, correct, count, grad) = both(
+            hidden, head, labels, weights, rows, teacher=teacher, distill=distill, alpha=0.3
+        )
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-12)
+        assert torch.equal(correct, ref_correct) and torch.equal(count, ref_count)
+    plain = both(hidden, head, labels, weights, 7)[0][0]
+    assert not torch.allclose(got, plain)  # the target's term is really in it
+
+
+def test_distill_weight_mixes_data_and_target_terms():
+    hidden, head, labels, weights = case(torch.float64, seed=6)
+    plain = chunked_decay_weighted_loss(hidden, head, labels, weights, 7).loss
+    # weight 0: exactly the data loss; KL to itself is 0, so weight w leaves (1 - w) x the data loss
+    for distill in ("argmax", "kl"):
+        none_share = chunked_decay_weighted_loss(hidden, head, labels, weights, 7, hidden, distill, 0.0).loss
+        torch.testing.assert_close(none_share, plain, rtol=1e-12, atol=1e-12)
+    to_itself = chunked_decay_weighted_loss(hidden, head, labels, weights, 7, hidden, "kl", 0.25).loss
+    torch.testing.assert_close(to_itself, 0.75 * plain, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="needs the target's hidden states"):
+        chunked_decay_weighted_loss(hidden, head, labels, weights, 7, None, "kl", 0.5)

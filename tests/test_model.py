@@ -382,7 +382,7 @@ def test_a_drafter_for_a_real_target_and_tokenizer_from_params_yaml(tiny_target_
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
     drafter = DFlashDrafter.for_target(target, tokenizer, params, torch.Generator().manual_seed(0))
     assert drafter.config.mask_token_id == tokenizer.convert_tokens_to_ids(params.mask_token) < len(tokenizer)
-    assert drafter.config.target_layer_ids == tuple(spaced_target_layer_ids(6, params.target_layers))
+    assert drafter.config.target_layer_ids == tuple(spaced_target_layer_ids(6, params.target_layer_count))
     assert drafter.config.hidden_size == target.config.hidden_size
 
     rows = target.get_input_embeddings().num_embeddings
@@ -407,8 +407,23 @@ def test_a_target_whose_final_norm_is_not_rmsnorm_is_refused():
         ({"layers": 0}, r"model.layers = 0: must be between 1 and 64"),
         ({"block_size": 1}, r"model.block_size = 1: must be between 2"),
         ({"seq_len": 8, "block_size": 8}, r"model.seq_len = 8: must be longer than model.block_size = 8"),
-        ({"target_layer_ids": [5, 2, 9]}, r"model.target_layer_ids = \[5, 2, 9\]: list model.target_layers = 3"),
-        ({"target_layer_ids": [1, 2]}, r"model.target_layer_ids = \[1, 2\]"),
+        (
+            {"target_layers": 3, "target_layer_ids": [5, 2, 9]},
+            r"model.target_layer_ids = \[5, 2, 9\]: list model.target_layers = 3",
+        ),
+        (
+            {"target_layers": 0, "layers": 2, "target_layer_ids": [1, 2, 3]},
+            r"list model.layers = 2 \(model.target_layers is 0\)",
+        ),
+        ({"target_layers": -1}, r"model.target_layers = -1: must be between 0 and 64"),
+        ({"final_norm": "learned"}, r"model.final_norm = 'learned': allowed values are \['trained', 'frozen'\]"),
+        ({"distill": "soft"}, r"model.distill = 'soft': allowed values are \['none', 'argmax', 'kl'\]"),
+        ({"distill_weight": 1.5}, r"model.distill_weight = 1.5: must be between 0 and 1"),
+        (
+            {"final_norm": "frozen", "final_norm_scale": 0.1},
+            r"model.final_norm_scale = 0.1: must be in \(0, 10\], and 1 when model.final_norm is frozen",
+        ),
+        ({"target_layer_ids": [2, 1]}, r"model.target_layer_ids = \[2, 1\]"),
         ({"gamma": 0}, r"model.gamma = 0.0: must be a positive number"),
         ({"attention": "cuda"}, r"model.attention = 'cuda': allowed values are \['auto', 'flex', 'sdpa'\]"),
         ({"mask_token": " "}, r"model.mask_token is empty"),
@@ -432,3 +447,64 @@ def test_explicit_target_layer_ids_must_fit_the_target():
         DFlashConfig.for_target(tiny_target().config, explicit, MASK_ID)
     ok = DFlashConfig.for_target(tiny_target().config, replace(explicit, target_layer_ids=(2, 7)), MASK_ID)
     assert ok.target_layer_ids == (2, 7) and ok.feature_size == 64
+
+
+def test_target_layers_follow_the_drafter_layers_unless_set():
+    from dataclasses import replace
+
+    params = replace(load_params(ROOT)["model"], target_layer_ids=())
+    qwen3_8b = tiny_target().config
+    qwen3_8b.num_hidden_layers = 36
+    # The published Qwen3-8B drafter: 5 layers reading 5 target layers.
+    follows = DFlashConfig.for_target(qwen3_8b, replace(params, layers=5, target_layers=0), MASK_ID)
+    assert follows.target_layer_ids == (1, 9, 17, 25, 33)
+    assert DFlashConfig.for_target(qwen3_8b, replace(params, layers=5, target_layers=3), MASK_ID).target_layer_ids == (
+        1,
+        17,
+        33,
+    )
+
+
+@pytest.mark.parametrize(("final_norm", "scale"), [("trained", 0.1), ("frozen", 1.0)])
+def test_the_final_norm_starts_as_the_targets_scaled_and_trains_only_when_asked(final_norm, scale):
+    target = tiny_target()
+    drafter = DFlashDrafter(
+        tiny_config(target),
+        TargetHead.of(target),
+        attention="sdpa",
+        gamma=4.0,
+        final_norm=final_norm,
+        final_norm_scale=scale,
+    )
+    assert torch.equal(drafter.norm.weight, target.model.norm.weight * scale)
+    drafter(*random_batch(drafter)).loss.backward()
+    assert (drafter.norm.weight.grad is not None) == (final_norm == "trained")
+    assert "norm.weight" in drafter.state_dict()  # the checkpoint format carries it either way
+
+
+def test_init_target_copies_the_targets_top_layers(tiny_target_dir):
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    params = replace(load_params(ROOT)["model"], layers=2, init="target")
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    drafter = DFlashDrafter.for_target(target, tokenizer, params, torch.Generator().manual_seed(0))
+    for ours, theirs in zip(drafter.layers, target.model.layers[-2:], strict=True):
+        their_state = theirs.state_dict()
+        for name, tensor in ours.state_dict().items():
+            if name in their_state:
+                assert torch.equal(tensor, their_state[name].to(tensor)), name
+            else:  # a Llama target has no q/k norms: they stay the identity scale
+                assert name.endswith(("q_norm.weight", "k_norm.weight")) and torch.all(tensor == 1), name
+    random = DFlashDrafter.for_target(target, tokenizer, replace(params, init="random"), torch.Generator())
+    assert not torch.equal(random.layers[0].mlp.up_proj.weight, drafter.layers[0].mlp.up_proj.weight)
+
+    with pytest.raises(ParamsError, match="model.layers = 7 but the target has only 6 layers"):
+        DFlashDrafter.for_target(target, tokenizer, replace(params, layers=7, target_layers=2), torch.Generator())
+    target.model.layers[5].mlp.up_proj = torch.nn.Linear(target.config.hidden_size, 8, bias=False)
+    with pytest.raises(
+        SourceError, match=r"target decoder layer 5: mlp.up_proj.weight is \[8, 64\], drafter layer 1 needs"
+    ):
+        DFlashDrafter.for_target(target, tokenizer, params, torch.Generator())

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dflashpipe.model.anchors import anchor_candidates
-from dflashpipe.model.features import target_layer_features
+from dflashpipe.model.features import target_features_and_predictions, target_layer_features
 from dflashpipe.model.loss import block_labels
 from dflashpipe.tokens.shards import load_tokens
 from dflashpipe.train.data import OPEN_ROWS, BatchPlan, collate, epoch_order, pack_rows
@@ -119,11 +119,20 @@ def test_a_packed_rows_target_features_are_each_documents_features_alone():
     for name, target, layer_ids in targets():
         with torch.no_grad():
             packed = target_layer_features(target, ids, attention, layer_ids, documents, positions)
+            # Distillation's path: the same features, and the target's logits at every position of the row.
+            every = torch.arange(seq_len)[None]
+            same, predicted = target_features_and_predictions(
+                target, ids, attention, layer_ids, every, documents, positions
+            )
+            assert torch.equal(same, packed)
             start = 0
             for n in lengths:
                 alone = target_layer_features(target, ids[:, start : start + n], None, layer_ids)
                 err = (packed[:, start : start + n] - alone).abs().max().item()
+                logits = target(input_ids=ids[:, start : start + n]).logits
+                err_logits = (target.lm_head(predicted[:, start : start + n]) - logits).abs().max().item()
                 worst[name] = max(worst.get(name, 0.0), err / alone.abs().max().item())
+                worst[name] = max(worst[name], err_logits / logits.abs().max().item())
                 start += n
             # Against the full model's own forward too, for the last document.
             full = target(input_ids=ids[:, start - n : start], output_hidden_states=True).hidden_states

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflashpipe.model.features import target_features, target_layer_features
+from dflashpipe.model.features import target_features, target_features_and_predictions, target_layer_features
 from dflashpipe.tokens.shards import TokenData, TokenShard, load_tokens
 from dflashpipe.train.data import collate
 
@@ -83,6 +83,21 @@ def test_truncated_target_forward_never_runs_later_layers_or_the_lm_head():
         for h in handles:
             h.remove()
     assert calls == {0: 1, 1: 1, 2: 1, 3: 0, 4: 0, 5: 0, "norm": 0, "lm_head": 0}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_target_predictions_at_block_positions_are_the_full_models_logits_there(kind):
+    target = tiny_target(kind, "sdpa")
+    ids, attention = padded_batch()
+    at = torch.tensor([[[0, 1, 2], [7, 8, 9]], [[3, 4, 5], [8, 9, 10]], [[0, 1, 2], [2, 3, 4]]])  # [B, A, slots]
+    with torch.no_grad():
+        full = target(input_ids=ids, attention_mask=attention, output_hidden_states=True)
+        features, hidden = target_features_and_predictions(target, ids, attention, [1, 3], at)
+        logits = target.lm_head(hidden)
+    assert torch.equal(features, target_features(full.hidden_states, [1, 3]))
+    want = full.logits.gather(1, at.flatten(1)[..., None].expand(-1, -1, 128)).view(3, 2, 3, 128)
+    assert hidden.shape == (3, 2, 3, 64)
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
 
 
 def test_truncated_target_forward_refuses_layer_ids_the_target_lacks():

@@ -222,6 +222,16 @@ def test_compiled_training_compiles_nothing_in_worker_threads(workdir, pipeline_
     assert metrics["compile"]["new_graphs_in_workers"] == 0
 
 
+def test_distilled_training_compiles_in_the_main_thread_only_and_keeps_replicas_identical(workdir):
+    # The target worker draws the anchors and adds the target's final hidden states at the slots to the
+    # step's inputs; warmup has no kernels for that step here, so it compiles cold in the main thread.
+    model = {**MODEL, "distill": "kl", "distill_weight": 0.5}
+    metrics = train(workdir, {**config("distilled", drafters=2, compiled=True, max_steps=2), "model": model})
+    assert metrics["steps"] == 2 and metrics["replicas_identical"] is True
+    assert metrics["compile"]["compiles_in_worker_threads"] == 0
+    assert metrics["compile"]["new_graphs_in_workers"] == 0
+
+
 def test_bad_topology_is_refused_before_anything_loads():
     with pytest.raises(ParamsError, match=r"topology.drafter_devices names 'cuda:5', but this machine has 0 CUDA"):
         check_topology(TopologyParams(target_devices=("cpu",), drafter_devices=("cuda:5",), allow_shared_devices=False))

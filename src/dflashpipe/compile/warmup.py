@@ -44,8 +44,8 @@ def autocast(device: torch.device):
 
 def step_inputs(drafter: DFlashDrafter, model: ModelParams, micro_batch: int, device: torch.device) -> tuple:
     """Inputs of the training step's exact static shapes and dtypes (values do not matter to a compile):
-    features, input_ids, loss_mask, anchors, anchor_valid, document_ids, position_ids, in the order
-    the train loop passes them."""
+    features, input_ids, loss_mask, anchors, anchor_valid, document_ids, position_ids (and, when the
+    drafter distils, the target's hidden states at the slots), in the order the train loop passes them."""
     shape = (micro_batch, model.seq_len)
     ids = torch.zeros(shape, dtype=torch.long, device=device)
     mask = torch.ones(shape, dtype=torch.long, device=device)
@@ -53,7 +53,11 @@ def step_inputs(drafter: DFlashDrafter, model: ModelParams, micro_batch: int, de
     positions = torch.arange(model.seq_len, device=device).expand(shape).contiguous()
     anchors, valid = sample_anchor_positions(mask, model.num_anchors, torch.Generator().manual_seed(0))
     features = torch.zeros((*shape, drafter.config.feature_size), device=device, dtype=feature_dtype(device))
-    return features, ids, mask, anchors.to(device), valid.to(device), documents, positions
+    inputs = (features, ids, mask, anchors.to(device), valid.to(device), documents, positions)
+    if drafter.distill == "none":
+        return inputs
+    slots = (micro_batch, model.num_anchors, model.block_size - 1, drafter.config.hidden_size)
+    return (*inputs, torch.zeros(slots, device=device, dtype=feature_dtype(device)))
 
 
 def run_step_once(

@@ -68,7 +68,7 @@ class DFlashConfig:
         if params.target_layer_ids:
             ids = check_target_layer_ids(params.target_layer_ids, num_layers)
         else:
-            ids = spaced_target_layer_ids(num_layers, params.target_layers)
+            ids = spaced_target_layer_ids(num_layers, params.target_layer_count)
         rope = getattr(text, "rope_parameters", None) or {}
         heads = text.num_attention_heads
         return cls(

@@ -1,10 +1,10 @@
 """The DFlash drafter: a few non-causal Qwen3 layers that draft a whole block at once.
 
 It owns no embedding and no LM head: block tokens go in through the target's frozen
-embedding table and come out through the target's frozen final norm (copied: the
-checkpoint format carries it as `norm.weight`) and LM head. What it learns is how to
-read the target's fused hidden states (`fc`, `hidden_norm`), which every layer sees as
-extra keys and values in front of the block.
+embedding table and come out through its own final norm (started as the target's, scaled by
+model.final_norm_scale: the checkpoint format carries it as `norm.weight`; trained or frozen) and the
+target's frozen LM head. What it learns is how to read the target's fused hidden states
+(`fc`, `hidden_norm`), which every layer sees as extra keys and values in front of the block.
 
 Two ways in:
   - training: `drafter(features, input_ids, loss_mask, anchors, anchor_valid)` drafts
@@ -27,11 +27,11 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from dflashpipe.artifacts import canonical_json, write_bytes_atomic
-from dflashpipe.errors import SourceError
+from dflashpipe.errors import ParamsError, SourceError
 from dflashpipe.model.attention import Backend, build_mask, resolve_backend
 from dflashpipe.model.config import DFlashConfig
 from dflashpipe.model.layers import DFlashDecoderLayer, RMSNorm, Rotary
-from dflashpipe.model.loss import DraftLoss, block_labels, chunked_decay_weighted_loss
+from dflashpipe.model.loss import Distill, DraftLoss, block_labels, chunked_decay_weighted_loss
 from dflashpipe.model.mask import dflash_mask_mod
 from dflashpipe.model.mask_token import resolve_mask_token_id
 from dflashpipe.params import ModelParams
@@ -90,12 +90,17 @@ class DFlashDrafter(nn.Module):
         gamma: float | None = None,
         compile_flex: bool = True,
         generator: torch.Generator | None = None,
+        final_norm: Literal["trained", "frozen"] = "frozen",
+        final_norm_scale: float = 1.0,
+        distill: Distill = "none",
+        distill_weight: float = 0.0,
     ) -> None:
         super().__init__()
         self.config = config
         self.target = target  # a plain attribute, not a submodule: no weights of the target in our state dict
         self.attention = attention
         self.gamma = gamma
+        self.distill, self.distill_weight = distill, distill_weight
         self.compile_flex = compile_flex
         self.fc = nn.Linear(config.feature_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -104,6 +109,9 @@ class DFlashDrafter(nn.Module):
         self.rotary = Rotary(config.head_dim, config.rope_theta)
         self._init_weights(generator)
         self._copy_final_norm(target.final_norm)
+        with torch.no_grad():
+            self.norm.weight.mul_(final_norm_scale)
+        self.norm.weight.requires_grad_(final_norm == "trained")
 
     def _init_weights(self, generator: torch.Generator | None) -> None:
         # Qwen3's initialiser (normal, std 0.02; norms at 1), reproducible from the caller's generator.
@@ -115,7 +123,7 @@ class DFlashDrafter(nn.Module):
                     module.weight.fill_(1.0)
 
     def _copy_final_norm(self, final_norm: nn.Module) -> None:
-        """Start `norm` as the target's final norm and keep it frozen, after checking it is a plain RMSNorm."""
+        """Start `norm` as the target's final norm, after checking it is a plain RMSNorm."""
         weight = getattr(final_norm, "weight", None)
         if weight is None or weight.shape != (self.config.hidden_size,):
             raise SourceError(
@@ -132,7 +140,39 @@ class DFlashDrafter(nn.Module):
                     f"the target's final norm ({type(final_norm).__name__}) is not weight * x / rms(x) with "
                     f"eps {self.config.rms_norm_eps}: DFlash drafters cannot reproduce it"
                 )
-        self.norm.weight.requires_grad_(False)
+
+    def copy_target_layers(self, target_model: nn.Module) -> None:
+        """Start decoder layer i as the target's decoder layer L - num_layers + i (its top layers).
+
+        Every tensor the two share by name must match in shape (a drafter sized from the target's config
+        always does; a Qwen3 target also fills q_norm/k_norm, a Llama one leaves them at 1). The context
+        projection (`fc`, `hidden_norm`) has no counterpart and stays as initialised."""
+        decoder = target_model.get_decoder() if hasattr(target_model, "get_decoder") else target_model.model
+        theirs = list(decoder.layers)
+        n = self.config.num_layers
+        if n > len(theirs):
+            raise ParamsError(
+                f"params.yaml: model.init = target: model.layers = {n} but the target has only {len(theirs)} layers"
+            )
+        for i, (ours, source) in enumerate(zip(self.layers, theirs[len(theirs) - n :], strict=True)):
+            target_index = len(theirs) - n + i
+            source_state = source.state_dict()
+            extra = sorted(set(source_state) - set(ours.state_dict()))
+            if extra:
+                raise SourceError(
+                    f"target decoder layer {target_index} has {extra}, which a DFlash (Qwen3) layer lacks: "
+                    f"set model.init: random"
+                )
+            with torch.no_grad():
+                for name, tensor in ours.state_dict().items():
+                    if name not in source_state:
+                        continue
+                    if source_state[name].shape != tensor.shape:
+                        raise SourceError(
+                            f"target decoder layer {target_index}: {name} is {list(source_state[name].shape)}, "
+                            f"drafter layer {i} needs {list(tensor.shape)}: set model.init: random"
+                        )
+                    tensor.copy_(source_state[name].to(tensor))
 
     # -- shared pieces ---------------------------------------------------------------------------
 
@@ -218,9 +258,12 @@ class DFlashDrafter(nn.Module):
         anchor_valid: torch.Tensor,
         document_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        target_hidden: torch.Tensor | None = None,
     ) -> DraftLoss:
         """Training step's forward: features [B, S, n*H], ids and loss_mask [B, S], anchors and valid [B, A];
-        for packed rows, document_ids and position_ids [B, S] (block_hidden)."""
+        for packed rows, document_ids and position_ids [B, S] (block_hidden); when distilling, the target's
+        final (normed) hidden states [B, A, bs-1, H] where it predicts each slot's token
+        (features.target_features_and_predictions)."""
         if self.gamma is None:
             raise ValueError("this drafter was built without gamma: pass gamma=params.model.gamma to train it")
         hidden = self.block_hidden(features, input_ids, anchors, document_ids, position_ids)
@@ -229,7 +272,9 @@ class DFlashDrafter(nn.Module):
         labels, weights = block_labels(
             input_ids, loss_mask, anchors, anchor_valid, self.config.block_size, self.gamma, document_ids
         )
-        return chunked_decay_weighted_loss(slots, self.target.lm_head, labels, weights)
+        return chunked_decay_weighted_loss(
+            slots, self.target.lm_head, labels, weights, None, target_hidden, self.distill, self.distill_weight
+        )
 
     # -- speculative decoding ------------------------------------------------------------------
 
@@ -315,6 +360,17 @@ class DFlashDrafter(nn.Module):
         embed = target_model.get_input_embeddings()
         mask_token_id = resolve_mask_token_id(tokenizer, embed.num_embeddings, params.mask_token)
         config = DFlashConfig.for_target(target_model.config, params, mask_token_id)
-        return cls(
-            config, TargetHead.of(target_model), attention=params.attention, gamma=params.gamma, generator=generator
+        drafter = cls(
+            config,
+            TargetHead.of(target_model),
+            attention=params.attention,
+            gamma=params.gamma,
+            generator=generator,
+            final_norm=params.final_norm,
+            final_norm_scale=params.final_norm_scale,
+            distill=params.distill,
+            distill_weight=params.distill_weight,
         )
+        if params.init == "target":
+            drafter.copy_target_layers(target_model)
+        return drafter

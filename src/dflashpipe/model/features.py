@@ -84,15 +84,56 @@ def target_layer_features(
     every transformers 5.x read alike), so its features are those of the document alone. The padding
     is then document -1 and `attention_mask` goes unused.
     """
+    ids = _check_ids(target, target_layer_ids)
+    chosen, _ = _decoder_pass(target, input_ids, attention_mask, ids, ids[-1], document_ids, position_ids)
+    return torch.cat(chosen, dim=-1)
+
+
+def target_features_and_predictions(
+    target,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    target_layer_ids: Sequence[int],
+    predict_at: torch.Tensor,
+    document_ids: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`target_layer_features`, plus the target's final (normed) hidden states at `predict_at` [B, ...]
+    (row positions): what its LM head turns into its logits, its prediction of the next token, there.
+
+    The layers after max(ids) run over the whole row (their attention reads every earlier position), but
+    the final norm only on the gathered rows and no LM head at all: the loss applies it chunk by chunk."""
+    ids = _check_ids(target, target_layer_ids)
+    last = target.model.config.num_hidden_layers - 1
+    chosen, hidden = _decoder_pass(target, input_ids, attention_mask, ids, last, document_ids, position_ids)
+    batch, size = hidden.shape[0], hidden.shape[-1]
+    rows = hidden.gather(1, predict_at.reshape(batch, -1, 1).expand(-1, -1, size))
+    return torch.cat(chosen, dim=-1), target.model.norm(rows).view(*predict_at.shape, size)
+
+
+def _check_ids(target, target_layer_ids: Sequence[int]) -> list[int]:
+    ids, num_layers = list(target_layer_ids), target.model.config.num_hidden_layers
+    if not ids or ids[0] < 0 or ids[-1] >= num_layers or ids != sorted(set(ids)):
+        raise ValueError(f"target layer ids {ids}: give distinct increasing ids from 0 to {num_layers - 1}")
+    return ids
+
+
+def _decoder_pass(
+    target,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    ids: list[int],
+    through: int,
+    document_ids: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Decoder layers 0..`through`: the outputs of layers `ids` (the last decoder layer's normed, as Hugging
+    Face returns it) and layer `through`'s output, not normed."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-    ids = list(target_layer_ids)
     decoder = target.model
     config = decoder.config
     num_layers = config.num_hidden_layers
-    if not ids or ids[0] < 0 or ids[-1] >= num_layers or ids != sorted(set(ids)):
-        raise ValueError(f"target layer ids {ids}: give distinct increasing ids from 0 to {num_layers - 1}")
-    last = ids[-1]
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
 
     attn = getattr(config, "_attn_implementation", None)
@@ -106,7 +147,7 @@ def target_layer_features(
     # Positional up to the (absent) cache: transformers 5.17 names it past_key_values, 5.24 cache.
     mask_args = (config, hidden, attention_mask, None)
     masks: dict[str, object] = {}
-    for kind in sorted(set(layer_types[: last + 1])):
+    for kind in sorted(set(layer_types[: through + 1])):
         if kind not in ("full_attention", "sliding_attention"):
             raise ValueError(f"target layer type {kind!r}: only full and sliding attention layers are supported")
         window = config.sliding_window if kind == "sliding_attention" else None
@@ -119,7 +160,7 @@ def target_layer_features(
     position_embeddings = decoder.rotary_emb(hidden, position_ids=position_ids)
 
     chosen, out = set(ids), []
-    for i, layer in enumerate(decoder.layers[: last + 1]):
+    for i, layer in enumerate(decoder.layers[: through + 1]):
         hidden = layer(
             hidden,
             attention_mask=masks[layer_types[i]],
@@ -132,6 +173,6 @@ def target_layer_features(
             hidden = hidden[0]
         if i in chosen:
             out.append(hidden)
-    if last == num_layers - 1 and getattr(config, "tie_last_hidden_states", None) is not False:
+    if ids[-1] == num_layers - 1 and getattr(config, "tie_last_hidden_states", None) is not False:
         out[-1] = decoder.norm(out[-1])
-    return torch.cat(out, dim=-1)
+    return out, hidden

@@ -4,11 +4,16 @@
 `chunked_decay_weighted_loss` is what training runs: the same loss, gradients and slot counts
 from the hidden states, never holding more than one chunk of rows' logits. At 8 GPUs (1 x 512
 anchors x 15 slots, 152K vocabulary) the full fp32 logits alone are 4.7 GB per micro-batch.
+
+Distillation (model.distill) mixes in the target's own prediction for each slot: per row,
+(1 - w) x CE(data token) + w x CE(the target's argmax) or w x KL(target || drafter). The
+target's logits come from its final hidden states at the slots' positions, through the same
+LM head, one chunk at a time like the drafter's.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -67,11 +72,37 @@ def block_labels(
     return labels, weights
 
 
-def decay_weighted_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> DraftLoss:
-    """CE of logits [B, A, bs-1, V] against labels, weighted and normalised by the weight sum."""
+Distill = Literal["none", "argmax", "kl"]
+
+
+def prediction_positions(anchors: torch.Tensor, block_size: int, seq_len: int) -> torch.Tensor:
+    """[B, A, block_size - 1]: where the target predicts slot k's token (anchor + k - 1, the position before
+    it), clamped into the row (slots past its end carry no weight)."""
+    return (anchors[:, :, None] + torch.arange(block_size - 1, device=anchors.device)).clamp_max(seq_len - 1)
+
+
+def decay_weighted_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    target_logits: torch.Tensor | None = None,
+    distill: Distill = "none",
+    distill_weight: float = 0.0,
+) -> DraftLoss:
+    """CE of logits [B, A, bs-1, V] against labels, weighted and normalised by the weight sum; with
+    `distill`, mixed with the target's `target_logits` [B, A, bs-1, V] (module docstring)."""
     # At least float32: a bf16 log-softmax over a large vocabulary is too coarse to train on.
     work = torch.promote_types(logits.dtype, torch.float32)
-    ce = F.cross_entropy(logits.flatten(0, -2).to(work), labels.flatten(), reduction="none").view_as(weights)
+    flat = logits.flatten(0, -2).to(work)
+    ce = F.cross_entropy(flat, labels.flatten(), reduction="none").view_as(weights)
+    if distill != "none":
+        teacher = target_logits.flatten(0, -2).to(work)
+        if distill == "argmax":
+            term = F.cross_entropy(flat, teacher.argmax(-1), reduction="none")
+        else:
+            log_p = teacher.log_softmax(-1)
+            term = (log_p.exp() * (log_p - flat.log_softmax(-1))).sum(-1)
+        ce = (1 - distill_weight) * ce + distill_weight * term.view_as(weights)
     return _draft_loss((ce * weights.to(work)).sum(), logits.argmax(-1), labels, weights)
 
 
@@ -99,13 +130,18 @@ class _ChunkedWeightedCE(torch.autograd.Function):
     The loss is final, so its gradient w.r.t. hidden is known up to the incoming scalar: forward
     computes it, (softmax - onehot) * w @ weight, while each chunk's logits are at hand, and backward
     only scales it. No logits are kept or recomputed: the two matmuls of the unchunked form, one
-    chunk of logits in memory. `weight` is the target's frozen LM head: it gets no gradient."""
+    chunk of logits in memory. `weight` is the target's frozen LM head: it gets no gradient.
+
+    With `teacher` (the target's final hidden states, one row per row of hidden) each chunk also
+    computes the target's logits; the row's soft label becomes (1 - a) x onehot(label) + a x the
+    target's onehot(argmax) or softmax, so the gradient stays softmax - soft label."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, rows):
+    def forward(ctx, hidden, weight, labels, weights, rows, teacher=None, distill="none", alpha=0.0):
         work = torch.promote_types(hidden.dtype, torch.float32)
         total = hidden.new_zeros((), dtype=work)
         argmax, grads = [], []
+        keep = 1.0 if teacher is None else 1.0 - alpha
         for start in range(0, hidden.shape[0], rows):
             label, w = labels[start : start + rows, None], weights[start : start + rows, None].to(work)
             logits = hidden[start : start + rows] @ weight.t()
@@ -113,12 +149,34 @@ class _ChunkedWeightedCE(torch.autograd.Function):
             wide = logits.to(work)  # the same tensor when it is float32 already: changed in place below
             del logits
             target = wide.gather(1, label)
+            if teacher is not None:
+                t_logits = (teacher[start : start + rows] @ weight.t()).to(work)
+                if distill == "argmax":
+                    t_label = t_logits.argmax(-1, keepdim=True)
+                    del t_logits
+                    t_target = wide.gather(1, t_label)
+                else:
+                    log_p = t_logits.log_softmax(-1)
+                    del t_logits
+                    p = log_p.exp()
+                    # sum p log p - sum p z: the KL's terms that do not need the normaliser of z
+                    t_target = (p * wide).sum(-1, keepdim=True) - (p * log_p).sum(-1, keepdim=True)
+                    del log_p
             top = wide.amax(-1, keepdim=True)
             probs = wide.sub_(top).exp_()
             norm = probs.sum(-1, keepdim=True)
-            total = total + ((top + norm.log() - target) * w).sum()
-            probs.div_(norm).scatter_add_(1, label, torch.full_like(target, -1.0)).mul_(w)
-            grads.append(probs.to(hidden.dtype) @ weight)
+            lse = top + norm.log()
+            row = (lse - target) * keep
+            probs.div_(norm).scatter_add_(1, label, torch.full_like(target, -keep))
+            if teacher is not None:
+                row = row + (lse - t_target) * alpha
+                if distill == "argmax":
+                    probs.scatter_add_(1, t_label, torch.full_like(target, -alpha))
+                else:
+                    probs.sub_(p.mul_(alpha))
+                    del p
+            total = total + (row * w).sum()
+            grads.append(probs.mul_(w).to(hidden.dtype) @ weight)
             del wide, probs  # before the next chunk's logits exist
         ctx.save_for_backward(torch.cat(grads))
         argmax = torch.cat(argmax)
@@ -128,25 +186,43 @@ class _ChunkedWeightedCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor, _grad_argmax: torch.Tensor):
         (grad_hidden,) = ctx.saved_tensors
-        return (grad_hidden.to(grad_total.dtype) * grad_total).to(grad_hidden.dtype), None, None, None, None
+        grad = (grad_hidden.to(grad_total.dtype) * grad_total).to(grad_hidden.dtype)
+        return grad, None, None, None, None, None, None, None
 
 
 def chunked_decay_weighted_loss(
-    hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor, weights: torch.Tensor, rows: int | None = None
+    hidden: torch.Tensor,
+    lm_head: torch.nn.Module,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    rows: int | None = None,
+    target_hidden: torch.Tensor | None = None,
+    distill: Distill = "none",
+    distill_weight: float = 0.0,
 ) -> DraftLoss:
-    """`decay_weighted_loss(lm_head(hidden), labels, weights)` for hidden [B, A, bs-1, H], chunked over rows.
+    """`decay_weighted_loss(lm_head(hidden), labels, weights, lm_head(target_hidden), distill, distill_weight)`
+    for hidden and target_hidden [B, A, bs-1, H], chunked over rows.
 
     The logits are computed in the dtype the LM head would run in (autocast's, else its weight's)
     and widened to at least float32 for the CE, as in the unchunked form; the inputs are cast
     before the Function, so its forward and backward (which runs outside autocast) agree. `rows`:
-    rows per chunk (default: LOGITS_CHUNK_BYTES' worth)."""
+    rows per chunk (default: LOGITS_CHUNK_BYTES' worth; half of it with KL, which holds the target's
+    distribution beside the drafter's)."""
     weight = lm_head.weight
     if weight.requires_grad or getattr(lm_head, "bias", None) is not None:
         raise ValueError("the chunked loss takes a frozen LM head without bias (the target's): no grad, no bias")
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     flat = hidden.flatten(0, -2).to(dtype)
-    total, argmax = _ChunkedWeightedCE.apply(
-        flat, weight.to(dtype), labels.flatten(), weights.flatten(), rows or chunk_rows(weight.shape[0])
-    )
+    rows = rows or chunk_rows(weight.shape[0])
+    if distill == "none":
+        total, argmax = _ChunkedWeightedCE.apply(flat, weight.to(dtype), labels.flatten(), weights.flatten(), rows)
+    else:
+        if target_hidden is None or target_hidden.shape != hidden.shape:
+            raise ValueError(f"distill {distill!r} needs the target's hidden states, shaped like hidden {hidden.shape}")
+        teacher = target_hidden.flatten(0, -2).to(dtype)
+        rows = max(1, rows // 2) if distill == "kl" else rows
+        total, argmax = _ChunkedWeightedCE.apply(
+            flat, weight.to(dtype), labels.flatten(), weights.flatten(), rows, teacher, distill, distill_weight
+        )
     return _draft_loss(total, argmax.view_as(labels), labels, weights)

@@ -5,9 +5,10 @@
           average over replicas (and processes), clip, AdamW step on every replica ◀┘
 
 - Each target device holds a frozen copy of the target; its thread runs the forward
-  (no grad) for the (step, replica) items assigned to it round-robin and hands the
-  chosen layers' hidden states to that replica. A target worker runs at most
-  `train.prefetch` items ahead of the drafters, so memory stays bounded.
+  (no grad) for the (step, replica) items assigned to it round-robin, draws that item's
+  anchors and hands the chosen layers' hidden states to that replica (when distilling,
+  also the target's final hidden states at the anchors' slots). A target worker runs at
+  most `train.prefetch` items ahead of the drafters, so memory stays bounded.
 - Each drafter device holds one replica and one thread. All replicas start from the
   same initialisation and apply the same averaged gradient with identical optimizers,
   so they stay identical, which the run checks at the end.
@@ -39,7 +40,8 @@ import torch
 from dflashpipe.compile.guard import CompileGuard
 from dflashpipe.compile.warmup import autocast, compiled_step, feature_dtype, run_step_once
 from dflashpipe.model import DFlashDrafter, DraftLoss, TargetHead, sample_anchor_positions
-from dflashpipe.model.features import target_layer_features
+from dflashpipe.model.features import target_features_and_predictions, target_layer_features
+from dflashpipe.model.loss import prediction_positions
 from dflashpipe.params import CompileParams, ModelParams, TopologyParams, TrainParams
 from dflashpipe.target import load_materialised_target
 from dflashpipe.train.data import Batch, BatchPlan, collate
@@ -120,6 +122,10 @@ class TargetFeatures:
     batch: Batch
     features: torch.Tensor
     """The chosen target layers' hidden states, already on the replica's device and dtype."""
+    anchors: torch.Tensor
+    anchor_valid: torch.Tensor
+    target_hidden: torch.Tensor | None
+    """When distilling: the target's final hidden states where it predicts each slot [B, A, bs-1, H]."""
     release: Callable[[], None]
     """Frees the target worker's prefetch slot: the drafter calls it on receipt."""
 
@@ -288,21 +294,32 @@ class Trainer:
                         return
                 batch = collate(self.data, self.plan.rows(step, self.topology.rank, r), p.model.seq_len, self.pad_id)
                 began = time.perf_counter()
+                anchors, valid = sample_anchor_positions(
+                    batch.loss_mask,
+                    p.model.num_anchors,
+                    anchor_generator(p.train.seed, step, self.global_replica(r)),
+                    batch.document_ids,
+                )
+                ids, attention = batch.input_ids.to(device), batch.attention_mask.to(device)
+                documents, positions = batch.document_ids.to(device), batch.position_ids.to(device)
+                target_hidden = None
                 with torch.no_grad():
-                    # Only decoder layers 0..max(layer_ids): no later layer, LM head or logits; each
-                    # packed document attends only within itself.
-                    features = target_layer_features(
-                        target,
-                        batch.input_ids.to(device),
-                        batch.attention_mask.to(device),
-                        layer_ids,
-                        batch.document_ids.to(device),
-                        batch.position_ids.to(device),
-                    )
+                    # Without distillation only decoder layers 0..max(layer_ids): no later layer, LM head or
+                    # logits. Each packed document attends only within itself.
+                    if p.model.distill == "none":
+                        features = target_layer_features(target, ids, attention, layer_ids, documents, positions)
+                    else:
+                        at = prediction_positions(anchors, p.model.block_size, p.model.seq_len).to(device)
+                        features, target_hidden = target_features_and_predictions(
+                            target, ids, attention, layer_ids, at, documents, positions
+                        )
                 drafter_device = self.replicas[r].device
-                features = features.to(drafter_device, feature_dtype(drafter_device))
+                dtype = feature_dtype(drafter_device)
+                features = features.to(drafter_device, dtype)
+                if target_hidden is not None:
+                    target_hidden = target_hidden.to(drafter_device, dtype)
                 target_busy[t] += time.perf_counter() - began
-                mailboxes[r].put(step, TargetFeatures(batch, features, slots.release))
+                mailboxes[r].put(step, TargetFeatures(batch, features, anchors, valid, target_hidden, slots.release))
 
         def drafter_worker(r: int) -> None:
             replica = self.replicas[r]
@@ -313,10 +330,10 @@ class Trainer:
                 batch, device = item.batch, replica.device
                 ids, mask = batch.input_ids.to(device), batch.loss_mask.to(device)
                 documents, positions = batch.document_ids.to(device), batch.position_ids.to(device)
-                anchors, valid = sample_anchor_positions(
-                    mask, p.model.num_anchors, anchor_generator(p.train.seed, step, self.global_replica(r)), documents
-                )
+                anchors, valid = item.anchors.to(device), item.anchor_valid.to(device)
                 inputs = (item.features, ids, mask, anchors, valid, documents, positions)  # warmup's step_inputs
+                if item.target_hidden is not None:
+                    inputs += (item.target_hidden,)
                 with autocast(device):
                     out = guard.call(f"drafter step (replica {r})", replica.step_fn, *inputs)
                 out.loss.backward()

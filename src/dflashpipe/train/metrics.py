@@ -167,9 +167,14 @@ def throughput(trainer: Trainer, steady: Sequence[StepRecord]) -> dict:
     p, topology = trainer.inputs, trainer.topology
     drafter = trainer.replicas[0].drafter
     sequences = p.compile.micro_batch * topology.replicas * topology.world_size
-    per_sequence = target_forward_flops(
-        trainer.targets[0], drafter.config.target_layer_ids, p.model.seq_len
-    ) + 3 * drafter_forward_flops(drafter, p.model.seq_len, p.model.num_anchors)
+    # Distilling runs the target through its last layer, and its LM head (forward only) on the drafted slots.
+    distilling = p.model.distill != "none"
+    through = (drafter.config.num_target_layers - 1,) if distilling else drafter.config.target_layer_ids
+    per_sequence = target_forward_flops(trainer.targets[0], through, p.model.seq_len) + 3 * drafter_forward_flops(
+        drafter, p.model.seq_len, p.model.num_anchors
+    )
+    if distilling:
+        per_sequence += 2 * drafter.target.lm_head.weight.numel() * p.model.num_anchors * (p.model.block_size - 1)
     per_step = sequences * per_sequence
     seconds = sum(h.seconds for h in steady)
     achieved = per_step * len(steady) / seconds if seconds > 0 else 0.0
