@@ -1,58 +1,122 @@
-"""The decoding loop's own overhead: time per verify step minus the drafter's and the target's
-forwards, measured inside the same steps (device-synchronised), as a fraction of the step.
+"""A speculative step's cost against a plain decode step, this tree's loop against an earlier revision's,
+interleaved on the same prompts, and where this tree's step spends its time.
 
-    python benchmarks/evaluate.py [--prompts 2] [--max-new-tokens 32]
+    python benchmarks/evaluate.py [--before bd45ad5] [--prompts 1] [--rounds 3] [--max-new-tokens 32]
+                                  [--data data]
 
-Needs data/drafter (`dvc repro train`). Goal: overhead <= 10% of a step.
+Each round decodes every prompt three ways from copies of one prefill, in a rotating order (a machine
+that gets busier slows all three alike): the target alone, the speculative loop of `--before`
+(src/dflashpipe/evaluate/speculative.py read through git) and this tree's. A step's cost is seconds per
+verify step over seconds per plain decode token of the same prompt and round; speedup at a tau is
+tau / that ratio. Needs a trained drafter, the target and the manifest under `--data` (`dvc repro train`).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import subprocess
 import sys
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 
+def module_at(revision: str, path: str, name: str) -> types.ModuleType:
+    """The module `path` as it was at `revision`, importable beside today's tree (same package imports)."""
+    source = subprocess.run(["git", "show", f"{revision}:{path}"], cwd=ROOT, capture_output=True, text=True, check=True)
+    module = types.ModuleType(name)
+    sys.modules[name] = module  # dataclasses look their module up there
+    exec(compile(source.stdout, f"{revision}:{path}", "exec"), module.__dict__)
+    return module
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}..{max(values):.2f}, {len(values)} samples)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--before", default="bd45ad5", help="git revision whose loop is the 'before'")
+    parser.add_argument("--prompts", type=int, default=1, help="per eval source")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--data", type=Path, default=ROOT / "data")
     args = parser.parse_args()
 
+    import torch
+
+    from dflashpipe.evaluate import speculative as after
     from dflashpipe.evaluate.evaluation import stop_token_ids
     from dflashpipe.evaluate.prompts import eval_prompts
-    from dflashpipe.evaluate.speculative import DFlashProposer, prefill, speculative_generate
     from dflashpipe.model import DFlashDrafter, TargetHead
-    from dflashpipe.pipeline import DRAFTER, MANIFEST, TARGET
     from dflashpipe.target import load_materialised_target
     from dflashpipe.tokens.chat import load_chat_tokenizer
 
-    target = load_materialised_target(ROOT / TARGET, "cpu")
-    chat = load_chat_tokenizer(ROOT / TARGET)
-    drafter = DFlashDrafter.from_pretrained(ROOT / DRAFTER, TargetHead.of(target), attention="sdpa").eval()
-    proposer = DFlashProposer(drafter)
-    prompts, _ = eval_prompts(ROOT / MANIFEST, chat, args.prompts, 512)
+    before = module_at(args.before, "src/dflashpipe/evaluate/speculative.py", "speculative_before")
+    target = load_materialised_target(args.data / "target", "cpu")
+    chat = load_chat_tokenizer(args.data / "target")
+    drafter = DFlashDrafter.from_pretrained(
+        args.data / "drafter", TargetHead.of(target), dtype=torch.float32, attention="sdpa"
+    ).eval()
+    layers = drafter.config.target_layer_ids
+    prompts, _ = eval_prompts(args.data / "manifest", chat, args.prompts, 512)
     stop = stop_token_ids(target, chat.tokenizer)
-    total = {"draft_s": 0.0, "verify_s": 0.0, "extend_s": 0.0, "step_s": 0.0}
-    steps = 0
-    for prompt in prompts:
-        result = speculative_generate(
-            target, proposer, prefill(target, prompt.prompt_ids), args.max_new_tokens, stop, profile=True
+    runs = {
+        "target": lambda ids: after.target_generate(target, after.prefill(target, ids), args.max_new_tokens, stop),
+        "before": lambda ids: before.speculative_generate(
+            target, before.DFlashProposer(drafter), before.prefill(target, ids), args.max_new_tokens, stop
+        ),
+        "after": lambda ids: after.speculative_generate(
+            target, after.DFlashProposer(drafter), after.prefill(target, ids, layers), args.max_new_tokens, stop
+        ),
+    }
+    for run in runs.values():  # first calls (allocator, kernels) in no measurement
+        run(prompts[0].prompt_ids)
+    step_cost: dict[str, list[float]] = {"before": [], "after": []}
+    speedup: dict[str, list[float]] = {"before": [], "after": []}
+    taus = []
+    order = list(runs)
+    for round_ in range(args.rounds):
+        for i, prompt in enumerate(prompts):
+            shift = (round_ + i) % len(order)
+            done = {name: runs[name](prompt.prompt_ids) for name in order[shift:] + order[:shift]}
+            plain = done["target"]
+            if plain.decode_tokens == 0:
+                continue
+            per_token = plain.decode_s / plain.decode_tokens
+            assert done["before"].tokens == done["after"].tokens == plain.tokens, prompt.sample_id  # lossless
+            for name in ("before", "after"):
+                step_cost[name].append(done[name].decode_s / len(done[name].produced) / per_token)
+                speedup[name].append(plain.decode_s / done[name].decode_s)
+            taus.append(done["after"].tau)
+    ratio = [a / b for a, b in zip(step_cost["after"], step_cost["before"], strict=True)]
+    print(f"{len(prompts)} prompts x {args.rounds} rounds, {args.max_new_tokens} new tokens, tau {spread(taus)}")
+    for name in ("before", "after"):
+        print(
+            f"{name:6s} ({args.before if name == 'before' else 'this tree'}): step / plain decode step "
+            f"{spread(step_cost[name])}, speedup {spread(speedup[name])}"
         )
-        for k in total:
-            total[k] += result.profile[k]
-        steps += len(result.accepted)
-    forwards = total["draft_s"] + total["verify_s"] + total["extend_s"]
-    overhead = total["step_s"] - forwards
-    print(f"{len(prompts)} prompts, {steps} verify steps, {total['step_s']:.2f} s in steps")
+    print(f"after / before step cost (same prompt and round): {spread(ratio)}")
+
+    totals = dict.fromkeys((*after.STEP_PARTS, "step"), 0.0)
+    for prompt in prompts:
+        profiled = after.speculative_generate(
+            target,
+            after.DFlashProposer(drafter),
+            after.prefill(target, prompt.prompt_ids, layers),
+            args.max_new_tokens,
+            stop,
+            profile=True,
+        )
+        for part, seconds in profiled.profile.items():
+            totals[part] += seconds
     print(
-        f"per step: draft {total['draft_s'] / steps * 1e3:.1f} ms, verify {total['verify_s'] / steps * 1e3:.1f} ms, "
-        f"extend {total['extend_s'] / steps * 1e3:.1f} ms, loop overhead {overhead / steps * 1e3:.2f} ms"
+        "where this tree's step goes: "
+        + ", ".join(f"{part} {totals[part] / totals['step']:.1%}" for part in after.STEP_PARTS)
     )
-    print(f"loop overhead / step: {overhead / total['step_s']:.1%} (goal <= 10%)")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,13 @@ from dflashpipe.evaluate import regression
 from dflashpipe.evaluate.evaluation import stop_token_ids
 from dflashpipe.evaluate.metrics import slot_acceptance
 from dflashpipe.evaluate.prompts import eval_prompts
-from dflashpipe.evaluate.speculative import DFlashProposer, prefill, speculative_generate, target_generate
+from dflashpipe.evaluate.speculative import (
+    STEP_PARTS,
+    DFlashProposer,
+    prefill,
+    speculative_generate,
+    target_generate,
+)
 from dflashpipe.model import DFlashDrafter, TargetHead, sample_anchor_positions, target_features
 from dflashpipe.pipeline import METRICS
 from dflashpipe.spread import Spread
@@ -105,7 +111,7 @@ def test_speculative_output_is_the_target_greedy_output_on_every_prompt(tiny):
     target, stop = tiny["target"], tiny["stop"]
     proposer, accepted = DFlashProposer(tiny["drafter"]), []
     for prompt in tiny["prompts"]:
-        start = prefill(target, prompt.prompt_ids)
+        start = prefill(target, prompt.prompt_ids, proposer.target_layer_ids)
         greedy = target_generate(target, start.fork(), MAX_NEW, stop)
         ids = torch.tensor([prompt.prompt_ids])
         hf = target.generate(
@@ -123,12 +129,14 @@ def test_speculative_output_is_the_target_greedy_output_on_every_prompt(tiny):
         # A half-right drafter exercises every partial acceptance length.
         sequence = prompt.prompt_ids + target_generate(target, prefill(target, prompt.prompt_ids), MAX_NEW, ()).tokens
         half = ScriptedDrafter(sequence, 4, target.config.vocab_size, wrong=lambda slot: slot == 2)
-        half_run = speculative_generate(target, half, prefill(target, prompt.prompt_ids), MAX_NEW, stop)
+        half_run = speculative_generate(target, half, prefill(target, prompt.prompt_ids, (0,)), MAX_NEW, stop)
         assert half_run.tokens == greedy.tokens
     assert sum(accepted) > 0, "the fitted drafter should get some drafts accepted"
     print(f"fitted drafter: accepted per step {accepted}")
 
 
+# the reference package's own target calls pass `past_key_values`, which transformers 5.24 warns about
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 def test_our_tokens_equal_the_reference_dflash_generate(tiny, monkeypatch):
     import dflash.model
     from dflash.model import DFlashDraftModel, dflash_generate
@@ -144,7 +152,8 @@ def test_our_tokens_equal_the_reference_dflash_generate(tiny, monkeypatch):
     for prompt in tiny["prompts"]:
         ids = torch.tensor([prompt.prompt_ids])
         theirs = dflash_generate(reference, target, ids, MAX_NEW, stop, temperature=0.0, return_stats=True)
-        ours = speculative_generate(target, proposer, prefill(target, prompt.prompt_ids), MAX_NEW, stop)
+        start = prefill(target, prompt.prompt_ids, proposer.target_layer_ids)
+        ours = speculative_generate(target, proposer, start, MAX_NEW, stop)
         assert ours.tokens == theirs.output_ids[0, ids.shape[1] :].tolist(), prompt.sample_id
         # Same drafts too: the committed count of every step agrees, except a last partial block, which the
         # reference drafts shorter (fewer MASK slots) and we draft at full size and cut.
@@ -161,38 +170,125 @@ def test_tau_is_exactly_1_for_a_wrong_drafter_and_the_block_size_for_an_oracle(t
     greedy = target_generate(target, prefill(target, prompt), max_new, ()).tokens
     vocab = target.config.vocab_size
 
-    oracle = speculative_generate(
-        target, ScriptedDrafter(prompt + greedy, bs, vocab), prefill(target, prompt), max_new, ()
+    head_rows = []  # the target's LM head: the block's first position, the rest only if its proposal held
+    hook = target.get_output_embeddings().register_forward_hook(
+        lambda m, args, out: head_rows.append(out.shape[:-1].numel())
     )
+    try:
+        oracle = speculative_generate(
+            target, ScriptedDrafter(prompt + greedy, bs, vocab), prefill(target, prompt, (0,)), max_new, ()
+        )
+        oracle_rows, head_rows[:] = list(head_rows), []
+        wrong = speculative_generate(
+            target,
+            ScriptedDrafter(prompt + greedy, bs, vocab, wrong=lambda slot: True),
+            prefill(target, prompt, (0,)),
+            max_new,
+            (),
+        )
+    finally:
+        hook.remove()
+    assert oracle_rows[1:] == [n for size in oracle.sizes for n in (1, size - 1)]  # [0]: the prefill's
+    assert head_rows[1:] == [1] * len(wrong.sizes)  # every first proposal rejected: one row per step
     assert oracle.tokens == greedy
     # The last block verifies only the tokens left: both proposals accepted, no room for the bonus.
     assert oracle.accepted == [bs - 1] * steps + ([left_over] if left_over else [])
     assert oracle.tau == (steps * bs + left_over) / (steps + bool(left_over))
     assert slot_acceptance([oracle], bs) == {"1": 1.0, "2": 1.0, "3": 1.0}
 
-    wrong = speculative_generate(
-        target,
-        ScriptedDrafter(prompt + greedy, bs, vocab, wrong=lambda slot: True),
-        prefill(target, prompt),
-        max_new,
-        (),
-    )
     assert wrong.tokens == greedy
     assert wrong.tau == 1.0 and set(wrong.accepted) == {0} and len(wrong.produced) == max_new - 1
     assert slot_acceptance([wrong], bs) == {"1": 0.0, "2": 0.0, "3": 0.0}
 
 
+def test_the_prefill_keeps_the_drafters_layers_as_hidden_states_gives_them_and_nothing_warns(tiny):
+    import warnings
+
+    target, prompt = tiny["target"], tiny["prompts"][0].prompt_ids
+    last = target.config.num_hidden_layers - 1
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # e.g. transformers 5.24's on `past_key_values`
+        start = prefill(target, prompt, (0, last))  # the last layer's entry is normed, as Hugging Face gives it
+        run = speculative_generate(
+            target,
+            DFlashProposer(tiny["drafter"]),
+            prefill(target, prompt, tiny["drafter"].config.target_layer_ids),
+            8,
+            (),
+            profile=True,
+        )
+    assert torch.allclose(start.features, target_features(out.hidden_states, (0, last)), atol=1e-5)
+    assert int(start.first_token) == int(out.logits[0, -1].argmax())
+    assert (
+        set(run.profile) == {*STEP_PARTS, "step"} and 0 < sum(run.profile[p] for p in STEP_PARTS) <= run.profile["step"]
+    )
+    with pytest.raises(ValueError, match="prefill of the drafter's layers"):
+        speculative_generate(target, DFlashProposer(tiny["drafter"]), prefill(target, prompt), 8, ())
+
+
+def test_eval_metrics_split_train_from_held_out_and_profile_the_step():
+    from dflashpipe.evaluate.metrics import PromptResult, eval_metrics
+    from dflashpipe.evaluate.prompts import HELD_OUT, TRAIN, EvalPrompt
+    from dflashpipe.evaluate.speculative import Decoded
+
+    def result(split: str, source: str, accepted: list[int], seconds: float) -> PromptResult:
+        tokens = list(range(1 + sum(a + 1 for a in accepted)))
+        parts = dict.fromkeys(STEP_PARTS, 0.05 * seconds)
+        spec = Decoded(tokens, seconds, 0.0, accepted, [a + 1 for a in accepted], [4] * len(accepted))
+        spec.profile = {**parts, "draft": 0.5 * seconds, "step": seconds}
+        plain = Decoded(tokens, 0.5 * (len(tokens) - 1), 0.0)  # 0.5 s per decode token
+        return PromptResult(EvalPrompt(f"{split}-{source}", source, [1], split), plain, spec)
+
+    results = [
+        result(HELD_OUT, "a", [0, 0, 1], 3.0),  # tau 4/3
+        result(HELD_OUT, "a", [3, 3], 2.0),  # tau 4
+        result(HELD_OUT, "b", [0, 2], 2.0),  # tau 2
+        result(TRAIN, "a", [3, 1], 2.0),  # tau 3
+    ]
+    metrics, tables = eval_metrics(results, 4)
+    assert metrics["prompts"] == 3 and metrics["tau"] == round(16 / 7, 4)  # the held-out prompts alone
+    assert metrics["tau_over_prompts"] == {
+        "median": 2.0,
+        "q1": 1.6667,
+        "q3": 3.0,
+        "min": 1.3333,
+        "max": 4.0,
+        "prompts": 3,
+    }
+    assert metrics["per_source"]["b"]["tau_over_prompts"]["prompts"] == 1
+    sides = metrics["train_vs_held_out"]
+    assert sides["train"]["tau"] == 3.0 and sides["train"]["slot_1_acceptance"] == 1.0
+    assert sides["held_out"]["slot_1_acceptance"] == round(4 / 7, 4)
+    assert sides["gap"] == {"tau": round(3.0 - metrics["tau"], 4), "slot_1_acceptance": round(1 - 4 / 7, 4)}
+    profile = metrics["step_profile"]
+    assert profile["prompts"] == 4 and profile["share"]["draft"]["share"] == 0.5
+    assert profile["share"]["other"]["share"] == 0.2  # 1 - 0.5 - 6 x 0.05
+    # a step of 1 s against 0.5 s per plain decode token on every prompt
+    assert profile["step_over_decode_step"] == 2.0 and profile["step_over_decode_step_spread"]["repeats"] == 4
+    assert [row["split"] for row in tables["speedup_per_prompt"]] == [HELD_OUT] * 3 + [TRAIN]
+
+
 def test_the_eval_split_is_checked_against_the_manifests_listing_alone(tiny, tmp_path):
     import shutil
 
+    import pyarrow.parquet as pq
+
     from dflashpipe.errors import SourceError
-    from dflashpipe.evaluate.prompts import read_eval_split
+    from dflashpipe.evaluate.prompts import TRAIN, read_eval_split
 
     manifest = tmp_path / "manifest"
     shutil.copytree(tiny["work"] / "manifest", manifest)
-    shard = next(p for p in manifest.rglob("*.parquet") if p.name != "eval.parquet")
-    shard.write_bytes(b"a damaged training shard")  # not evaluate's input: no reason to refuse
+    shard = manifest / "train-00000.parquet"
+    assert [row["id"] for row in read_eval_split(manifest, TRAIN)] == [
+        row["id"] for row in pq.read_table(shard).to_pylist()
+    ]
+    shard.write_bytes(b"a damaged training shard")  # read for the training-distribution prompts only
     assert read_eval_split(manifest)
+    with pytest.raises(SourceError, match=r"train-00000.parquet: does not match its sha256"):
+        read_eval_split(manifest, TRAIN)
     eval_file = manifest / "eval.parquet"
     # refused by the listing, with the fix, before pyarrow reads it
     eval_file.write_bytes(eval_file.read_bytes()[:-10])
@@ -207,7 +303,8 @@ def test_growing_the_training_set_leaves_the_eval_split_as_it_was(tmp_path):
     small = build_manifest(manifest_params(20, 10, *sources), tmp_path / "small")
     big = build_manifest(manifest_params(40, 10, *sources), tmp_path / "big")
     assert small["eval"] == big["eval"]  # file name, row count and sha256
-    assert (tmp_path / "small/eval.parquet").read_bytes() == (tmp_path / "big/eval.parquet").read_bytes()
+    for name in ("eval.parquet", "train-00000.parquet"):  # the held-out and the training-distribution prompts
+        assert (tmp_path / "small" / name).read_bytes() == (tmp_path / "big" / name).read_bytes()
 
 
 def commit_all(root, message: str) -> None:

@@ -13,7 +13,6 @@ and the rounds give the spread (dflashpipe.spread) that tells a real change from
 from __future__ import annotations
 
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ from dflashpipe.errors import SourceError
 from dflashpipe.model import DFlashDrafter
 from dflashpipe.params import CompileParams, ModelParams
 from dflashpipe.pipeline import StageKey
-from dflashpipe.spread import Spread
+from dflashpipe.spread import Spread, clock
 
 REPEATS = 5
 """Interleaved rounds; each gives one sample of every figure (the spread needs 2 or more)."""
@@ -64,22 +63,15 @@ def synthetic_inputs(drafter: DFlashDrafter, model: ModelParams, micro_batch: in
     return inputs
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_steps(step_fn, drafter: DFlashDrafter, inputs: tuple, steps: int, device: torch.device) -> float:
     """Seconds for `steps` forward+backward steps, the device drained before and after."""
-    _synchronize(device)
-    began = time.perf_counter()
+    began = clock(device)
     for _ in range(steps):
         with autocast(device):
             out = step_fn(*inputs)
         out.loss.backward()
         drafter.zero_grad(set_to_none=True)
-    _synchronize(device)
-    return time.perf_counter() - began
+    return clock(device) - began
 
 
 def bench_step(

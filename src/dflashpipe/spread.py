@@ -10,6 +10,7 @@ repeat, or a record older than spreads) cannot be told apart: *unmeasured*.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -59,3 +60,13 @@ def compare(before: Spread | None, after: Spread | None) -> Verdict:
     if before is None or after is None or before.repeats < 2 or after.repeats < 2:
         return "unmeasured"
     return "noise" if before.low <= after.high and after.low <= before.high else "change"
+
+
+def clock(device) -> float:
+    """Wall time after `device` (a torch.device) has finished what was queued: CUDA runs asynchronously, so
+    a timer read without the sync would stop before the work. The one clock of bench's and evaluate's timings."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

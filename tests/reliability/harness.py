@@ -124,6 +124,7 @@ MEASURED = frozenset(
         "regressions",
         "throughput_regressions",
         "within_noise",
+        "step_profile",  # evaluate: shares of a verify step's time, its cost in plain decode steps
     }
 )
 """Keys (at any depth of a JSON output) and plot names whose values are measurements of time."""

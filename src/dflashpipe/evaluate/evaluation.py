@@ -16,8 +16,13 @@ from dflashpipe.artifacts import verify_file_listing, write_json_atomic
 from dflashpipe.errors import SourceError
 from dflashpipe.evaluate import regression
 from dflashpipe.evaluate.metrics import PromptResult, eval_metrics, write_plot_tables
-from dflashpipe.evaluate.prompts import EvalPrompt, eval_prompts
-from dflashpipe.evaluate.speculative import DFlashProposer, prefill, speculative_generate, target_generate
+from dflashpipe.evaluate.prompts import TRAIN, EvalPrompt, eval_prompts
+from dflashpipe.evaluate.speculative import (
+    DFlashProposer,
+    prefill,
+    speculative_generate,
+    target_generate,
+)
 from dflashpipe.model import DFlashDrafter, TargetHead
 from dflashpipe.params import EvaluateParams
 from dflashpipe.spread import SUFFIX
@@ -38,19 +43,25 @@ def stop_token_ids(target, tokenizer) -> list[int]:
 def decode_prompts(
     target, drafter: DFlashDrafter, prompts: list[EvalPrompt], max_new_tokens: int, stop: list[int]
 ) -> list[PromptResult]:
-    """Each prompt: one prefill, then target-only greedy and speculative decoding from copies of it."""
+    """Each prompt: one prefill, then target-only greedy and speculative decoding from copies of it.
+
+    The speculative run is profiled (STEP_PARTS) in the same run on the CPU, where reading the clock costs
+    nothing; on CUDA the profile's syncs would slow the timed run, so an extra run is profiled instead."""
     proposer = DFlashProposer(drafter)
+    layers, inline = proposer.target_layer_ids, target.device.type != "cuda"
     if prompts:  # one untimed run, so that first-call costs (allocator, kernels) land in no measurement
-        warm = prefill(target, prompts[0].prompt_ids)
+        warm = prefill(target, prompts[0].prompt_ids, layers)
         target_generate(target, warm.fork(), min(max_new_tokens, 8), stop)
         speculative_generate(target, proposer, warm, min(max_new_tokens, 8), stop)
     results = []
     for prompt in prompts:
-        start = prefill(target, prompt.prompt_ids)
+        start = prefill(target, prompt.prompt_ids, layers)
         baseline = target_generate(target, start.fork(), max_new_tokens, stop)
-        results.append(
-            PromptResult(prompt, baseline, speculative_generate(target, proposer, start, max_new_tokens, stop))
-        )
+        profiled = None if inline else speculative_generate(target, proposer, start.fork(), max_new_tokens, stop, True)
+        speculative = speculative_generate(target, proposer, start, max_new_tokens, stop, profile=inline)
+        if profiled is not None:
+            speculative.profile = profiled.profile
+        results.append(PromptResult(prompt, baseline, speculative))
     return results
 
 
@@ -105,12 +116,14 @@ def evaluate_drafter(
         drafter_dir, TargetHead.of(target), dtype=target_dtype, attention="sdpa"
     ).eval()
     prompts, skipped = eval_prompts(manifest_dir, chat, p.num_prompts, p.max_prompt_tokens)
+    train_prompts, _ = eval_prompts(manifest_dir, chat, p.num_prompts, p.max_prompt_tokens, TRAIN)
     if not prompts:
         raise SourceError(
             f"{Path(manifest_dir) / 'eval.parquet'}: no usable eval prompt (skipped: {skipped}); "
             f"raise evaluate.max_prompt_tokens or give the sources an eval count (data.sources[*].eval)"
         )
-    results = decode_prompts(target, drafter, prompts, p.max_new_tokens, stop_token_ids(target, chat.tokenizer))
+    stop = stop_token_ids(target, chat.tokenizer)
+    results = decode_prompts(target, drafter, prompts + train_prompts, p.max_new_tokens, stop)
     decoding, tables = eval_metrics(results, drafter.config.block_size)
     metrics_dir.mkdir(parents=True, exist_ok=True)
     metrics = {
@@ -132,10 +145,18 @@ def evaluate_drafter(
     write_plot_tables(tables, metrics_dir)
     write_json_atomic(metrics_dir / "eval.json", metrics)
     write_json_atomic(metrics_dir / "eval_regression.json", report)
+    sides, profile = metrics["train_vs_held_out"], metrics["step_profile"]
     print(
-        f"evaluate: {len(results)} prompts, tau {metrics['tau']:.3f}, speedup {metrics['speedup']:.3f}x, "
+        f"evaluate: {metrics['prompts']} held-out prompts, tau {metrics['tau']:.3f}, "
+        f"speedup {metrics['speedup']:.3f}x, "
         f"decode {metrics['decode_tokens_per_s']['speculative']:.1f} tok/s (target alone "
         f"{metrics['decode_tokens_per_s']['target']:.1f}), lossless: {metrics['lossless']}; baseline: {note}",
+        flush=True,
+    )
+    print(
+        f"evaluate: {sides['train']['prompts']} training prompts, tau {sides['train']['tau']:.3f} "
+        f"(held-out {sides['held_out']['tau']:.3f}, gap {sides['gap']['tau']:+.3f}); a verify step costs "
+        f"{profile.get('step_over_decode_step', 0.0):.2f} plain decode steps",
         flush=True,
     )
     for line in regression.regression_lines(report):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
 from dflashpipe import plots as plotting
 from dflashpipe.artifacts import write_bytes_atomic, write_json_atomic
-from dflashpipe.evaluate.prompts import EvalPrompt
-from dflashpipe.evaluate.speculative import Decoded
+from dflashpipe.evaluate.prompts import HELD_OUT, TRAIN, EvalPrompt
+from dflashpipe.evaluate.speculative import STEP_PARTS, Decoded
 from dflashpipe.spread import Spread
 
 PLOTS_DIR = "eval"
@@ -43,6 +44,17 @@ def decode_rates(decoded: list[Decoded]) -> Spread:
     return Spread.of(rates or [0.0])
 
 
+def tau_over_prompts(decoded: list[Decoded]) -> dict:
+    """Each prompt's tau: median, quartiles, min and max over the prompts, and how many."""
+    taus = sorted(d.tau for d in decoded if d.produced) or [0.0]
+    # statistics.quantiles needs two values; one prompt is its own median and quartiles
+    quartiles = statistics.quantiles(taus, n=4, method="inclusive") if len(taus) > 1 else taus * 3
+    q1, median, q3 = (round(q, 4) for q in quartiles)
+    low, high = round(taus[0], 4), round(taus[-1], 4)
+    prompts = sum(bool(d.produced) for d in decoded)
+    return {"median": median, "q1": q1, "q3": q3, "min": low, "max": high, "prompts": prompts}
+
+
 def _summary(results: list[PromptResult]) -> dict:
     spec = [r.speculative for r in results]
     steps = sum(len(d.produced) for d in spec)
@@ -52,7 +64,47 @@ def _summary(results: list[PromptResult]) -> dict:
         "new_tokens": sum(len(d.tokens) for d in spec),
         "verify_steps": steps,
         "tau": round(sum(sum(d.produced) for d in spec) / steps, 4) if steps else 0.0,
+        "tau_over_prompts": tau_over_prompts(spec),
         "speedup": round(base / ours, 4) if ours else 0.0,
+    }
+
+
+def train_vs_held_out(results: list[PromptResult], block_size: int) -> dict:
+    """tau and slot-1 acceptance on prompts of the training distribution and on held-out ones, and the gap
+    (train minus held-out: how much of the drafter's acceptance does not carry over to unseen prompts)."""
+    sides = {}
+    for split in (TRAIN, HELD_OUT):
+        chosen = [r for r in results if r.prompt.split == split]
+        summary = _summary(chosen)
+        sides[split] = {
+            "prompts": summary["prompts"],
+            "tau": summary["tau"],
+            "tau_over_prompts": summary["tau_over_prompts"],
+            "slot_1_acceptance": slot_acceptance([r.speculative for r in chosen], block_size).get("1", 0.0),
+        }
+    gap = {key: round(sides[TRAIN][key] - sides[HELD_OUT][key], 4) for key in ("tau", "slot_1_acceptance")}
+    return {**sides, "gap": gap}
+
+
+def step_profile(results: list[PromptResult]) -> dict:
+    """Where a verify step's time goes: each part's share of the step time (STEP_PARTS, and `other`: the
+    loop and clocks between them), and a step's cost in plain decode steps (seconds per verify step over
+    the same prompt's seconds per target-only token). Medians over prompts with their spread: a share
+    is a ratio within one run, so a busier machine moves it less than it moves seconds."""
+    runs = [r for r in results if r.speculative.profile.get("step") and r.target.decode_tokens]
+    if not runs:
+        return {"prompts": 0}
+    shares = {part: [r.speculative.profile[part] / r.speculative.profile["step"] for r in runs] for part in STEP_PARTS}
+    shares["other"] = [1 - sum(shares[part][i] for part in STEP_PARTS) for i in range(len(runs))]
+    cost = [
+        (r.speculative.profile["step"] / len(r.speculative.produced)) / (r.target.decode_s / r.target.decode_tokens)
+        for r in runs
+    ]
+    return {
+        "prompts": len(runs),
+        "verify_steps": sum(len(r.speculative.produced) for r in runs),
+        "share": {part: Spread.of(values).record("share", digits=3) for part, values in shares.items()},
+        **Spread.of(cost).record("step_over_decode_step", digits=3),
     }
 
 
@@ -66,10 +118,12 @@ def slot_acceptance(decoded: list[Decoded], block_size: int) -> dict[str, float]
     return rates
 
 
-def eval_metrics(results: list[PromptResult], block_size: int) -> tuple[dict, dict[str, list[dict]]]:
-    """metrics/eval.json's decoding part, and the plot tables."""
+def eval_metrics(everything: list[PromptResult], block_size: int) -> tuple[dict, dict[str, list[dict]]]:
+    """metrics/eval.json's decoding part, and the plot tables. The headline figures are the held-out
+    prompts'; the lossless check and the step profile cover every prompt decoded."""
+    results = [r for r in everything if r.prompt.split == HELD_OUT]
     spec = [r.speculative for r in results]
-    mismatched = [r for r in results if r.first_divergence is not None]
+    mismatched = [r for r in everything if r.first_divergence is not None]
     sources = sorted({r.prompt.source for r in results})
     per_source = {s: _summary([r for r in results if r.prompt.source == s]) for s in sources}
     histogram = {str(a): sum(d.accepted.count(a) for d in spec) for a in range(block_size)}
@@ -81,17 +135,22 @@ def eval_metrics(results: list[PromptResult], block_size: int) -> tuple[dict, di
             **decode_rates(spec).record("speculative"),
         },
         "lossless": not mismatched,
-        "mismatched_prompts": [{"id": r.prompt.sample_id, "first_divergence": r.first_divergence} for r in mismatched],
+        "mismatched_prompts": [
+            {"id": r.prompt.sample_id, "split": r.prompt.split, "first_divergence": r.first_divergence}
+            for r in mismatched
+        ],
         "per_source": per_source,
         "slot_acceptance": slot_acceptance(spec, block_size),
         "accepted_histogram": histogram,
+        "train_vs_held_out": train_vs_held_out(everything, block_size),
+        "step_profile": step_profile(everything),
     }
     tables = {
         "tau_per_source": [{"source": s, "tau": v["tau"]} for s, v in per_source.items()],
         "slot_acceptance": [{"slot": int(k), "acceptance": v} for k, v in metrics["slot_acceptance"].items()],
         "speedup_per_prompt": [
-            {"prompt": i, "id": r.prompt.sample_id, "source": r.prompt.source, **_summary([r])}
-            for i, r in enumerate(results)
+            {"prompt": i, "id": r.prompt.sample_id, "source": r.prompt.source, "split": r.prompt.split, **_summary([r])}
+            for i, r in enumerate(everything)
         ],
     }
     return metrics, tables

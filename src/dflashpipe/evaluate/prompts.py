@@ -1,4 +1,8 @@
-"""Eval prompts: each eval-split sample's conversation up to its last assistant turn, as the target sees it."""
+"""Eval prompts: a sample's conversation up to its last assistant turn, as the target sees it.
+
+Held-out prompts come from the eval split; training prompts from the first training shard, the one file
+of the training stream that growing data.num_samples never rewrites once it is full (data.shard_size
+samples), so both sets stay fixed while the data grows and a tau gap between them is the drafter's."""
 
 from __future__ import annotations
 
@@ -6,8 +10,13 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflashpipe.data.shards import EVAL_FILE, shard_name
 from dflashpipe.errors import SourceError
 from dflashpipe.tokens.chat import ChatTokenizer
+
+HELD_OUT, TRAIN = "held_out", "train"
+SPLIT_FILES = {HELD_OUT: EVAL_FILE, TRAIN: shard_name(0)}
+"""Which manifest file each prompt set is read from (both are evaluate's deps in dvc.yaml)."""
 
 
 @dataclass(frozen=True)
@@ -15,26 +24,28 @@ class EvalPrompt:
     sample_id: str
     source: str
     prompt_ids: list[int]
+    split: str = HELD_OUT
+    """HELD_OUT (the eval split) or TRAIN (the first training shard)."""
 
 
-def read_eval_split(manifest_dir: Path | str) -> list[dict]:
-    """The eval split's rows in file order (the manifest writes it before any training shard, so growing
-    data.num_samples leaves it as it was)."""
+def read_eval_split(manifest_dir: Path | str, split: str = HELD_OUT) -> list[dict]:
+    """The rows of `split`'s manifest file, in file order (the manifest writes the eval split before any
+    training shard, and keeps full shards as they are, so growing data.num_samples leaves both as they were)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from dflashpipe.artifacts import verify_file_listing
-    from dflashpipe.data.shards import EVAL_FILE, SCHEMA
+    from dflashpipe.data.shards import SCHEMA
 
     manifest_dir = Path(manifest_dir)
-    path = manifest_dir / EVAL_FILE
-    # Only the eval split is checked against the manifest's files.json: evaluate depends on that one
-    # file (dvc.yaml), and a damaged training shard is tokenize's to refuse, not evaluate's.
+    path = manifest_dir / SPLIT_FILES[split]
+    # Only the files evaluate reads are checked against the manifest's files.json: evaluate depends on
+    # those (dvc.yaml), and a damaged later training shard is tokenize's to refuse, not evaluate's.
     verify_file_listing(
         manifest_dir,
         f"restore it with `dvc checkout {manifest_dir}` or rebuild it with `dvc repro -f manifest`",
         SourceError,
-        only=[EVAL_FILE],
+        only=[SPLIT_FILES[split]],
     )
     try:
         table = pq.read_table(path)
@@ -48,9 +59,9 @@ def read_eval_split(manifest_dir: Path | str) -> list[dict]:
 
 
 def eval_prompts(
-    manifest_dir: Path | str, chat: ChatTokenizer, num_prompts: int, max_prompt_tokens: int
+    manifest_dir: Path | str, chat: ChatTokenizer, num_prompts: int, max_prompt_tokens: int, split: str = HELD_OUT
 ) -> tuple[list[EvalPrompt], dict[str, dict[str, int]]]:
-    """The first `num_prompts` usable samples of each source, in eval-file order, and what was skipped.
+    """The first `num_prompts` usable samples of each source in `split`'s file, in file order, and what was skipped.
 
     A sample's prompt is its conversation before its last assistant turn, rendered with the target's
     chat template and its generation prompt; a sample with nothing before an assistant turn, or whose
@@ -59,7 +70,7 @@ def eval_prompts(
     taken: Counter[str] = Counter()
     skipped: dict[str, dict[str, int]] = {}
     prompts = []
-    for row in read_eval_split(manifest_dir):
+    for row in read_eval_split(manifest_dir, split):
         source = row["source"]
         if taken[source] >= num_prompts:
             continue
@@ -74,5 +85,5 @@ def eval_prompts(
             skipped.setdefault(source, Counter())["longer_than_max_prompt_tokens"] += 1
             continue
         taken[source] += 1
-        prompts.append(EvalPrompt(row["id"], source, ids))
+        prompts.append(EvalPrompt(row["id"], source, ids, split))
     return prompts, {s: dict(sorted(c.items())) for s, c in sorted(skipped.items())}

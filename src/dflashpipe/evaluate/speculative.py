@@ -4,28 +4,35 @@
               drafter.begin(those features)
     each verify step, with `anchor` the last committed token (at position = context length):
       1. drafter.draft(anchor)          one forward: a whole block of proposals
-      2. target(anchor + proposals)     one forward over its own KV cache
-      3. accept the longest prefix of proposals that equals the target's argmax, then the
-         target's next argmax (the bonus token); crop the target cache to what was verified
+      2. target(anchor + proposals)     one forward of the decoder over its own KV cache
+      3. the target's LM head at the anchor's position, and only if the first proposal holds at the
+         others: the accepted proposals, then the target's token (the bonus); crop the target
+         cache to what was verified
       4. drafter.extend(features of the anchor + accepted tokens)
 
 Greedy acceptance commits only the target's own argmax tokens, so the output is the
 target's greedy decoding, token for token (the tests check it on every eval prompt).
 The stopping rule is the reference `dflash_generate`'s: at most `max_new_tokens` new
 tokens (the prefill's first one included), ending at the first stop token, kept.
+
+What a step does not compute, because nothing reads it: the block's logits when the first proposal is
+rejected (the common case of a weak drafter; one row of the LM head costs about half of seven on one
+CPU thread), and hidden states of layers the drafter does not read (forward hooks keep only its layers).
 """
 
 from __future__ import annotations
 
 import copy
-import time
-from collections.abc import Sequence
+import inspect
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from dflashpipe.model import DFlashDrafter, DraftContext, target_features
+from dflashpipe.model import DFlashDrafter, DraftContext
+from dflashpipe.spread import clock
 
 
 class Drafter(Protocol):
@@ -65,26 +72,66 @@ class DFlashProposer:
         self.context = self.drafter.encode_context(features, self.context)
 
 
-def clock(device: torch.device) -> float:
-    """Wall time after the device has finished what was queued (CUDA runs asynchronously)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+def cache_keyword(model) -> str:
+    """The name under which `model.forward` takes its KV cache: transformers 5.24 renamed `past_key_values`
+    to `cache` (the old name warns, and goes in 5.40); the earlier 5.x releases know only the old one."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@contextmanager
+def layer_capture(target, layer_ids: Sequence[int]) -> Iterator[dict[int, torch.Tensor]]:
+    """{layer id: that decoder layer's output in the latest forward}, filled by forward hooks on the
+    chosen layers only, so no other layer's hidden states are kept. Layer i is what Hugging Face returns
+    as hidden_states[i + 1] (dflashpipe.model.target_features), which for the last layer is normed: its
+    entry is then the decoder's output, which the caller reads from the forward's last_hidden_state."""
+    decoder = target.get_decoder()
+    captured: dict[int, torch.Tensor] = {}
+
+    def keep(i: int):
+        def hook(module, args, output) -> None:
+            captured[i] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    last = len(decoder.layers) - 1
+    handles = [decoder.layers[i].register_forward_hook(keep(i)) for i in layer_ids if i != last]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def captured_features(
+    captured: dict[int, torch.Tensor], layer_ids: Sequence[int], normed: torch.Tensor, count: int
+) -> torch.Tensor:
+    """The drafter's features [1, count, n*H] of the forward's first `count` positions; `normed` is its
+    last_hidden_state (the last layer's entry, when the drafter reads it)."""
+    return torch.cat([captured.get(i, normed)[:, :count] for i in layer_ids], dim=-1)
 
 
 @dataclass
 class Prefill:
-    """The target after reading the prompt: its cache, its first token, the prompt's hidden states."""
+    """The target after reading the prompt: its cache, its first token, the drafter's features of the prompt."""
 
     prompt_len: int
     cache: object
     first_token: torch.Tensor
-    hidden_states: tuple[torch.Tensor, ...]
+    features: torch.Tensor
+    """[1, P, n*H]: the outputs of the drafter's target layers (dflashpipe.model.target_features)."""
     seconds: float
 
     def fork(self) -> Prefill:
         """An independent copy, so two decoders can start from one prefill."""
-        return Prefill(self.prompt_len, copy.deepcopy(self.cache), self.first_token, self.hidden_states, self.seconds)
+        return Prefill(self.prompt_len, copy.deepcopy(self.cache), self.first_token, self.features, self.seconds)
+
+
+STEP_PARTS = ("draft", "verify_forward", "verify_head", "accept", "crop", "capture", "extend")
+"""What one verify step spends its time on, in order (speculative_generate's profile):
+draft: the drafter's forward and LM head, proposals out; verify_forward: the target's decoder over the
+block; verify_head: the target's LM head and argmax (position 0, then the rest if its proposal held); accept: the
+bookkeeping of committed tokens; crop: dropping the rejected positions from the target's KV cache;
+capture: the accepted positions' features from the hooked layers; extend: the drafter's context update."""
 
 
 @dataclass
@@ -102,8 +149,7 @@ class Decoded:
     sizes: list[int] = field(default_factory=list)
     """Per verify step: the verified block's length (the block size, or fewer near max_new_tokens)."""
     profile: dict[str, float] = field(default_factory=dict)
-    """With profile=True: seconds in the drafter's draft and extend, the target's verify forward, and whole
-    steps; what a step spends outside those three is the loop's own overhead."""
+    """With profile=True: seconds in each of STEP_PARTS, and in whole steps (`step`), summed over steps."""
 
     @property
     def decode_tokens(self) -> int:
@@ -116,16 +162,20 @@ class Decoded:
         return sum(self.produced) / len(self.produced) if self.produced else 0.0
 
 
-def prefill(target, prompt_ids: Sequence[int]) -> Prefill:
+@torch.no_grad()
+def prefill(target, prompt_ids: Sequence[int], layer_ids: Sequence[int] = ()) -> Prefill:
+    """Read the prompt into a fresh cache: the first greedy token, and the features of `layer_ids`."""
     from transformers import DynamicCache
 
-    device = target.device
+    device, layer_ids = target.device, list(layer_ids)
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     began = clock(device)
-    cache = DynamicCache(config=target.config)
-    out = target(ids, past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
-    first = out.logits[0, -1].argmax(-1)
-    return Prefill(ids.shape[1], cache, first, out.hidden_states, clock(device) - began)
+    cache, decoder = DynamicCache(config=target.config), target.get_decoder()
+    with layer_capture(target, layer_ids) as captured:
+        normed = decoder(ids, **{cache_keyword(decoder): cache}, use_cache=True).last_hidden_state
+    first = target.get_output_embeddings()(normed[:, -1]).argmax(-1)[0]
+    features = captured_features(captured, layer_ids, normed, ids.shape[1]) if layer_ids else normed[:, :0]
+    return Prefill(ids.shape[1], cache, first, features, clock(device) - began)
 
 
 def _first_stop(tokens: list[int], stop: frozenset[int]) -> int | None:
@@ -135,12 +185,12 @@ def _first_stop(tokens: list[int], stop: frozenset[int]) -> int | None:
 @torch.no_grad()
 def target_generate(target, start: Prefill, max_new_tokens: int, stop_token_ids: Sequence[int]) -> Decoded:
     """Target-only greedy decoding, one token per forward: the reference output and the speedup's baseline."""
-    stop, device = frozenset(stop_token_ids), target.device
+    stop, device, cache_kw = frozenset(stop_token_ids), target.device, cache_keyword(target)
     token = start.first_token.view(1, 1)
     tokens = [int(token)]
     began = clock(device)
     while len(tokens) < max_new_tokens and tokens[-1] not in stop:
-        out = target(token, past_key_values=start.cache, use_cache=True)
+        out = target(token, **{cache_kw: start.cache}, use_cache=True)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         tokens.append(int(token))
     return Decoded(tokens, clock(device) - began, start.seconds)
@@ -150,57 +200,71 @@ def target_generate(target, start: Prefill, max_new_tokens: int, stop_token_ids:
 def speculative_generate(
     target, drafter: Drafter, start: Prefill, max_new_tokens: int, stop_token_ids: Sequence[int], profile: bool = False
 ) -> Decoded:
-    """Greedy DFlash decoding from a prefill; `profile` times each part (with a device sync around each)."""
+    """Greedy DFlash decoding from a prefill (of the drafter's layers); `profile` times each of STEP_PARTS
+    (with a device sync around each, so on CUDA it slows the run it measures)."""
     stop, device, bs = frozenset(stop_token_ids), target.device, drafter.block_size
-    layer_ids = list(drafter.target_layer_ids)
-    cache = start.cache
-    drafter.begin(target_features(start.hidden_states, layer_ids))
+    decoder, head = target.get_decoder(), target.get_output_embeddings()
+    layer_ids, cache, cache_kw = list(drafter.target_layer_ids), start.cache, cache_keyword(decoder)
+    if start.features.shape[1] != start.prompt_len:
+        raise ValueError("speculative_generate needs a prefill of the drafter's layers: prefill(..., layer_ids)")
+    drafter.begin(start.features)
     anchor = start.first_token
     result = Decoded([int(anchor)], 0.0, start.seconds)
-    timing = {"draft_s": 0.0, "verify_s": 0.0, "extend_s": 0.0, "step_s": 0.0}
-    began = clock(device)
-    while len(result.tokens) < max_new_tokens and result.tokens[-1] not in stop:
-        t0 = clock(device) if profile else 0.0
-        size = min(bs, max_new_tokens - len(result.tokens) + 1)
-        proposals = drafter.draft(anchor)[: size - 1]
-        t1 = clock(device) if profile else 0.0
-        out = target(
-            torch.cat([anchor.view(1), proposals]).view(1, size),
-            past_key_values=cache,
-            use_cache=True,
-            output_hidden_states=True,
-        )
-        t2 = clock(device) if profile else 0.0
-        posterior = out.logits[0].argmax(-1)  # [size]: the target's token after each block position
-        matches = (proposals == posterior[:-1]).cumprod(0).sum()
-        # One transfer to the host per step: the accepted count and the target's tokens together.
-        host = torch.cat([matches.view(1), posterior]).tolist()
-        accepted = host[0]
-        new = host[1 : accepted + 2]  # the accepted proposals equal the target's tokens; then the bonus
-        new = new[: max_new_tokens - len(result.tokens)]
-        cut = _first_stop(new, stop)
-        if cut is not None:
-            new = new[: cut + 1]
-        result.accepted.append(accepted)
-        result.produced.append(len(new))
-        result.sizes.append(size)
-        result.tokens.extend(new)
-        finished = len(result.tokens) >= max_new_tokens or cut is not None
-        if not finished:
-            # The anchor and the accepted proposals are verified: keep their target keys and drafter context.
-            rejected = size - accepted - 1
-            if rejected:
-                cache.crop(-rejected)  # transformers 5: a negative count of positions to drop from the end
-            features = target_features(out.hidden_states, layer_ids)[:, : accepted + 1]
-            t3 = clock(device) if profile else 0.0
-            drafter.extend(features)
-            timing["extend_s"] += (clock(device) - t3) if profile else 0.0
-            anchor = posterior[accepted]
+    seconds = dict.fromkeys((*STEP_PARTS, "step"), 0.0)
+    marks: list[float] = []
+
+    def mark() -> None:
         if profile:
-            timing["draft_s"] += t1 - t0
-            timing["verify_s"] += t2 - t1
-            timing["step_s"] += clock(device) - t0
+            marks.append(clock(device))
+
+    began = clock(device)
+    with layer_capture(target, layer_ids) as captured:
+        while len(result.tokens) < max_new_tokens and result.tokens[-1] not in stop:
+            marks.clear()
+            mark()
+            size = min(bs, max_new_tokens - len(result.tokens) + 1)
+            proposals = drafter.draft(anchor)[: size - 1]
+            block = torch.cat([anchor.view(1), proposals]).view(1, size)
+            mark()
+            normed = decoder(block, **{cache_kw: cache}, use_cache=True).last_hidden_state
+            mark()
+            # The target's token after each block position, only as far as the proposals hold: the first
+            # position whose argmax differs from the proposal after it ends the step (that argmax is the bonus).
+            # Position 0 alone first (one row is the cheap product); once its proposal holds, the rest at once.
+            wanted, new = proposals.tolist(), [int(head(normed[:, 0]).argmax(-1))]
+            if new[0] == wanted[0]:
+                for i, token in enumerate(head(normed[0, 1:]).argmax(-1).tolist(), start=1):
+                    new.append(token)
+                    if i == size - 1 or token != wanted[i]:
+                        break
+            mark()
+            accepted = len(new) - 1
+            new = new[: max_new_tokens - len(result.tokens)]
+            cut = _first_stop(new, stop)
+            if cut is not None:
+                new = new[: cut + 1]
+            result.accepted.append(accepted)
+            result.produced.append(len(new))
+            result.sizes.append(size)
+            result.tokens.extend(new)
+            finished = len(result.tokens) >= max_new_tokens or cut is not None
+            mark()
+            if not finished:
+                # The anchor and the accepted proposals are verified: keep their target keys and drafter context.
+                rejected = size - accepted - 1
+                if rejected:
+                    cache.crop(-rejected)  # transformers 5: a negative count of positions to drop from the end
+                mark()
+                features = captured_features(captured, layer_ids, normed, accepted + 1)
+                mark()
+                drafter.extend(features)
+                mark()
+                anchor = torch.tensor(result.tokens[-1], device=device)
+            if profile:
+                for part, (a, b) in zip(STEP_PARTS, zip(marks, marks[1:], strict=False), strict=False):
+                    seconds[part] += b - a
+                seconds["step"] += marks[-1] - marks[0]
     result.decode_s = clock(device) - began
     if profile:
-        result.profile = timing
+        result.profile = seconds
     return result
