@@ -20,7 +20,17 @@ def status(project) -> dict:
 
 def test_repro_runs_the_stages_then_reruns_only_what_changed(pipeline_run, tmp_path):
     first = (pipeline_run.parent / "repro.log").read_text()  # the shared run's `dvc repro`, from nothing
-    for stage in ("fingerprint", "target", "manifest", "tokenize", "warmup", "train", "bench", "evaluate"):
+    for stage in (
+        "fingerprint",
+        "target",
+        "manifest",
+        "regenerate",
+        "tokenize",
+        "warmup",
+        "train",
+        "bench",
+        "evaluate",
+    ):
         assert f"Running stage '{stage}'" in first
     project = copy_project(pipeline_run, tmp_path / "project")  # its run is committed as HEAD
     assert (project / "data/target/model.safetensors").is_file()
@@ -28,7 +38,7 @@ def test_repro_runs_the_stages_then_reruns_only_what_changed(pipeline_run, tmp_p
     assert json.loads((project / "data/manifest/summary.json").read_text())["num_samples"] == samples
 
     again = run(["dvc", "repro"], project).stdout
-    for stage in ("target", "manifest", "tokenize", "warmup", "train", "bench", "evaluate"):
+    for stage in ("target", "manifest", "regenerate", "tokenize", "warmup", "train", "bench", "evaluate"):
         assert f"Stage '{stage}' didn't change, skipping" in again
     assert status(project) == {"fingerprint": ["always changed"]}
 
@@ -192,11 +202,13 @@ def test_every_output_path_the_code_names_is_written_by_exactly_one_stage(stages
         "FINGERPRINT",
         "TARGET",
         "MANIFEST",
+        "REGENERATED",
         "TOKENS",
         "COMPILE",
         "DRAFTER",
         "TRAIN_STATE",
         "MANIFEST_METRICS",
+        "REGENERATE_METRICS",
         "TOKENIZE_METRICS",
         "TRAIN_METRICS",
     )

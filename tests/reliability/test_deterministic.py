@@ -15,6 +15,8 @@ from dflashpipe.pipeline import (
     MANIFEST,
     MANIFEST_METRICS,
     METRICS,
+    REGENERATE_METRICS,
+    REGENERATED,
     TARGET,
     TOKENIZE_METRICS,
     TOKENS,
@@ -31,6 +33,7 @@ OUTPUTS = {
     "fingerprint": {FINGERPRINT: BYTES},  # on one machine: it observes the machine
     "target": {TARGET: BYTES},
     "manifest": {MANIFEST: BYTES, MANIFEST_METRICS: BYTES},
+    "regenerate": {REGENERATED: BYTES, REGENERATE_METRICS: TIMED},
     "tokenize": {TOKENS: BYTES, TOKENIZE_METRICS: TIMED},
     "warmup": {COMPILE: KERNELS},  # report.json: graphs, shapes, counters, environment; not seconds
     "train": {

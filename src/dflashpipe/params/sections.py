@@ -110,10 +110,30 @@ class ModelParams:
     block_size: int
     """Tokens per draft block: the anchor plus block_size - 1 masked slots to predict."""
     target_layers: int
-    """How many target layers feed the drafter (spaced evenly from layer 1 to L-3; one layer: L//2)."""
+    """How many target layers feed the drafter (spaced evenly from layer 1 to L-3; one layer: L//2); 0 = as many
+    as `layers`, as published (the 5-layer Qwen3-8B drafter reads [1, 9, 17, 25, 33])."""
     target_layer_ids: tuple[int, ...] = ()
     """Explicit target layer ids (0-based decoder layers) instead of the even spacing; empty = spaced.
-    When set, it must list `target_layers` ids in increasing order."""
+    When set, it must list `target_layer_count` ids in increasing order."""
+    final_norm: Literal["trained", "frozen"]
+    """The drafter's output norm starts as the target's final norm (x final_norm_scale); `trained` learns it
+    (as the reference trainers do), `frozen` keeps the target's."""
+    final_norm_scale: float
+    """The trained output norm starts as the target's final norm x this. 1 starts a tied-embedding target's
+    drafter at a huge loss (SmolLM2: ~71 against ln(vocab) = 10.8: its residual stream is the MASK token's
+    embedding, which the norm and the tied head turn into logits with std ~22); 0.1 starts it near ln(vocab)
+    and trains faster (docs/design.md). Must be 1 with a frozen norm."""
+    init: Literal["random", "target"]
+    """The drafter's decoder layers: `random` (Qwen3's init) or copies of the target's top `layers` decoder
+    layers (their shapes must match; the context projection `fc` and `hidden_norm` stay random)."""
+    distill: Literal["none", "argmax", "kl"]
+    """What each slot also learns from the target: `none` (only the data token), `argmax` (the target's own
+    greedy token at that position) or `kl` (its distribution, temperature 1). The target's logits are
+    computed only at the blocks' positions (its remaining layers run, then its head on those rows only)."""
+    distill_weight: float
+    """The target's share of the loss, 0..1: loss = (1 - w) x CE(data) + w x the distill term (1: the
+    target instead of the data token). Ignored when distill is none. Both are model
+    keys, like gamma, because they shape the compiled training step that warmup builds."""
     num_anchors: int
     """Blocks per training row (anchors sampled among supervised positions, resampled each step)."""
     seq_len: int
@@ -132,16 +152,19 @@ class ModelParams:
         for key, value, low, high in (
             ("layers", self.layers, 1, 64),
             ("block_size", self.block_size, 2, 128),
-            ("target_layers", self.target_layers, 1, 64),
+            ("target_layers", self.target_layers, 0, 64),
             ("num_anchors", self.num_anchors, 1, 4096),
             ("seq_len", self.seq_len, 2, 1_048_576),
         ):
             if not (low <= value <= high):
                 raise ParamsError(f"params.yaml: model.{key} = {value}: must be between {low} and {high}")
         ids = list(self.target_layer_ids)
-        if ids and (len(ids) != self.target_layers or ids != sorted(set(ids)) or ids[0] < 0):
+        if ids and (len(ids) != self.target_layer_count or ids != sorted(set(ids)) or ids[0] < 0):
+            count = f"model.target_layers = {self.target_layers}"
+            if not self.target_layers:
+                count = f"model.layers = {self.layers} (model.target_layers is 0)"
             raise ParamsError(
-                f"params.yaml: model.target_layer_ids = {ids}: list model.target_layers = {self.target_layers} "
+                f"params.yaml: model.target_layer_ids = {ids}: list {count} "
                 f"distinct non-negative layer ids in increasing order, or [] for the even spacing"
             )
         if self.seq_len <= self.block_size:
@@ -154,6 +177,18 @@ class ModelParams:
             )
         if not self.mask_token.strip():
             raise ParamsError("params.yaml: model.mask_token is empty: name a token such as '<|MASK|>'")
+        if not (0.0 < self.final_norm_scale <= 10.0) or (self.final_norm == "frozen" and self.final_norm_scale != 1):
+            raise ParamsError(
+                f"params.yaml: model.final_norm_scale = {self.final_norm_scale}: must be in (0, 10], and 1 when "
+                f"model.final_norm is frozen (a frozen norm stays the target's)"
+            )
+        if not (0.0 <= self.distill_weight <= 1.0):
+            raise ParamsError(f"params.yaml: model.distill_weight = {self.distill_weight}: must be between 0 and 1")
+
+    @property
+    def target_layer_count(self) -> int:
+        """How many target layers feed the drafter: `target_layers`, or `layers` when it is 0."""
+        return self.target_layers or self.layers
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -282,7 +317,8 @@ class EvaluateParams:
     """Speculative decoding with the trained drafter on the eval split, and the regression check."""
 
     num_prompts: int
-    """Prompts per eval source, the first usable ones in eval-file order."""
+    """Prompts per source, the first usable ones in file order: held-out from the eval split, and as many
+    from the first training shard (the acceptance on the training distribution, and the gap)."""
     max_new_tokens: int
     """New tokens per prompt (the prefill's first token included); decoding also stops at end of turn."""
     max_prompt_tokens: int
@@ -314,10 +350,51 @@ class EvaluateParams:
             )
 
 
+@dataclass(kw_only=True, frozen=True, slots=True)
+class RegenerateParams:
+    """Train on what the target says: its greedy replies to each training prompt replace the data's replies."""
+
+    enabled: bool
+    """false: data/regenerated/ holds the manifest's training shards as they are (hard links), so tokenize
+    sees exactly today's input; true: every assistant reply is the target's own, greedy."""
+    max_new_tokens: int
+    """Longest reply; a reply cut here is kept (counted as stopped_at_limit) and ends its conversation."""
+    max_prompt_tokens: int
+    """A turn whose prompt (the conversation before it, template included) is longer is skipped (counted),
+    and its conversation ends before it."""
+    batch_size: int
+    """Prompts per batch, in this process or per request to the endpoint (prompts are sorted by length first)."""
+    endpoint: str | None = None
+    """None: generate here, on topology.target_devices. Else an OpenAI-compatible base URL (vLLM, SGLang),
+    e.g. http://127.0.0.1:8000/v1: prompts go to its /completions as token ids, temperature 0."""
+    endpoint_model: str | None = None
+    """The `model` name to ask the endpoint for; None: the first model its /models lists."""
+
+    def __post_init__(self) -> None:
+        for key, value, low, high in (
+            ("max_new_tokens", self.max_new_tokens, 1, 1_048_576),
+            ("max_prompt_tokens", self.max_prompt_tokens, 1, 1_048_576),
+            ("batch_size", self.batch_size, 1, 65_536),
+        ):
+            if not (low <= value <= high):
+                raise ParamsError(f"params.yaml: regenerate.{key} = {value}: must be between {low} and {high}")
+        if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
+            raise ParamsError(
+                f"params.yaml: regenerate.endpoint = {self.endpoint!r}: give an http(s) base URL such as "
+                f"http://127.0.0.1:8000/v1, or null to generate in this process"
+            )
+        if self.endpoint_model is not None and not self.endpoint_model.strip():
+            raise ParamsError(
+                "params.yaml: regenerate.endpoint_model is empty: name the endpoint's model, or null for the "
+                "first model its /models lists"
+            )
+
+
 SECTIONS: dict[str, type] = {
     "target": TargetParams,
     "data": DataParams,
     "model": ModelParams,
+    "regenerate": RegenerateParams,
     "tokenize": TokenizeParams,
     "compile": CompileParams,
     "topology": TopologyParams,
