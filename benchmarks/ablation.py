@@ -55,7 +55,7 @@ def read_json(path: Path) -> dict:
 
 def run_arm(project: Path, name: str, overrides: list[str], log: Path) -> dict:
     subprocess.run(["git", "checkout", "HEAD", "--", "params.yaml", "dvc.lock"], cwd=project, check=True)
-    cmd = ["dvc", "exp", "run", "-n", f"ablation-{name}-{int(time.time())}", "-f"]
+    cmd = ["dvc", "exp", "run", "-n", f"ablation-{name}-{int(time.time())}"]  # no -f: shared stages come from the cache
     for item in overrides:
         cmd += ["-S", item]
     start = time.perf_counter()
