@@ -62,6 +62,7 @@ def test_growing_the_data_hits_manifest_only_and_costs_are_attributed(committed)
     assert verdicts(report) == {
         **quiet(),
         "manifest": DIRECT,
+        "regenerate": DOWNSTREAM,
         "tokenize": DOWNSTREAM,
         "train": DOWNSTREAM,
         "evaluate": DOWNSTREAM,
@@ -73,9 +74,10 @@ def test_growing_the_data_hits_manifest_only_and_costs_are_attributed(committed)
     )
     # nothing has rerun, so no hash moved yet: the path goes through the stages that will rerun
     by_stage = {v.stage: v for v in report.stages}
-    assert "evaluate <- data/drafter (train, not rerun yet) <- data/tokens (tokenize, not rerun yet) <- " in (
-        "\n".join(by_stage["evaluate"].paths)
-    )
+    assert (
+        "evaluate <- data/drafter (train, not rerun yet) <- data/tokens (tokenize, not rerun yet) <- "
+        "data/regenerated (regenerate, not rerun yet) <- "
+    ) in "\n".join(by_stage["evaluate"].paths)
     assert not report.machine.stale  # the fingerprint stage ran on this machine
 
     run(["dvc", "repro", "manifest"], committed)  # its metrics are what this test reads
@@ -101,9 +103,10 @@ def test_grown_data_rerun_and_committed_names_the_changed_files_on_each_path(com
     new_shard = f"data/manifest/train-{SHARDS:05d}.parquet"
     # the new shard and the manifest's own listing and summary moved; the old shards kept their bytes
     grown = (
-        f"data/manifest/files.json, data/manifest/summary.json, {new_shard} (manifest: params.yaml:data.num_samples)"
+        f"data/manifest/files.json, data/manifest/hashes.bin, data/manifest/summary.json, {new_shard} "
+        "(manifest: params.yaml:data.num_samples)"
     )
-    assert paths["tokenize"] == [f"tokenize <- {grown}"]
+    assert paths["tokenize"] == [f"tokenize <- data/regenerated (regenerate) <- {grown}"]
     # the eval split kept its sha256: evaluate is invalidated through train's outputs only, never through it
     assert paths["evaluate"] and not any("eval.parquet" in p for p in paths["evaluate"])
     assert all(
@@ -115,7 +118,7 @@ def test_grown_data_rerun_and_committed_names_the_changed_files_on_each_path(com
         )
         for p in paths["evaluate"]
     )
-    assert all(p.endswith(f"(tokenize) <- {grown}") for p in paths["evaluate"])
+    assert all(p.endswith(f"(regenerate) <- {grown}") for p in paths["evaluate"])
     assert paths["warmup"] == [] and paths["target"] == []
 
 
@@ -338,13 +341,15 @@ def test_compare_growing_the_data_invalidates_its_chain_and_never_warmup(dag):
     assert verdict_map(found) == {
         **quiet(),
         "manifest": DIRECT,
+        "regenerate": DOWNSTREAM,
         "tokenize": DOWNSTREAM,
         "train": DOWNSTREAM,
         "evaluate": DOWNSTREAM,
     }
     assert cause_tuples(found) == [("param", "params.yaml:data.num_samples", 2000, 2400, ("manifest",))]
     by_stage = {v.stage: v for v in found}
-    assert by_stage["tokenize"].upstream == ["manifest"] and by_stage["train"].upstream == ["tokenize"]
+    assert by_stage["regenerate"].upstream == ["manifest"] and by_stage["tokenize"].upstream == ["regenerate"]
+    assert by_stage["train"].upstream == ["tokenize"]
     assert by_stage["evaluate"].upstream == ["manifest", "train"]  # the eval split lives in data/manifest
     assert root_causes(found)[0].evidence == (
         "dvc.lock@HEAD stages.manifest.params['params.yaml']['data.num_samples'] vs "
@@ -380,10 +385,17 @@ def test_compare_a_dep_inside_an_upstream_output_is_that_upstream_not_a_root_cau
     # tokenize's recorded data/manifest hash differs because manifest's output differs: the root
     # cause is manifest's (its output), not a second one on tokenize.
     found = compared(dag, lock_of(dag), lock_of(dag, md5={"data/manifest": "regenerated"}))
-    assert verdict_map(found) == {**quiet(), "tokenize": DOWNSTREAM, "evaluate": DOWNSTREAM, "train": DOWNSTREAM}
+    assert verdict_map(found) == {
+        **quiet(),
+        "regenerate": DOWNSTREAM,
+        "tokenize": DOWNSTREAM,
+        "evaluate": DOWNSTREAM,
+        "train": DOWNSTREAM,
+    }
     assert root_causes(found) == []
     assert {v.stage: v.upstream for v in found if v.upstream} == {
-        "tokenize": ["manifest"],
+        "regenerate": ["manifest"],
+        "tokenize": ["regenerate"],
         "train": ["tokenize"],
         "evaluate": ["manifest", "train"],
     }
@@ -393,7 +405,8 @@ def test_compare_a_kernel_environment_key_hits_only_the_stages_naming_it(dag):
     found = compared(dag, lock_of(dag, values={KERNEL_KEY: "2.13.0"}), lock_of(dag, values={KERNEL_KEY: "2.13.1"}))
     kernel = naming("torch.version")
     assert {"warmup", "train", "evaluate"} <= set(kernel) and not {"manifest", "tokenize", "target"} & set(kernel)
-    assert verdict_map(found) == {**quiet(), **dict.fromkeys(kernel, DIRECT)}
+    # regenerate names it too (greedy replies are the kernels' numerics), so tokenize, reading them, is downstream
+    assert verdict_map(found) == {**quiet(), **dict.fromkeys(kernel, DIRECT), "tokenize": DOWNSTREAM}
     assert cause_tuples(found) == [("param", KERNEL_KEY, "2.13.0", "2.13.1", tuple(kernel))]
 
 
@@ -405,9 +418,10 @@ def test_compare_a_library_version_key_hits_the_stages_naming_it_and_their_downs
         **quiet(),
         **dict.fromkeys(listing("data/target"), DOWNSTREAM),
         "target": DIRECT,
+        "regenerate": DIRECT,
         "tokenize": DIRECT,
     }
-    assert cause_tuples(found) == [("param", key, "5.24.0", "5.25.0", ("target", "tokenize"))]
+    assert cause_tuples(found) == [("param", key, "5.24.0", "5.25.0", ("target", "regenerate", "tokenize"))]
 
 
 def test_compare_the_always_changed_fingerprint_invalidates_nothing_by_itself(dag):
@@ -544,7 +558,7 @@ def train_metrics(tokens_per_s: float, spread: dict | None) -> dict:
 
 def test_a_throughput_drop_within_noise_is_not_blamed_on_grown_data(dag):
     # growing the data, rerun: the manifest, the tokens and the drafter get new hashes
-    rerun = {p: f"new md5({p})" for p in ("data/manifest", "data/tokens", "data/drafter")}
+    rerun = {p: f"new md5({p})" for p in ("data/manifest", "data/regenerated", "data/tokens", "data/drafter")}
     grown = (lock_of(dag, values={"data.num_samples": 2000}), lock_of(dag, rerun, {"data.num_samples": 2400}))
     spread = {"low": 48.0, "high": 53.0, "repeats": 5}
 
@@ -583,7 +597,7 @@ def test_a_metric_is_not_attributed_through_an_upstream_that_reran_to_the_same_b
     )
     assert (found["tokens_per_s"].call, found["tokens_per_s"].causes) == (CHANGE, [])
     # the same edit with the tokens changed: now it reaches train
-    edit["data/tokens"] = "new md5(data/tokens)"
+    edit.update({p: f"new md5({p})" for p in ("data/regenerated", "data/tokens")})
     found = deltas_between(
         dag,
         (lock_of(dag), train_metrics(52.0, {"low": 50.0, "high": 53.0, "repeats": 5})),

@@ -10,13 +10,18 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflashpipe.data.shards import EVAL_FILE, shard_name
 from dflashpipe.errors import SourceError
 from dflashpipe.tokens.chat import ChatTokenizer
 
 HELD_OUT, TRAIN = "held_out", "train"
-SPLIT_FILES = {HELD_OUT: EVAL_FILE, TRAIN: shard_name(0)}
-"""Which manifest file each prompt set is read from (both are evaluate's deps in dvc.yaml)."""
+
+
+def split_file(split: str) -> str:
+    """The manifest file each prompt set is read from (both are evaluate's deps in dvc.yaml). data.shards is
+    imported here, not at the top: decoding alone (the GPU check's machine) runs without pyarrow."""
+    from dflashpipe.data.shards import EVAL_FILE, shard_name
+
+    return {HELD_OUT: EVAL_FILE, TRAIN: shard_name(0)}[split]
 
 
 @dataclass(frozen=True)
@@ -38,14 +43,14 @@ def read_eval_split(manifest_dir: Path | str, split: str = HELD_OUT) -> list[dic
     from dflashpipe.data.shards import SCHEMA
 
     manifest_dir = Path(manifest_dir)
-    path = manifest_dir / SPLIT_FILES[split]
+    path = manifest_dir / split_file(split)
     # Only the files evaluate reads are checked against the manifest's files.json: evaluate depends on
     # those (dvc.yaml), and a damaged later training shard is tokenize's to refuse, not evaluate's.
     verify_file_listing(
         manifest_dir,
         f"restore it with `dvc checkout {manifest_dir}` or rebuild it with `dvc repro -f manifest`",
         SourceError,
-        only=[SPLIT_FILES[split]],
+        only=[split_file(split)],
     )
     try:
         table = pq.read_table(path)
