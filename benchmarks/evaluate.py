@@ -49,9 +49,9 @@ def main() -> None:
     import torch
 
     from dflashpipe.evaluate import speculative as after
-    from dflashpipe.evaluate.evaluation import stop_token_ids
     from dflashpipe.evaluate.prompts import eval_prompts
     from dflashpipe.model import DFlashDrafter, TargetHead
+    from dflashpipe.regenerate.generate import stop_token_ids
     from dflashpipe.target import load_materialised_target
     from dflashpipe.tokens.chat import load_chat_tokenizer
 

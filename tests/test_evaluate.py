@@ -10,7 +10,6 @@ import torch
 
 from dflashpipe.errors import DflashpipeError
 from dflashpipe.evaluate import regression
-from dflashpipe.evaluate.evaluation import stop_token_ids
 from dflashpipe.evaluate.metrics import slot_acceptance
 from dflashpipe.evaluate.prompts import eval_prompts
 from dflashpipe.evaluate.speculative import (
@@ -22,6 +21,7 @@ from dflashpipe.evaluate.speculative import (
 )
 from dflashpipe.model import DFlashDrafter, TargetHead, sample_anchor_positions, target_features
 from dflashpipe.pipeline import METRICS
+from dflashpipe.regenerate.generate import stop_token_ids
 from dflashpipe.spread import Spread
 from tests.conftest import copy_project, run, set_params
 from tests.tiny import manifest_params, source, tiny_model_params

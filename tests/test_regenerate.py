@@ -15,7 +15,6 @@ import os
 import shutil
 import socket
 import threading
-from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from dflashpipe.tokens.chat import load_chat_tokenizer
 from dflashpipe.tokens.run import tokenize_manifest
 from tests.conftest import RUN_PROFILE, copy_project, run, set_params
 from tests.test_tokenize import KEY, PARAMS, chat_jsonl, files, manifest
-from tests.tiny import project_params, random_target, target_config
+from tests.tiny import project_params, write_talking_target
 
 REGENERATE = dataclasses.replace(
     RegenerateParams(**project_params("regenerate")), enabled=True, max_new_tokens=6, batch_size=4
@@ -40,38 +39,7 @@ STAGE_KEY = StageKey("regenerate", {"param:params.yaml:regenerate.max_new_tokens
 
 @pytest.fixture(scope="module")
 def talking_target(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-    """A tiny target whose greedy replies differ by prompt, some ending at a stop token: a model directory."""
-    import torch
-    from transformers import AutoTokenizer
-
-    from dflashpipe.regenerate.generate import greedy_replies
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
-    config = target_config(
-        len(tokenizer),
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = random_target(config)
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, 0.5)  # a trained head's scale: at init's 0.02 every reply is "\n\n..."
-    chat = load_chat_tokenizer(smollm2_tokenizer_dir)
-    prompts = [
-        chat.backend.encode(
-            chat.render([{"role": "user", "content": f"Question {i}: the number {i * 7919 % 1000}."}], True),
-            add_special_tokens=False,
-        ).ids
-        for i in range(12)
-    ]
-    replies = greedy_replies(model, prompts, 6, [tokenizer.eos_token_id])
-    common = Counter(r.tokens[3] for r in replies).most_common(1)[0][0]  # ends some replies after 3 tokens
-    model.generation_config.eos_token_id = [tokenizer.eos_token_id, common]
-    out = tmp_path_factory.mktemp("talking-target")
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return write_talking_target(tmp_path_factory.mktemp("talking-target"), smollm2_tokenizer_dir)
 
 
 class CompletionsServer:

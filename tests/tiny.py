@@ -76,6 +76,44 @@ def write_target(out: Path, tokenizer_dir: Path) -> Path:
     return out
 
 
+def write_talking_target(out: Path, tokenizer_dir: Path) -> Path:
+    """A tiny target whose greedy replies differ by prompt, some ending at a stop token (a frequent reply
+    token made one): a model directory with the real tokenizer, for the tests of regeneration."""
+    from collections import Counter
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from dflashpipe.regenerate.generate import greedy_replies
+    from dflashpipe.tokens.chat import load_chat_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = target_config(
+        len(tokenizer),
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = random_target(config)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.5)  # a trained head's scale: at init's 0.02 every reply is "\n\n..."
+    chat = load_chat_tokenizer(tokenizer_dir)
+    prompts = [
+        chat.backend.encode(
+            chat.render([{"role": "user", "content": f"Question {i}: the number {i * 7919 % 1000}."}], True),
+            add_special_tokens=False,
+        ).ids
+        for i in range(12)
+    ]
+    replies = greedy_replies(model, prompts, 6, [tokenizer.eos_token_id])
+    common = Counter(r.tokens[3] for r in replies).most_common(1)[0][0]  # ends some replies after 3 tokens
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, common]
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 VOCAB, MASK_ID = 97, 96
 """The in-memory target's vocabulary (no tokenizer): its last id serves as the MASK token."""
 

@@ -52,6 +52,16 @@ def write_json_atomic(path: Path | str, obj: Any) -> None:
     write_bytes_atomic(path, canonical_json(obj))
 
 
+def link_or_copy(old: Path, new: Path) -> None:
+    """The bytes of `old` at `new` for nothing: a hard link (a copy keeping its mtime where links are not
+    possible), replacing whatever `new` was."""
+    new.unlink(missing_ok=True)
+    try:
+        os.link(old, new)
+    except OSError:
+        shutil.copy2(old, new)
+
+
 def remove_partials(path: Path) -> None:
     """Remove what an earlier, killed attempt at writing `path` left beside it."""
     if not path.parent.is_dir():

@@ -30,8 +30,6 @@ from __future__ import annotations
 import binascii
 import hashlib
 import heapq
-import os
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +37,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from dflashpipe.artifacts import atomic_directory, write_file_listing, write_json_atomic
+from dflashpipe.artifacts import atomic_directory, link_or_copy, write_file_listing, write_json_atomic
 from dflashpipe.data.shards import (
     DIGEST_SIZE,
     EVAL_FILE,
@@ -174,14 +172,6 @@ def previous_manifest(out: Path, digest: str | None) -> dict | None:
     return summary if summary.get("reuse_key") == digest else None
 
 
-def keep_file(old: Path, new: Path) -> None:
-    """`old` at `new` too, untouched: a hard link (a copy keeping its mtime where links are not possible)."""
-    try:
-        os.link(old, new)
-    except OSError:
-        shutil.copy2(old, new)
-
-
 @dataclass
 class TrainShards:
     """The training shards written so far, and the one being filled."""
@@ -199,7 +189,7 @@ class TrainShards:
         old = (self.previous or {"shards": []})["shards"]
         path = tmp / shard_name(index)
         if index < len(old) and old[index]["samples"] == samples:  # the same key: the same rows
-            keep_file(self.out / old[index]["file"], path)
+            link_or_copy(self.out / old[index]["file"], path)
             self.entries.append(old[index])
             self.kept += 1
         else:
@@ -217,12 +207,12 @@ def resume(
     writer, to be filled up. Each source starts again after the records the old build read, with its
     counts restored (the dedup set came from its hashes.bin). Returns the eval split's entry and
     characters, and the training shards so far."""
-    keep_file(out / EVAL_FILE, tmp / EVAL_FILE)
+    link_or_copy(out / EVAL_FILE, tmp / EVAL_FILE)
     shards = TrainShards(out, previous)
     old = previous["shards"]
     last_partial = bool(old) and old[-1]["samples"] < previous["shard_size"]
     for entry in old[:-1] if last_partial else old:
-        keep_file(out / entry["file"], tmp / entry["file"])
+        link_or_copy(out / entry["file"], tmp / entry["file"])
         shards.entries.append(entry)
         shards.kept += 1
     if last_partial:
@@ -336,6 +326,6 @@ def draw_eval(streams: list[SampleStream], tmp: Path, previous: dict | None, out
             eval_writer.add(sample.id, stream.spec.name, sample.conversation, sample.hash)
             stream.stats.eval += 1
     if previous is not None:
-        keep_file(out / EVAL_FILE, tmp / EVAL_FILE)
+        link_or_copy(out / EVAL_FILE, tmp / EVAL_FILE)
         return previous["eval"], eval_writer.characters
     return eval_writer.write(tmp / EVAL_FILE), eval_writer.characters

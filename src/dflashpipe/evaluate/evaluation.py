@@ -33,13 +33,6 @@ class EvaluateInputs:
     evaluate: EvaluateParams
 
 
-def stop_token_ids(target, tokenizer) -> list[int]:
-    """End of turn: the generation config's eos ids and the tokenizer's eos token."""
-    ids = target.generation_config.eos_token_id if target.generation_config is not None else None
-    ids = list(ids) if isinstance(ids, (list, tuple)) else [ids]
-    return sorted({i for i in [*ids, tokenizer.eos_token_id] if i is not None})
-
-
 def decode_prompts(
     target, drafter: DFlashDrafter, prompts: list[EvalPrompt], max_new_tokens: int, stop: list[int]
 ) -> list[PromptResult]:
@@ -99,6 +92,7 @@ def evaluate_drafter(
 
     `bench_metrics` (metrics/bench.json) is read for the regression check only; missing, its figure is
     reported as not measured."""
+    from dflashpipe.regenerate.generate import stop_token_ids  # the same end of turn as regeneration
     from dflashpipe.target import load_materialised_target
     from dflashpipe.tokens.chat import load_chat_tokenizer
 

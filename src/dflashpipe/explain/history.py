@@ -81,7 +81,7 @@ class History:
     steps: list[Step]
 
 
-def _git(root: Path, *args: str) -> str:
+def git(root: Path, *args: str) -> str:
     proc = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise DflashpipeError(f"git {' '.join(args)}: {proc.stderr.strip().splitlines()[-1] if proc.stderr else ''}")
@@ -102,7 +102,7 @@ def _resolve(root: Path, name: str, experiments: dict[str, str]) -> str:
 
 def _experiments(root: Path) -> dict[str, list[tuple[str, str]]]:
     """baseline sha -> [(experiment name, its commit)], as `dvc exp list` reads them: refs parsed by DVC."""
-    lines = _git(root, "for-each-ref", "--format=%(objectname) %(refname)", EXPS_NAMESPACE).split("\n")
+    lines = git(root, "for-each-ref", "--format=%(objectname) %(refname)", EXPS_NAMESPACE).split("\n")
     refs = [line.split(" ", 1) for line in lines if line]
     if not refs:
         return {}
@@ -126,11 +126,11 @@ def _commits(root: Path, since: str | None, experiments: dict[str, list[tuple[st
         names = {name: sha for exps in experiments.values() for name, sha in exps}
         spec = f"{_resolve(root, since, names)}..HEAD"
     else:
-        added = _git(root, "log", "--first-parent", "--reverse", "--format=%H", "HEAD", "--", LOCK).split()
+        added = git(root, "log", "--first-parent", "--reverse", "--format=%H", "HEAD", "--", LOCK).split()
         if not added:
             raise DflashpipeError(f"{root}: no commit on HEAD's first-parent line has a {LOCK}")
         spec = f"{added[0]}^..HEAD" if _commit_of(root, f"{added[0]}^") else "HEAD"
-    out = _git(root, "log", "--first-parent", "--reverse", "--format=%H%x00%s", spec)
+    out = git(root, "log", "--first-parent", "--reverse", "--format=%H%x00%s", spec)
     commits = [tuple(line.split("\0", 1)) for line in out.splitlines() if line]
     if not commits:
         raise DflashpipeError(f"no commits in {since}..HEAD: {since!r} is HEAD or a descendant of it")
@@ -140,7 +140,7 @@ def _commits(root: Path, since: str | None, experiments: dict[str, list[tuple[st
 def _changed_paths(root: Path, commits: list[tuple[str, str]]) -> dict[str, list[str]]:
     """sha -> the paths it changed against its first parent, for every commit of the range: one `git log`."""
     spec = f"{commits[0][0]}^..{commits[-1][0]}" if _commit_of(root, f"{commits[0][0]}^") else commits[-1][0]
-    out = _git(root, "log", "--first-parent", "--diff-merges=first-parent", "--name-only", "--format=%x00%H", spec)
+    out = git(root, "log", "--first-parent", "--diff-merges=first-parent", "--name-only", "--format=%x00%H", spec)
     changed: dict[str, list[str]] = {}
     for block in out.split("\0")[1:]:
         sha, *paths = block.splitlines()
@@ -201,7 +201,7 @@ def history(since: str | None = None, metrics: list[str] | None = None, root: st
         for commit, (_, subject) in zip(states, commits, strict=True):
             steps.append(_step(commit, subject, previous, keys, cache, changed.get(commit.rev, [])))
             for exp in exp_states[commit.rev]:
-                exp_changed = _git(root, "diff", "--name-only", commit.rev, exp.rev).split()
+                exp_changed = git(root, "diff", "--name-only", commit.rev, exp.rev).split()
                 steps.append(_step(exp, f"experiment on {commit.label}", commit, keys, cache, exp_changed))
             previous = commit
     return History(since, keys, steps)

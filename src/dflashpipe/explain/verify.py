@@ -34,6 +34,7 @@ from dflashpipe import spread
 from dflashpipe.errors import DflashpipeError
 from dflashpipe.explain import DIRECT, OUTPUTS, RESTORABLE, WORKSPACE, Cause, Report, cause_line, explain
 from dflashpipe.explain.comparison import figure, topological, upstream_of
+from dflashpipe.explain.history import git
 from dflashpipe.explain.state import State, read_metrics, read_revision_state
 from dflashpipe.pipeline import FINGERPRINT
 
@@ -269,8 +270,8 @@ def _prepare(arm: Arm, root, base_rev, workspace, kept_missing, a_rev, cache_dir
 
     started = time.perf_counter()
     try:
-        _git(root, "clone", "-q", "--shared", "--no-checkout", str(root), str(arm.dir))
-        _git(arm.dir, "checkout", "-q", "--detach", base_rev)
+        git(root, "clone", "-q", "--shared", "--no-checkout", str(root), str(arm.dir))
+        git(arm.dir, "checkout", "-q", "--detach", base_rev)
         (arm.dir / ".dvc" / "config.local").write_text(f"[cache]\n    dir = {cache_dir}\n", encoding="utf-8")
         if workspace:
             _replay_workspace(root, arm.dir)
@@ -342,7 +343,7 @@ def _replay_workspace(root: Path, dest: Path) -> None:
     diff = subprocess.run(["git", "diff", "--binary", "HEAD"], cwd=root, capture_output=True, check=True).stdout
     if diff:
         subprocess.run(["git", "apply", "--whitespace=nowarn"], cwd=dest, input=diff, capture_output=True, check=True)
-    untracked = _git(root, "ls-files", "-z", "--others", "--exclude-standard").split("\0")
+    untracked = git(root, "ls-files", "-z", "--others", "--exclude-standard").split("\0")
     for rel in filter(None, untracked):
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(root / rel, dest / rel)
@@ -390,14 +391,7 @@ def _revert(dest: Path, cause: Cause, a_rev: str) -> None:
         elif not tracked_by_dvc and target.exists():
             target.unlink()
         if _in_commit(dest, a_rev, restored):
-            _git(dest, "checkout", "-q", a_rev, "--", restored)
-
-
-def _git(cwd: Path, *args: str) -> str:
-    proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise DflashpipeError(f"git {' '.join(args)}: {proc.stderr.strip().splitlines()[-1:] or ''}")
-    return proc.stdout
+            git(dest, "checkout", "-q", a_rev, "--", restored)
 
 
 @contextmanager

@@ -21,7 +21,6 @@ manifest's shards, hard-linked: tokenize's input bytes are exactly what they wer
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +30,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dflashpipe.artifacts import file_sha256, write_file_listing, write_json_atomic
+from dflashpipe.artifacts import file_sha256, link_or_copy, write_file_listing, write_json_atomic
 from dflashpipe.data.shards import SUMMARY_FILE, ShardWriter, conversation_hash, read_manifest_shard, verify_manifest
 from dflashpipe.errors import SourceError
 from dflashpipe.params.sections import RegenerateParams
@@ -259,15 +258,6 @@ def regenerate_metrics(run: RegenerateRun) -> dict:
     }
 
 
-def _keep_file(old: Path, new: Path) -> None:
-    """A hard link (a copy where links are not possible): the same bytes for nothing."""
-    new.unlink(missing_ok=True)
-    try:
-        os.link(old, new)
-    except OSError:
-        shutil.copy2(old, new)
-
-
 def _remove_all_but(out_dir: Path, wanted: set[str]) -> None:
     for stale in sorted(out_dir.iterdir()):
         if stale.name not in wanted:
@@ -302,7 +292,7 @@ def regenerate_manifest(
     _remove_all_but(out_dir, {e["file"] for e in entries})
     if not params.enabled:
         for e in entries:
-            _keep_file(manifest_dir / e["file"], out_dir / e["file"])
+            link_or_copy(manifest_dir / e["file"], out_dir / e["file"])
         shards = [{**e, "input": {"file": e["file"], "sha256": e["sha256"]}} for e in entries]
         return _finish(out_dir, {"enabled": False, "shards": shards}, [], [], 0, began, [])
 
