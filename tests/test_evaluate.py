@@ -201,6 +201,20 @@ def test_tau_is_exactly_1_for_a_wrong_drafter_and_the_block_size_for_an_oracle(t
     assert slot_acceptance([wrong], bs) == {"1": 0.0, "2": 0.0, "3": 0.0}
 
 
+@pytest.mark.parametrize("draft_tokens", [1, 2])
+def test_fewer_draft_tokens_verify_shorter_blocks_and_stay_lossless(tiny, draft_tokens):
+    target, bs = tiny["target"], 4
+    prompt = tiny["prompts"][0].prompt_ids
+    greedy = target_generate(target, prefill(target, prompt), MAX_NEW, ()).tokens
+    oracle = ScriptedDrafter(prompt + greedy, bs, target.config.vocab_size)
+    run = speculative_generate(target, oracle, prefill(target, prompt, (0,)), MAX_NEW, (), draft_tokens=draft_tokens)
+    assert run.tokens == greedy
+    assert max(run.sizes) == draft_tokens + 1 and max(run.accepted) == draft_tokens
+    assert slot_acceptance([run], draft_tokens + 1) == {str(k): 1.0 for k in range(1, draft_tokens + 1)}
+    whole = speculative_generate(target, oracle, prefill(target, prompt, (0,)), MAX_NEW, ())
+    assert run.tau < whole.tau  # the oracle's tau is capped at draft_tokens + 1
+
+
 def test_the_prefill_keeps_the_drafters_layers_as_hidden_states_gives_them_and_nothing_warns(tiny):
     import warnings
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from dflashpipe.artifacts import verify_file_listing, write_json_atomic
-from dflashpipe.errors import SourceError
+from dflashpipe.errors import ParamsError, SourceError
 from dflashpipe.evaluate import regression
 from dflashpipe.evaluate.metrics import PromptResult, eval_metrics, write_plot_tables
 from dflashpipe.evaluate.prompts import TRAIN, EvalPrompt, eval_prompts
@@ -34,7 +34,12 @@ class EvaluateInputs:
 
 
 def decode_prompts(
-    target, drafter: DFlashDrafter, prompts: list[EvalPrompt], max_new_tokens: int, stop: list[int]
+    target,
+    drafter: DFlashDrafter,
+    prompts: list[EvalPrompt],
+    max_new_tokens: int,
+    stop: list[int],
+    draft_tokens: int = 0,
 ) -> list[PromptResult]:
     """Each prompt: one prefill, then target-only greedy and speculative decoding from copies of it.
 
@@ -45,13 +50,17 @@ def decode_prompts(
     if prompts:  # one untimed run, so that first-call costs (allocator, kernels) land in no measurement
         warm = prefill(target, prompts[0].prompt_ids, layers)
         target_generate(target, warm.fork(), min(max_new_tokens, 8), stop)
-        speculative_generate(target, proposer, warm, min(max_new_tokens, 8), stop)
+        speculative_generate(target, proposer, warm, min(max_new_tokens, 8), stop, draft_tokens=draft_tokens)
     results = []
     for prompt in prompts:
         start = prefill(target, prompt.prompt_ids, layers)
         baseline = target_generate(target, start.fork(), max_new_tokens, stop)
-        profiled = None if inline else speculative_generate(target, proposer, start.fork(), max_new_tokens, stop, True)
-        speculative = speculative_generate(target, proposer, start, max_new_tokens, stop, profile=inline)
+        profiled = (
+            None
+            if inline
+            else speculative_generate(target, proposer, start.fork(), max_new_tokens, stop, True, draft_tokens)
+        )
+        speculative = speculative_generate(target, proposer, start, max_new_tokens, stop, inline, draft_tokens)
         if profiled is not None:
             speculative.profile = profiled.profile
         results.append(PromptResult(prompt, baseline, speculative))
@@ -116,16 +125,24 @@ def evaluate_drafter(
             f"{Path(manifest_dir) / 'eval.parquet'}: no usable eval prompt (skipped: {skipped}); "
             f"raise evaluate.max_prompt_tokens or give the sources an eval count (data.sources[*].eval)"
         )
+    block_size = drafter.config.block_size
+    if p.draft_tokens > block_size - 1:
+        raise ParamsError(
+            f"params.yaml: evaluate.draft_tokens = {p.draft_tokens}: the drafter proposes model.block_size - 1 = "
+            f"{block_size - 1} tokens a step; set at most that (0: all of them)"
+        )
+    verified = p.draft_tokens + 1 if p.draft_tokens else block_size  # positions of a verify forward
     stop = stop_token_ids(target, chat.tokenizer)
-    results = decode_prompts(target, drafter, prompts + train_prompts, p.max_new_tokens, stop)
-    decoding, tables = eval_metrics(results, drafter.config.block_size)
+    results = decode_prompts(target, drafter, prompts + train_prompts, p.max_new_tokens, stop, p.draft_tokens)
+    decoding, tables = eval_metrics(results, verified)
     metrics_dir.mkdir(parents=True, exist_ok=True)
     metrics = {
         **decoding,
         "skipped_prompts": skipped,
         "train": train,
         "setup": {
-            "block_size": drafter.config.block_size,
+            "block_size": block_size,
+            "draft_tokens": verified - 1,
             "max_new_tokens": p.max_new_tokens,
             "num_prompts_per_source": p.num_prompts,
             "device": device.type,

@@ -198,11 +198,19 @@ def target_generate(target, start: Prefill, max_new_tokens: int, stop_token_ids:
 
 @torch.no_grad()
 def speculative_generate(
-    target, drafter: Drafter, start: Prefill, max_new_tokens: int, stop_token_ids: Sequence[int], profile: bool = False
+    target,
+    drafter: Drafter,
+    start: Prefill,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int],
+    profile: bool = False,
+    draft_tokens: int = 0,
 ) -> Decoded:
     """Greedy DFlash decoding from a prefill (of the drafter's layers); `profile` times each of STEP_PARTS
-    (with a device sync around each, so on CUDA it slows the run it measures)."""
-    stop, device, bs = frozenset(stop_token_ids), target.device, drafter.block_size
+    (with a device sync around each, so on CUDA it slows the run it measures). `draft_tokens`: proposals
+    verified per step (0: all block_size - 1)."""
+    stop, device = frozenset(stop_token_ids), target.device
+    bs = min(drafter.block_size, draft_tokens + 1) if draft_tokens else drafter.block_size
     decoder, head = target.get_decoder(), target.get_output_embeddings()
     layer_ids, cache, cache_kw = list(drafter.target_layer_ids), start.cache, cache_keyword(decoder)
     if start.features.shape[1] != start.prompt_len:

@@ -329,9 +329,14 @@ class EvaluateParams:
     """A headline metric more than this fraction below the baseline is reported as a regression."""
     fail_on_regression: bool = False
     """Fail the stage when a throughput metric (speedup, decode or train tokens/s) regressed."""
+    draft_tokens: int = 0
+    """Proposals verified per step, as a server's num_speculative_tokens: 0 = every slot of the block
+    (model.block_size - 1). Fewer make a step cheaper (a shorter verify forward) and cap tau at draft_tokens + 1;
+    tau and the slot acceptance then cover those slots only."""
 
     def __post_init__(self) -> None:
         for key, value, low, high in (
+            ("draft_tokens", self.draft_tokens, 0, 1_048_576),
             ("num_prompts", self.num_prompts, 1, 100_000),
             ("max_new_tokens", self.max_new_tokens, 1, 1_048_576),
             ("max_prompt_tokens", self.max_prompt_tokens, 1, 1_048_576),
