@@ -331,8 +331,9 @@ class EvaluateParams:
     """Fail the stage when a throughput metric (speedup, decode or train tokens/s) regressed."""
     draft_tokens: int = 0
     """Proposals verified per step, as a server's num_speculative_tokens: 0 = every slot of the block
-    (model.block_size - 1). Fewer make a step cheaper (a shorter verify forward) and cap tau at draft_tokens + 1;
-    tau and the slot acceptance then cover those slots only."""
+    (model.block_size - 1). Fewer shorten the verify forward (cheaper where its cost grows with the positions;
+    on a CPU it barely does) and cap tau at draft_tokens + 1; tau and the slot acceptance then cover those
+    slots only."""
 
     def __post_init__(self) -> None:
         for key, value, low, high in (
