@@ -58,20 +58,24 @@ def random_target(config: LlamaConfig, seed: int = 0, dtype: torch.dtype | None 
     return LlamaForCausalLM(config).to(dtype or torch.float32).eval()
 
 
+def tokenizer_config(tokenizer, tie_word_embeddings: bool) -> LlamaConfig:
+    """The tiny shape with a real tokenizer's vocabulary size and special tokens."""
+    return target_config(
+        len(tokenizer),
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
 def write_target(out: Path, tokenizer_dir: Path) -> Path:
     """The pipeline tests' target as a real HF model directory: the tiny shape with the real tokenizer
     (its vocabulary, special tokens and chat template) and tied embeddings."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = target_config(
-        len(tokenizer),
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    random_target(config).save_pretrained(out)
+    random_target(tokenizer_config(tokenizer, tie_word_embeddings=True)).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 
@@ -88,14 +92,7 @@ def write_talking_target(out: Path, tokenizer_dir: Path) -> Path:
     from dflashpipe.tokens.chat import load_chat_tokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = target_config(
-        len(tokenizer),
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = random_target(config)
+    model = random_target(tokenizer_config(tokenizer, tie_word_embeddings=False))
     with torch.no_grad():
         model.lm_head.weight.normal_(0.0, 0.5)  # a trained head's scale: at init's 0.02 every reply is "\n\n..."
     chat = load_chat_tokenizer(tokenizer_dir)
