@@ -94,9 +94,10 @@ def test_compiled_fullgraph_gives_the_eager_loss_and_gradient(autocast):
     results = []
     for fn in (step, torch.compile(step, fullgraph=True, dynamic=False)):
         h = hidden.clone().requires_grad_(True)
-        loss, correct, count = fn(h)
+        loss, correct, count, accepted, blocks = fn(h)
         loss.backward()
         results.append((loss.detach(), correct, count, h.grad))
+        assert blocks.item() == (weights[..., 0] > 0).sum().item()
     # Compiled kernels may sum in another order: fp32 rounding, or bf16's when the logits are bf16.
     tol = {"rtol": 1e-2, "atol": 1e-3} if autocast else {"rtol": 1e-5, "atol": 1e-6}
     for got, ref in zip(results[1], results[0], strict=True):
@@ -140,3 +141,16 @@ def test_distill_weight_mixes_data_and_target_terms():
     torch.testing.assert_close(to_itself, 0.75 * plain, rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match="needs the target's hidden states"):
         chunked_decay_weighted_loss(hidden, head, labels, weights, 7, None, "kl", 0.5)
+
+
+def test_acceptance_counts_the_leading_run_of_right_supervised_slots_per_block():
+    """Simulated greedy verification on training blocks: a run stops at the first wrong or unsupervised slot,
+    and a block whose slot 1 is unsupervised is no block (decoding never verifies one there)."""
+    labels = torch.tensor([[[1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3]]])
+    predicted = torch.tensor([[[1, 2, 0], [0, 2, 3], [1, 2, 3], [1, 2, 3]]])
+    weights = torch.tensor([[[1.0, 1, 1], [1, 1, 1], [1, 0, 1], [0, 1, 1]]])
+    logits = torch.nn.functional.one_hot(predicted, 5).float() * 10
+    out = decay_weighted_loss(logits, labels, weights)
+    # blocks 0, 1, 2 count; they accept 2, 0 and 1 (block 2's run stops at its unsupervised slot 2)
+    assert out.blocks.item() == 3 and out.accepted.item() == 3
+    assert out.acceptance_length.item() == pytest.approx(2.0)

@@ -33,10 +33,20 @@ class DraftLoss(NamedTuple):
     """[block_size - 1]: supervised slots k = 1.. whose argmax is the label (count, float)."""
     slot_count: torch.Tensor
     """[block_size - 1]: supervised slots k = 1.. (count, float); sum both over steps before dividing."""
+    accepted: torch.Tensor
+    """Scalar: over the blocks whose slot 1 is supervised, the leading slots whose argmax is the label (a
+    run stops at the first wrong or unsupervised slot), summed: what greedy verification would accept."""
+    blocks: torch.Tensor
+    """Scalar: the blocks whose slot 1 is supervised (count, float)."""
 
     @property
     def slot_accuracy(self) -> torch.Tensor:
         return self.slot_correct / self.slot_count.clamp_min(1)
+
+    @property
+    def acceptance_length(self) -> torch.Tensor:
+        """Simulated tau on the training blocks: accepted slots per block, + 1 for the target's bonus token."""
+        return 1 + self.accepted / self.blocks.clamp_min(1)
 
 
 def block_labels(
@@ -117,7 +127,9 @@ def _draft_loss(
         correct = (argmax == labels) & counted
         slot_correct = correct.flatten(0, 1).sum(0).to(torch.float32)
         slot_count = counted.flatten(0, 1).sum(0).to(torch.float32)
-    return DraftLoss(loss, slot_correct, slot_count)
+        accepted = correct.to(torch.int32).cumprod(-1).sum().to(torch.float32)
+        blocks = counted[..., 0].sum().to(torch.float32)
+    return DraftLoss(loss, slot_correct, slot_count, accepted, blocks)
 
 
 def chunk_rows(vocab_size: int) -> int:

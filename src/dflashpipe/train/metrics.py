@@ -48,6 +48,7 @@ def train_metrics(
         **Spread.of([h.tokens / h.seconds for h in steady if h.seconds > 0] or [0.0]).record("tokens_per_s"),
         "supervised_tokens": int(sum(h.tokens for h in history)),
         "slot_accuracy": {str(k + 1): round(a, 6) for k, a in enumerate(accuracy)},
+        "acceptance_length": acceptance_window(history),
         "replicas": topology.replicas * topology.world_size,
         "replicas_identical": replicas_identical,
         "truncated_sequences": state.truncated,
@@ -72,7 +73,27 @@ def slot_accuracy(history: Sequence[StepRecord]) -> list[float]:
     return (correct / count.clamp_min(1)).tolist()
 
 
-IMAGES = ("loss", "slot_accuracy", "tokens_per_s")
+def acceptance_window(history: Sequence[StepRecord]) -> dict:
+    """Simulated tau on the training blocks over the run's first and last tenth of steps (at least one each):
+    learning shows as `last` above `first`; on data it memorised, decode-time tau should equal `last`."""
+    n = max(1, len(history) // 10)
+
+    def over(records: Sequence[StepRecord]) -> float:
+        return round(1 + sum(h.accepted for h in records) / max(sum(h.blocks for h in records), 1), 4)
+
+    return {"first": over(history[:n]), "last": over(history[-n:]), "steps_each": n}
+
+
+def seen_tokens(history: Sequence[StepRecord]) -> list[int]:
+    """Supervised tokens trained on up to and including each step: the x of the learning curve."""
+    total, seen = 0, []
+    for h in history:
+        total += h.tokens
+        seen.append(total)
+    return seen
+
+
+IMAGES = ("loss", "slot_accuracy", "tokens_per_s", "acceptance_length")
 """metrics/train/plots/images/<name>.png: static images of the key curves (dvc.yaml declares the folder)."""
 
 
@@ -95,6 +116,16 @@ def plot_images(history: Sequence[StepRecord]) -> dict[str, bytes]:
             "training throughput",
             y_title="supervised tokens/s",
         ),
+        "acceptance_length": plotting.line_spec(
+            [
+                {"supervised_tokens": seen, "acceptance_length": round(h.acceptance_length, 4)}
+                for h, seen in zip(history, seen_tokens(history), strict=True)
+            ],
+            "supervised_tokens",
+            "acceptance_length",
+            "simulated tau on the training blocks",
+            y_title="accepted + 1 per block",
+        ),
     }
     return {name: plotting.png(specs[name]) for name in IMAGES}
 
@@ -113,12 +144,14 @@ def write_plots(history: list[StepRecord], metrics_dir: Path) -> None:
         tempfile.TemporaryDirectory(prefix=f".plots{PARTIAL}live-", dir=metrics_dir) as scratch,
     ):
         with Live(scratch, dvcyaml=False, save_dvc_exp=False, report=None) as live:
-            for h in history:
+            for h, seen in zip(history, seen_tokens(history), strict=True):
                 live.step = h.step
                 live.log_metric("loss", h.loss, plot=True)
                 live.log_metric("lr", h.lr, plot=True)
                 live.log_metric("tokens_per_s", h.tokens / max(h.seconds, 1e-9), plot=True)
                 live.log_metric("slot1_accuracy", h.slot_correct[0] / max(h.slot_count[0], 1), plot=True)
+                live.log_metric("acceptance_length", h.acceptance_length, plot=True)
+                live.log_metric("supervised_tokens_seen", seen, plot=True)
                 live.log_metric("target_busy_s", h.target_busy_s, plot=True)
                 live.log_metric("drafter_busy_s", h.drafter_busy_s, plot=True)
         shutil.move(Path(scratch) / "plots" / "metrics", plots / "metrics")

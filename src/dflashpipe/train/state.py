@@ -42,6 +42,15 @@ class StepRecord:
     """Cumulative, over the drafter replicas of this run."""
     padding_fraction: float = 0.0
     """Pad tokens / all tokens of this process's packed rows this step (every step's rows are the same size)."""
+    accepted: float = 0.0
+    """Leading right slots summed over this process's blocks (DraftLoss.accepted): simulated verification."""
+    blocks: float = 0.0
+    """Blocks whose slot 1 is supervised, over this process's replicas (DraftLoss.blocks)."""
+
+    @property
+    def acceptance_length(self) -> float:
+        """Simulated tau on this step's training blocks (before its update): accepted per block + 1."""
+        return 1 + self.accepted / max(self.blocks, 1)
 
     @classmethod
     def of(
@@ -59,6 +68,9 @@ class StepRecord:
         correct = torch.stack([o.slot_correct.detach().float().cpu() for o in losses]).sum(0)
         count = torch.stack([o.slot_count.detach().float().cpu() for o in losses]).sum(0)
         loss = float(sum(o.loss.detach().float().cpu() for o in losses) / len(losses))
+        accepted, blocks = (
+            float(sum(getattr(o, name).detach().float().cpu() for o in losses)) for name in ("accepted", "blocks")
+        )
         return cls(
             step=step,
             loss=loss,
@@ -70,6 +82,8 @@ class StepRecord:
             target_busy_s=target_busy_s,
             drafter_busy_s=drafter_busy_s,
             padding_fraction=padding_fraction,
+            accepted=accepted,
+            blocks=blocks,
         )
 
 
