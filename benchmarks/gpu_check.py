@@ -479,8 +479,9 @@ def section_train(dry: bool, target_name: str, work: Path) -> dict:
     from dflashpipe.compile.guard import COUNTER, CompileGuard, dynamo_counters
     from dflashpipe.compile.warmup import autocast
     from dflashpipe.params import TopologyParams
-    from dflashpipe.train.loop import Trainer, TrainInputs
+    from dflashpipe.train.loop import Trainer
     from dflashpipe.train.metrics import train_metrics
+    from dflashpipe.train.state import TrainInputs
     from dflashpipe.train.topology import check_topology
 
     point_inductor_at(work / SHARED_CACHE)
@@ -526,7 +527,16 @@ def section_train(dry: bool, target_name: str, work: Path) -> dict:
     guard.disarm()
     after = dynamo_counters()
     metrics = train_metrics(
-        trainer, before, after, warm_s, "compiled cold by this check", not trainer.replica_mismatches()
+        trainer.state,
+        inputs,
+        trainer.topology,
+        replica.drafter,
+        trainer.targets[0],
+        before,
+        after,
+        warm_s,
+        "compiled cold by this check",
+        not trainer.replica_mismatches(),
     )
     positions = inputs.compile.micro_batch * inputs.model.seq_len
     clean = metrics["compile"]["compiles_in_worker_threads"] == 0 and metrics["compile"]["new_graphs_in_workers"] == 0

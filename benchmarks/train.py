@@ -53,8 +53,8 @@ def train_once(code: Path, data: Path, steps: int, variant: str, out: Path) -> d
     sys.path.insert(0, str(code / "src"))
     from dflashpipe.params import load_params
     from dflashpipe.pipeline import reuse_key
-    from dflashpipe.train.loop import TrainInputs
     from dflashpipe.train.stage import TrainPaths, train_drafter
+    from dflashpipe.train.state import TrainInputs
 
     p = load_params(code)
     compile_on = variant != "eager-2"

@@ -13,8 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the 
 
 from dflashpipe.pipeline import reuse_key  # noqa: E402
 from dflashpipe.stage import run_stage  # noqa: E402
-from dflashpipe.train.loop import TrainInputs  # noqa: E402
 from dflashpipe.train.stage import TrainPaths, train_drafter  # noqa: E402
+from dflashpipe.train.state import TrainInputs  # noqa: E402
 
 
 def train(p) -> None:

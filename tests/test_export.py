@@ -6,7 +6,6 @@ import json
 import struct
 import subprocess
 from dataclasses import asdict
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -66,15 +65,13 @@ def test_the_published_drafter_is_bf16_with_the_keys_trainers_and_engines_read(t
 
 def test_the_resume_checkpoint_keeps_the_exact_fp32_weights(tmp_path):
     from dflashpipe.train.checkpoint import CHECKPOINT, save_checkpoint
+    from dflashpipe.train.state import TrainState
 
     drafter = tiny_drafter()
     with torch.no_grad():
         drafter.fc.weight.add_(1e-7)  # not representable in bf16: a cast would lose it
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad])
-    trainer = SimpleNamespace(
-        replicas=[SimpleNamespace(drafter=drafter, optimizer=optimizer)], step=3, truncated=0, history=[]
-    )
-    save_checkpoint(trainer, tmp_path, None)
+    save_checkpoint(TrainState(step=3), drafter, optimizer, tmp_path, None)
     weights = tmp_path / CHECKPOINT / "drafter" / "model.safetensors"
     assert header_dtypes(weights) == {"F32"}
     assert json.loads((weights.parent / "config.json").read_text())["torch_dtype"] == "float32"

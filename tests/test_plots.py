@@ -12,7 +12,8 @@ import pytest
 import vl_convert
 
 from dflashpipe import plots
-from dflashpipe.train.metrics import IMAGES, StepRecord, plot_images, write_plots
+from dflashpipe.train.metrics import IMAGES, plot_images, write_plots
+from dflashpipe.train.state import StepRecord
 
 PNG_HEADER = b"\x89PNG\r\n\x1a\n"
 

@@ -170,8 +170,9 @@ def test_diverged_replicas_fail_the_stage_and_write_no_drafter(workdir, monkeypa
     # Without gradient averaging each replica steps on its own batch: the replicas drift apart, and the
     # stage must say so instead of recording replicas_identical and writing replica 0 as the drafter.
     from dflashpipe.params import CompileParams, ModelParams, TrainParams, build
-    from dflashpipe.train.loop import Trainer, TrainInputs
+    from dflashpipe.train.loop import Trainer
     from dflashpipe.train.stage import TrainPaths, train_drafter
+    from dflashpipe.train.state import TrainInputs
 
     cfg = config("diverged", drafters=2, max_steps=2, checkpoint_every=0)
     inputs = TrainInputs(
@@ -279,7 +280,7 @@ def test_the_flop_formulas_count_what_torch_counts_with_causal_attention_halved(
     from torch.utils.flop_counter import FlopCounterMode
 
     from dflashpipe.model.features import target_layer_features
-    from dflashpipe.train.metrics import drafter_forward_flops, target_forward_flops
+    from dflashpipe.train.flops import drafter_forward_flops, target_forward_flops
     from tests.tiny import random_batch, tiny_drafter, tiny_target
 
     target = tiny_target()
@@ -305,7 +306,7 @@ def test_the_flop_formulas_count_what_torch_counts_with_causal_attention_halved(
 def test_peak_flops_are_matched_on_the_device_name_and_unknown_on_the_cpu():
     import torch
 
-    from dflashpipe.train.metrics import device_peak_flops, peak_bf16_flops
+    from dflashpipe.train.flops import device_peak_flops, peak_bf16_flops
 
     assert peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989e12
     assert peak_bf16_flops("NVIDIA H100 PCIe") == 756e12

@@ -3,8 +3,9 @@
 The page holds (1) the DAG in dvc.yaml order with each stage's verdict and reason from `explain` HEAD vs the
 workspace, (2) the headline metrics with their spread and HEAD's value beside them, (3) the plots: PNG images
 found under metrics/ and an inline SVG chart (plots.py's Vega-Lite specs, rendered by vl-convert) for each
-plot table dvc.yaml names, and (4) the `explain` Markdown itself. report_page.py lays it out: HTML, one
-self-contained file (no script, no network URL), or Markdown with an images folder beside it.
+plot table dvc.yaml names, and (4) the `explain` Markdown itself. run_report.py says what the page holds (the
+`RunReport`, and which headline figures); report_page.py lays it out: HTML, one self-contained file (no script,
+no network URL), or Markdown with an images folder beside it.
 
 Invariant: the same state gives the same bytes. The only varying line is "generated from <git revision>";
 no wall clock, and everything is read in a sorted or dvc.yaml order.
@@ -17,7 +18,6 @@ import io
 import json
 import statistics
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,66 +26,11 @@ from dflashpipe.artifacts import write_bytes_atomic
 from dflashpipe.errors import DflashpipeError
 from dflashpipe.explain import WORKSPACE, Report, explain, to_markdown
 from dflashpipe.explain.render import verdict_reason
-from dflashpipe.pipeline import (
-    BENCH_METRICS,
-    EVAL_METRICS,
-    METRICS,
-    TRAIN_METRICS,
-    TRAIN_METRICS_DIR,
-    read_dvc_yaml,
-    stage_names,
-)
+from dflashpipe.pipeline import METRICS, read_dvc_yaml, stage_names
 from dflashpipe.report_page import to_html, to_markdown_page
+from dflashpipe.run_report import HEADLINES, SLOT_ACCURACY, Chart, Headline, RunReport
 
-EVAL = EVAL_METRICS.as_posix()
-TRAIN = TRAIN_METRICS.as_posix()
-BENCH = BENCH_METRICS.as_posix()
-PER_PROMPT = (METRICS / "eval" / "speedup_per_prompt.json").as_posix()
-TRAIN_TOKENS_PER_STEP = (TRAIN_METRICS_DIR / "plots" / "metrics" / "tokens_per_s.tsv").as_posix()
 SINGLE = "single measurement"
-
-HEADLINES: list[tuple[str, str, str, tuple[str, str, str] | None]] = [
-    # (label, metrics file, dotted key, (spread file, column, what one sample is) or None)
-    ("tau (accepted tokens per verify step)", EVAL, "tau", (PER_PROMPT, "tau", "prompt")),
-    ("speedup (speculative vs target alone)", EVAL, "speedup", (PER_PROMPT, "speedup", "prompt")),
-    ("decode tokens/s with drafter", EVAL, "decode_tokens_per_s.speculative", None),
-    ("decode tokens/s without drafter", EVAL, "decode_tokens_per_s.target", None),
-    ("train tokens/s", TRAIN, "tokens_per_s", (TRAIN_TOKENS_PER_STEP, "tokens_per_s", "step")),
-    ("train-step tokens/s (bench: the step train runs)", BENCH, "tokens_per_s", None),
-    ("final loss", TRAIN, "final_loss", None),
-]
-SLOT_ACCURACY = (TRAIN, "slot_accuracy")
-"""Per-slot accuracy: one headline row per slot the train metrics carry."""
-
-
-@dataclass
-class Headline:
-    label: str
-    file: str
-    key: str
-    value: Any
-    head: str
-    spread: str
-
-
-@dataclass
-class Chart:
-    title: str
-    source: str
-    svg: str
-    """A whole SVG document (with its xmlns): inlined as it is in HTML, written as a file for Markdown."""
-
-
-@dataclass
-class RunReport:
-    revision: str
-    stages: list[tuple[str, str, str, str]]
-    """(stage, verdict, why, its outputs in the workspace) in dvc.yaml order."""
-    headlines: list[Headline]
-    charts: list[Chart]
-    images: list[tuple[str, bytes]]
-    explain_md: str
-    error: str = ""
 
 
 # ---------------------------------------------------------------- reading the state

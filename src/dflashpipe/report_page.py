@@ -1,6 +1,7 @@
-"""`dflashpipe report`'s page from a `RunReport` (report.py reads the state): HTML, one self-contained file
-(inline CSS, PNG images as data: URIs, charts as inline SVG, no script, no network URL), or Markdown with the
-files of an images folder beside it. Both forms lay out the same tables from the same cells (`_tables`).
+"""`dflashpipe report`'s page from a `RunReport` (run_report.py; report.py reads the state): HTML, one
+self-contained file (inline CSS, PNG images as data: URIs, charts as inline SVG, no script, no network URL), or
+Markdown with the files of an images folder beside it. Both forms lay out the same tables from the same cells
+(`_tables`).
 """
 
 from __future__ import annotations
@@ -9,10 +10,9 @@ import base64
 import html
 import json
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from dflashpipe.report import RunReport
+from dflashpipe.run_report import RunReport
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em;max-width:1100px;color:#222}

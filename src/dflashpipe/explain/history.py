@@ -161,7 +161,7 @@ def _selected(commits: list[Commit], wanted: list[str] | None) -> list[str]:
             for key in read_metrics(commit, path):
                 known.setdefault(f"{path}:{key}", path)
     if not wanted:
-        from dflashpipe.report import HEADLINES  # the one list of headline figures
+        from dflashpipe.run_report import HEADLINES  # the one list of headline figures
 
         return [f"{file}:{key}" for _, file, key, _ in HEADLINES if f"{file}:{key}" in known]
     chosen = []

@@ -6,24 +6,24 @@ and hand back the old drafter as the new one. So a checkpoint records the key it
 under (`dflashpipe.pipeline.reuse_key("train")` plus the process count, which also decides the
 trajectory but is no dvc.yaml input) and is resumed only under an identical key. A run with
 no key (None) never resumes.
+
+This module reads and writes files only: `load_checkpoint` hands back what was saved, and the
+Trainer loads it into its replicas (`Trainer.restore`).
 """
 
 from __future__ import annotations
 
-import copy
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from dflashpipe.artifacts import atomic_directory, verify_file_listing, write_file_listing, write_json_atomic
 from dflashpipe.errors import DflashpipeError
+from dflashpipe.model import DFlashDrafter
 from dflashpipe.pipeline import StageKey
-from dflashpipe.train.metrics import StepRecord
-
-if TYPE_CHECKING:
-    from dflashpipe.train.loop import Trainer
+from dflashpipe.train.state import StepRecord, TrainState
 
 CHECKPOINT = "checkpoint"
 WORLD_SIZE = "run:world_size"
@@ -41,18 +41,30 @@ def checkpoint_key(key: StageKey | None, world_size: int) -> StageKey | None:
     return StageKey(key.stage, {**key.inputs, WORLD_SIZE: str(world_size)})
 
 
-def save_checkpoint(trainer: Trainer, state_dir: Path, key: StageKey | None) -> None:
-    """Replica 0's weights and optimizer (every replica is identical), the step, the history and the key."""
+@dataclass
+class Checkpoint:
+    """What a checkpoint holds: one replica's weights and optimizer state (every replica is identical), and
+    the run's state."""
+
+    weights: dict[str, torch.Tensor]
+    optimizer: dict
+    state: TrainState
+
+
+def save_checkpoint(
+    state: TrainState, drafter: DFlashDrafter, optimizer: torch.optim.Optimizer, state_dir: Path, key: StageKey | None
+) -> None:
+    """One replica's weights and optimizer (every replica is identical), the step, the history and the key."""
     with atomic_directory(state_dir / CHECKPOINT) as tmp:
-        trainer.replicas[0].drafter.save_pretrained(tmp / "drafter")
-        torch.save(trainer.replicas[0].optimizer.state_dict(), tmp / "optimizer.pt")
+        drafter.save_pretrained(tmp / "drafter")
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         write_json_atomic(
             tmp / "state.json",
             {
                 "key": key.to_json() if key is not None else None,
-                "step": trainer.step,
-                "truncated": trainer.truncated,
-                "history": [record.__dict__ for record in trainer.history],
+                "step": state.step,
+                "truncated": state.truncated,
+                "history": [record.__dict__ for record in state.history],
             },
         )
         write_file_listing(tmp)
@@ -70,33 +82,29 @@ def verify_checkpoint(path: Path) -> None:
     )
 
 
-def resume(trainer: Trainer, state_dir: Path, key: StageKey | None) -> bool:
-    """Load the checkpoint into every replica if it was saved under `key`; else say why not and return False."""
+def load_checkpoint(state_dir: Path, key: StageKey | None) -> Checkpoint | None:
+    """The checkpoint in `state_dir` if it was saved under `key`; else say why not and return None."""
     from safetensors.torch import load_file
 
     path = state_dir / CHECKPOINT
     if not path.exists():
-        return False
+        return None
     if key is None:
         print(f"train: not resuming {path}: this run has no key to check it against; training from step 0")
-        return False
+        return None
     verify_checkpoint(path)
-    state = json.loads((path / "state.json").read_text())
-    why_not = mismatch(StageKey.from_json(state.get("key")), key)
+    saved = json.loads((path / "state.json").read_text())
+    why_not = mismatch(StageKey.from_json(saved.get("key")), key)
     if why_not:
         print(f"train: not resuming {path}: {why_not}; training from step 0")
-        return False
-    weights = load_file(path / "drafter" / "model.safetensors")
-    optimizer = torch.load(path / "optimizer.pt", weights_only=True)
-    for rep in trainer.replicas:
-        rep.drafter.load_state_dict({k: v.to(rep.device) for k, v in weights.items()}, strict=False)
-        # A private copy each: load_state_dict keeps same-device tensors as they are, and two
-        # optimizers stepping one shared exp_avg would pull the replicas apart.
-        rep.optimizer.load_state_dict(copy.deepcopy(optimizer))
-    trainer.step, trainer.truncated = state["step"], state["truncated"]
-    trainer.history = [StepRecord(**h) for h in state["history"]]
-    print(f"train: resumed from {path} at step {trainer.step}")
-    return True
+        return None
+    checkpoint = Checkpoint(
+        weights=load_file(path / "drafter" / "model.safetensors"),
+        optimizer=torch.load(path / "optimizer.pt", weights_only=True),
+        state=TrainState(saved["step"], saved["truncated"], [StepRecord(**h) for h in saved["history"]]),
+    )
+    print(f"train: resumed from {path} at step {checkpoint.state.step}")
+    return checkpoint
 
 
 def mismatch(recorded: StageKey | None, key: StageKey, shown: int = 3) -> str:

@@ -1,8 +1,10 @@
 """Drafter training: target workers feed drafter replicas, one thread each, in lockstep.
 
-    target worker threads ──features──▶ mailbox[r] ──▶ drafter thread r ──grads──▶ barrier
-                                                                                   │
-          average over replicas (and processes), clip, AdamW step on every replica ◀┘
+    target_worker (a thread per target) ──features──▶ mailbox[r] ──▶ drafter_worker (thread r)
+                                                                           │ grads
+                                                                           ▼ barrier
+    end_step (once per step): average over replicas (and processes), clip, AdamW step on
+                              every replica, record the step
 
 - Each target device holds a frozen copy of the target; its thread runs the forward
   (no grad) for the (step, replica) items assigned to it round-robin, draws that item's
@@ -12,6 +14,9 @@
 - Each drafter device holds one replica and one thread. All replicas start from the
   same initialisation and apply the same averaged gradient with identical optimizers,
   so they stay identical, which the run checks at the end.
+- The threads share one `RunState` (the abort event, the mailboxes, the target workers' busy
+  time, the step's start, the first error); `end_step` runs once per step, as the barrier's
+  action, in whichever drafter thread reaches the barrier last.
 - The main thread loads the warmup artifact and runs every compiled graph once before
   any worker starts, then arms the compile guard: the workers compile nothing.
 - Under torchrun (WORLD_SIZE > 1) the averaged gradient is all-reduced across
@@ -20,7 +25,8 @@
   from the seed and the step, so a run resumed from a checkpoint ends where an
   uninterrupted one does.
 
-The stage around this loop is train/stage.py; checkpoints, train/checkpoint.py; metrics, train/metrics.py.
+The stage around this loop is train/stage.py; the run's state, train/state.py; checkpoints,
+train/checkpoint.py; metrics, train/metrics.py.
 """
 
 from __future__ import annotations
@@ -42,24 +48,17 @@ from dflashpipe.compile.warmup import autocast, compiled_step, feature_dtype, ru
 from dflashpipe.model import DFlashDrafter, DraftLoss, TargetHead, sample_anchor_positions
 from dflashpipe.model.features import target_features_and_predictions, target_layer_features
 from dflashpipe.model.loss import prediction_positions
-from dflashpipe.params import CompileParams, ModelParams, TopologyParams, TrainParams
+from dflashpipe.params import TrainParams
 from dflashpipe.target import load_materialised_target
+from dflashpipe.train.checkpoint import Checkpoint
 from dflashpipe.train.data import Batch, BatchPlan, collate
-from dflashpipe.train.metrics import StepRecord
+from dflashpipe.train.state import StepRecord, TrainInputs, TrainState
 from dflashpipe.train.topology import Topology
 
 if TYPE_CHECKING:  # only an annotation: training imports no pyarrow (the GPU check's machine has none)
     from dflashpipe.tokens.shards import TokenData
 
 POLL_S = 0.05
-
-
-@dataclass(frozen=True)
-class TrainInputs:
-    model: ModelParams
-    compile: CompileParams
-    topology: TopologyParams
-    train: TrainParams
 
 
 def lr_at(step: int, p: TrainParams) -> float:
@@ -177,6 +176,39 @@ class Replica:
 
 
 @dataclass
+class RunState:
+    """What the threads of one `Trainer.run` share."""
+
+    first_step: int
+    guard: CompileGuard
+    on_step: Callable[[Trainer], None]
+    abort: threading.Event
+    """Set by the first failure: every waiting thread then stops."""
+    mailboxes: list[Mailbox]
+    """One per replica: what the target workers hand that replica, by step."""
+    target_busy_s: list[float]
+    """Per target worker, cumulative: its forwards and copies, not its waits."""
+    step_began: float
+    """perf_counter() when the step now running began (the end of the previous one)."""
+    barrier: threading.Barrier = field(init=False)
+    """The replicas' lockstep; its action ends each step (Trainer.end_step)."""
+    errors: list[BaseException] = field(default_factory=list)
+    errors_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def guarded(self, worker: Callable[[RunState, int], None], index: int) -> None:
+        """Run a worker thread's body; the first failure stops every thread and is re-raised by `run`."""
+        try:
+            worker(self, index)
+        except (_Aborted, threading.BrokenBarrierError):
+            pass  # another thread failed first, and reports it
+        except BaseException as exc:
+            with self.errors_lock:
+                self.errors.append(exc)
+            self.abort.set()
+            self.barrier.abort()
+
+
+@dataclass
 class Trainer:
     inputs: TrainInputs
     data: TokenData
@@ -185,9 +217,7 @@ class Trainer:
     pad_id: int
     replicas: list[Replica] = field(default_factory=list)
     targets: list[Any] = field(default_factory=list)
-    history: list[StepRecord] = field(default_factory=list)
-    step: int = 0
-    truncated: int = 0
+    state: TrainState = field(default_factory=TrainState)
 
     @functools.cached_property
     def plan(self) -> BatchPlan:
@@ -223,6 +253,15 @@ class Trainer:
             )
             self.replicas.append(Replica(drafter, step_fn, optimizer, device))
 
+    def restore(self, checkpoint: Checkpoint) -> None:
+        """Continue from `checkpoint`: its weights and optimizer state into every replica, its run state."""
+        for rep in self.replicas:
+            rep.drafter.load_state_dict({k: v.to(rep.device) for k, v in checkpoint.weights.items()}, strict=False)
+            # A private copy each: load_state_dict keeps same-device tensors as they are, and two
+            # optimizers stepping one shared exp_avg would pull the replicas apart.
+            rep.optimizer.load_state_dict(copy.deepcopy(checkpoint.optimizer))
+        self.state = checkpoint.state
+
     def warm_up_compiled(self) -> float:
         """Run every replica's compiled step once, forward and backward, in the main thread."""
         began = time.perf_counter()
@@ -233,128 +272,122 @@ class Trainer:
     # -- the run --------------------------------------------------------------------------------
 
     def run(self, guard: CompileGuard, on_step: Callable[[Trainer], None]) -> None:
-        """Train from self.step to max_steps; `on_step` runs after each step, in a drafter thread."""
-        p = self.inputs
-        first_step, n_targets, n_replicas = self.step, len(self.targets), len(self.replicas)
-        layer_ids = self.replicas[0].drafter.config.target_layer_ids
+        """Train from state.step to max_steps; `on_step` runs after each step, in a drafter thread."""
         abort = threading.Event()
-        mailboxes = [Mailbox(abort) for _ in self.replicas]
-        target_busy = [0.0] * n_targets
-        step_began = time.perf_counter()
-
-        def end_step() -> None:  # the barrier's action: once per step, in one of the drafter threads
-            nonlocal step_began
-            lr = lr_at(self.step, p.train)
-            self.average_gradients()
-            self.optimizer_step(lr)
-            results = [rep.result for rep in self.replicas]
-            self.truncated += sum(res.truncated for res in results)
-            now = time.perf_counter()
-            self.history.append(
-                StepRecord.of(
-                    self.step,
-                    lr,
-                    [res.loss_terms for res in results],
-                    self.topology.world_size,
-                    seconds=now - step_began,
-                    target_busy_s=sum(target_busy),
-                    drafter_busy_s=sum(rep.busy_s for rep in self.replicas),
-                    padding_fraction=sum(res.padding_fraction for res in results) / n_replicas,
-                )
-            )
-            step_began = now
-            self.step += 1
-            on_step(self)
-
+        run = RunState(
+            first_step=self.state.step,
+            guard=guard,
+            on_step=on_step,
+            abort=abort,
+            mailboxes=[Mailbox(abort) for _ in self.replicas],
+            target_busy_s=[0.0] * len(self.targets),
+            step_began=time.perf_counter(),
+        )
         # An exception in the action breaks the barrier: the thread that ran it reports it.
-        barrier = threading.Barrier(n_replicas, action=end_step)
-        errors: list[BaseException] = []
-        errors_lock = threading.Lock()
-
-        def guarded(worker: Callable[[int], None], index: int) -> None:
-            try:
-                worker(index)
-            except (_Aborted, threading.BrokenBarrierError):
-                pass  # another thread failed first, and reports it
-            except BaseException as exc:  # the first failure stops every thread, then is re-raised
-                with errors_lock:
-                    errors.append(exc)
-                abort.set()
-                barrier.abort()
-
-        def target_worker(t: int) -> None:
-            slots = threading.Semaphore(p.train.prefetch)  # at most `prefetch` items ahead of the drafters
-            target, device = self.targets[t], self.topology.targets[t]
-            items = (p.train.max_steps - first_step) * n_replicas
-            for i in range(t, items, n_targets):  # (step, replica) items, round-robin over the targets
-                step, r = divmod(i, n_replicas)
-                step += first_step
-                while not slots.acquire(timeout=POLL_S):
-                    if abort.is_set():
-                        return
-                batch = collate(self.data, self.plan.rows(step, self.topology.rank, r), p.model.seq_len, self.pad_id)
-                began = time.perf_counter()
-                anchors, valid = sample_anchor_positions(
-                    batch.loss_mask,
-                    p.model.num_anchors,
-                    anchor_generator(p.train.seed, step, self.global_replica(r)),
-                    batch.document_ids,
-                )
-                ids, attention = batch.input_ids.to(device), batch.attention_mask.to(device)
-                documents, positions = batch.document_ids.to(device), batch.position_ids.to(device)
-                target_hidden = None
-                with torch.no_grad():
-                    # Without distillation only decoder layers 0..max(layer_ids): no later layer, LM head or
-                    # logits. Each packed document attends only within itself.
-                    if p.model.distill == "none":
-                        features = target_layer_features(target, ids, attention, layer_ids, documents, positions)
-                    else:
-                        at = prediction_positions(anchors, p.model.block_size, p.model.seq_len).to(device)
-                        features, target_hidden = target_features_and_predictions(
-                            target, ids, attention, layer_ids, at, documents, positions
-                        )
-                drafter_device = self.replicas[r].device
-                dtype = feature_dtype(drafter_device)
-                features = features.to(drafter_device, dtype)
-                if target_hidden is not None:
-                    target_hidden = target_hidden.to(drafter_device, dtype)
-                target_busy[t] += time.perf_counter() - began
-                mailboxes[r].put(step, TargetFeatures(batch, features, anchors, valid, target_hidden, slots.release))
-
-        def drafter_worker(r: int) -> None:
-            replica = self.replicas[r]
-            for step in range(first_step, p.train.max_steps):
-                item = mailboxes[r].get(step)
-                item.release()
-                began = time.perf_counter()
-                batch, device = item.batch, replica.device
-                ids, mask = batch.input_ids.to(device), batch.loss_mask.to(device)
-                documents, positions = batch.document_ids.to(device), batch.position_ids.to(device)
-                anchors, valid = item.anchors.to(device), item.anchor_valid.to(device)
-                inputs = (item.features, ids, mask, anchors, valid, documents, positions)  # warmup's step_inputs
-                if item.target_hidden is not None:
-                    inputs += (item.target_hidden,)
-                with autocast(device):
-                    out = guard.call(f"drafter step (replica {r})", replica.step_fn, *inputs)
-                out.loss.backward()
-                replica.busy_s += time.perf_counter() - began
-                replica.result = StepResult(out, batch.truncated, batch.padding_fraction)
-                barrier.wait()
-
+        run.barrier = threading.Barrier(len(self.replicas), action=functools.partial(self.end_step, run))
         threads = [
-            threading.Thread(target=guarded, args=(target_worker, t), name=f"target-{t}", daemon=True)
-            for t in range(n_targets)
+            threading.Thread(target=run.guarded, args=(self.target_worker, t), name=f"target-{t}", daemon=True)
+            for t in range(len(self.targets))
         ]
         threads += [
-            threading.Thread(target=guarded, args=(drafter_worker, r), name=f"drafter-{r}", daemon=True)
-            for r in range(n_replicas)
+            threading.Thread(target=run.guarded, args=(self.drafter_worker, r), name=f"drafter-{r}", daemon=True)
+            for r in range(len(self.replicas))
         ]
         for th in threads:
             th.start()
         for th in threads:
             th.join()
-        if errors:
-            raise errors[0]
+        if run.errors:
+            raise run.errors[0]
+
+    def target_worker(self, run: RunState, t: int) -> None:
+        """Target t's thread: the frozen forward and the anchors for its (step, replica) items, into the mailboxes."""
+        p = self.inputs
+        n_targets, n_replicas = len(self.targets), len(self.replicas)
+        layer_ids = self.replicas[0].drafter.config.target_layer_ids
+        slots = threading.Semaphore(p.train.prefetch)  # at most `prefetch` items ahead of the drafters
+        target, device = self.targets[t], self.topology.targets[t]
+        items = (p.train.max_steps - run.first_step) * n_replicas
+        for i in range(t, items, n_targets):  # (step, replica) items, round-robin over the targets
+            step, r = divmod(i, n_replicas)
+            step += run.first_step
+            while not slots.acquire(timeout=POLL_S):
+                if run.abort.is_set():
+                    return
+            batch = collate(self.data, self.plan.rows(step, self.topology.rank, r), p.model.seq_len, self.pad_id)
+            began = time.perf_counter()
+            anchors, valid = sample_anchor_positions(
+                batch.loss_mask,
+                p.model.num_anchors,
+                anchor_generator(p.train.seed, step, self.global_replica(r)),
+                batch.document_ids,
+            )
+            ids, attention = batch.input_ids.to(device), batch.attention_mask.to(device)
+            documents, positions = batch.document_ids.to(device), batch.position_ids.to(device)
+            target_hidden = None
+            with torch.no_grad():
+                # Without distillation only decoder layers 0..max(layer_ids): no later layer, LM head or
+                # logits. Each packed document attends only within itself.
+                if p.model.distill == "none":
+                    features = target_layer_features(target, ids, attention, layer_ids, documents, positions)
+                else:
+                    at = prediction_positions(anchors, p.model.block_size, p.model.seq_len).to(device)
+                    features, target_hidden = target_features_and_predictions(
+                        target, ids, attention, layer_ids, at, documents, positions
+                    )
+            drafter_device = self.replicas[r].device
+            dtype = feature_dtype(drafter_device)
+            features = features.to(drafter_device, dtype)
+            if target_hidden is not None:
+                target_hidden = target_hidden.to(drafter_device, dtype)
+            run.target_busy_s[t] += time.perf_counter() - began
+            run.mailboxes[r].put(step, TargetFeatures(batch, features, anchors, valid, target_hidden, slots.release))
+
+    def drafter_worker(self, run: RunState, r: int) -> None:
+        """Replica r's thread: each step's forward and backward on its features, then wait for the others."""
+        replica = self.replicas[r]
+        for step in range(run.first_step, self.inputs.train.max_steps):
+            item = run.mailboxes[r].get(step)
+            item.release()
+            began = time.perf_counter()
+            batch, device = item.batch, replica.device
+            ids, mask = batch.input_ids.to(device), batch.loss_mask.to(device)
+            documents, positions = batch.document_ids.to(device), batch.position_ids.to(device)
+            anchors, valid = item.anchors.to(device), item.anchor_valid.to(device)
+            inputs = (item.features, ids, mask, anchors, valid, documents, positions)  # warmup's step_inputs
+            if item.target_hidden is not None:
+                inputs += (item.target_hidden,)
+            with autocast(device):
+                out = run.guard.call(f"drafter step (replica {r})", replica.step_fn, *inputs)
+            out.loss.backward()
+            replica.busy_s += time.perf_counter() - began
+            replica.result = StepResult(out, batch.truncated, batch.padding_fraction)
+            run.barrier.wait()
+
+    def end_step(self, run: RunState) -> None:
+        """The barrier's action, once per step in one drafter thread, every replica's backward done: the
+        optimizer step on the averaged gradient, the step's record, then `on_step`."""
+        lr = lr_at(self.state.step, self.inputs.train)
+        self.average_gradients()
+        self.optimizer_step(lr)
+        results = [rep.result for rep in self.replicas]
+        self.state.truncated += sum(res.truncated for res in results)
+        now = time.perf_counter()
+        self.state.history.append(
+            StepRecord.of(
+                self.state.step,
+                lr,
+                [res.loss_terms for res in results],
+                self.topology.world_size,
+                seconds=now - run.step_began,
+                target_busy_s=sum(run.target_busy_s),
+                drafter_busy_s=sum(rep.busy_s for rep in self.replicas),
+                padding_fraction=sum(res.padding_fraction for res in results) / len(self.replicas),
+            )
+        )
+        run.step_began = now
+        self.state.step += 1
+        run.on_step(self)
 
     @property
     def adamw_kernel(self) -> dict[str, bool]:

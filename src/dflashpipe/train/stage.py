@@ -13,9 +13,10 @@ from dflashpipe.model.drafter import PUBLISHED_DTYPE
 from dflashpipe.pipeline import COMPILE, DRAFTER, TARGET, TOKENS, TRAIN_METRICS_DIR, TRAIN_STATE, StageKey
 from dflashpipe.tokens.shards import load_tokens
 from dflashpipe.train.card import write_model_card
-from dflashpipe.train.checkpoint import checkpoint_key, resume, save_checkpoint
-from dflashpipe.train.loop import Trainer, TrainInputs
+from dflashpipe.train.checkpoint import checkpoint_key, load_checkpoint, save_checkpoint
+from dflashpipe.train.loop import Trainer
 from dflashpipe.train.metrics import train_metrics, write_plots
+from dflashpipe.train.state import TrainInputs
 from dflashpipe.train.topology import check_topology
 
 
@@ -66,7 +67,9 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
 
     trainer = Trainer(inputs, data, topology, paths.target, pad_id)
     trainer.build(tokenizer)
-    resume(trainer, paths.state, key)
+    checkpoint = load_checkpoint(paths.state, key)
+    if checkpoint is not None:
+        trainer.restore(checkpoint)
     warm_s = trainer.warm_up_compiled()
     guard = CompileGuard(strict=inputs.compile.guard == "error")
     if inputs.compile.enabled:
@@ -75,12 +78,15 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
 
     max_steps, every = inputs.train.max_steps, inputs.train.checkpoint_every
 
+    def save(t: Trainer) -> None:
+        save_checkpoint(t.state, t.replicas[0].drafter, t.replicas[0].optimizer, paths.state, key)
+
     def on_step(t: Trainer) -> None:
         if topology.rank != 0:
             return
-        if every and t.step % every == 0 and t.step < max_steps:  # the last step's comes with the outputs
-            save_checkpoint(t, paths.state, key)
-        last = t.history[-1]
+        if every and t.state.step % every == 0 and t.state.step < max_steps:  # the last step's: with the outputs
+            save(t)
+        last = t.state.history[-1]
         print(
             f"train: step {last.step + 1}/{max_steps} loss {last.loss:.4f} lr {last.lr:.2e} "
             f"{last.tokens / max(last.seconds, 1e-9):.0f} tok/s",
@@ -92,7 +98,18 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
         guard.disarm()
     after = dynamo_counters()
     mismatches = trainer.replica_mismatches()
-    metrics = train_metrics(trainer, before, after, warm_s, compile_note, replicas_identical=not mismatches)
+    metrics = train_metrics(
+        trainer.state,
+        inputs,
+        topology,
+        trainer.replicas[0].drafter,
+        trainer.targets[0],
+        before,
+        after,
+        warm_s,
+        compile_note,
+        replicas_identical=not mismatches,
+    )
     if mismatches:  # before any output: a drafter from diverged replicas is no result
         shown = ", ".join(mismatches[:3]) + (f" and {len(mismatches) - 3} more" if len(mismatches) > 3 else "")
         raise DflashpipeError(
@@ -107,8 +124,8 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
             params = {name: asdict(getattr(inputs, name)) for name in ("model", "train", "compile", "topology")}
             write_model_card(tmp, target_dir=paths.target, tokens_dir=paths.tokens, params=params)
             write_file_listing(tmp)  # evaluate checks the drafter against it before use
-        write_plots(trainer.history, paths.metrics)
+        write_plots(trainer.state.history, paths.metrics)
         write_json_atomic(paths.metrics / "metrics.json", metrics)
         if every:
-            save_checkpoint(trainer, paths.state, key)
+            save(trainer)
     return metrics
