@@ -36,7 +36,7 @@ import functools
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,7 +48,7 @@ from dflashpipe.compile.warmup import autocast, compiled_step, feature_dtype, ru
 from dflashpipe.model import DFlashDrafter, DraftLoss, TargetHead, sample_anchor_positions
 from dflashpipe.model.features import target_features_and_predictions, target_layer_features
 from dflashpipe.model.loss import prediction_positions
-from dflashpipe.params import TrainParams
+from dflashpipe.params import ModelParams, TrainParams
 from dflashpipe.target import load_materialised_target
 from dflashpipe.train.checkpoint import Checkpoint
 from dflashpipe.train.data import Batch, BatchPlan, collate
@@ -208,6 +208,24 @@ class RunState:
             self.barrier.abort()
 
 
+def target_inputs(
+    target, batch: Batch, anchors: torch.Tensor, layer_ids: Sequence[int], model: ModelParams
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's side of one training item, on its device: the drafter's layers' hidden states of every
+    row [B, S, n*H] (each packed document attending only within itself, as if alone: what decoding captures
+    for that document), and when distilling its final hidden states where it predicts each slot, else None.
+
+    Without distillation only decoder layers 0..max(layer_ids) run: no later layer, LM head or logits."""
+    device = target.device
+    ids, attention = batch.input_ids.to(device), batch.attention_mask.to(device)
+    documents, positions = batch.document_ids.to(device), batch.position_ids.to(device)
+    with torch.no_grad():
+        if model.distill == "none":
+            return target_layer_features(target, ids, attention, layer_ids, documents, positions), None
+        at = prediction_positions(anchors, model.block_size, model.seq_len).to(device)
+        return target_features_and_predictions(target, ids, attention, layer_ids, at, documents, positions)
+
+
 @dataclass
 class Trainer:
     inputs: TrainInputs
@@ -306,7 +324,7 @@ class Trainer:
         n_targets, n_replicas = len(self.targets), len(self.replicas)
         layer_ids = self.replicas[0].drafter.config.target_layer_ids
         slots = threading.Semaphore(p.train.prefetch)  # at most `prefetch` items ahead of the drafters
-        target, device = self.targets[t], self.topology.targets[t]
+        target = self.targets[t]
         items = (p.train.max_steps - run.first_step) * n_replicas
         for i in range(t, items, n_targets):  # (step, replica) items, round-robin over the targets
             step, r = divmod(i, n_replicas)
@@ -322,19 +340,7 @@ class Trainer:
                 anchor_generator(p.train.seed, step, self.global_replica(r)),
                 batch.document_ids,
             )
-            ids, attention = batch.input_ids.to(device), batch.attention_mask.to(device)
-            documents, positions = batch.document_ids.to(device), batch.position_ids.to(device)
-            target_hidden = None
-            with torch.no_grad():
-                # Without distillation only decoder layers 0..max(layer_ids): no later layer, LM head or
-                # logits. Each packed document attends only within itself.
-                if p.model.distill == "none":
-                    features = target_layer_features(target, ids, attention, layer_ids, documents, positions)
-                else:
-                    at = prediction_positions(anchors, p.model.block_size, p.model.seq_len).to(device)
-                    features, target_hidden = target_features_and_predictions(
-                        target, ids, attention, layer_ids, at, documents, positions
-                    )
+            features, target_hidden = target_inputs(target, batch, anchors, layer_ids, p.model)
             drafter_device = self.replicas[r].device
             dtype = feature_dtype(drafter_device)
             features = features.to(drafter_device, dtype)
