@@ -23,6 +23,10 @@ deduplicating or writing them again. Both files are checked against files.json w
 before anything is kept, so a damaged or edited earlier build is rebuilt, never resumed. The new
 directory is still built beside the old one and renamed into place whole, so a killed run leaves the
 old output or the new one, and no stale file survives.
+
+This is the incremental shards protocol (dflashpipe.incremental) as far as a stream allows: the key is the
+stage key's digest, recorded once (a shard has no input shard of its own to key it by), and the run
+record says which shards were kept and which written.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import orjson
 from tqdm import tqdm
 
 from dflashpipe.artifacts import atomic_directory, link_or_copy, write_file_listing, write_json_atomic
@@ -51,6 +56,7 @@ from dflashpipe.data.shards import (
 )
 from dflashpipe.data.sources import Conversation, Record, read_source
 from dflashpipe.errors import SourceError
+from dflashpipe.incremental import ShardRun, reusable_record, stage_digest
 from dflashpipe.params import DataParams, SourceSpec
 from dflashpipe.pipeline import StageKey
 
@@ -160,16 +166,35 @@ class WeightedMix:
         heapq.heappop(self.heap)
 
 
+@dataclass(frozen=True)
+class EarlierBuild:
+    """The manifest already in a directory, read back for the reuse check (a `dflashpipe.incremental.StoredShard`
+    of the whole build: its key is recorded once, in summary.json)."""
+
+    directory: Path
+    record: dict
+    """Its summary.json."""
+
+    @property
+    def key(self) -> str | None:
+        return self.record.get("reuse_key")
+
+    def intact(self) -> bool:
+        """It passes every check of `verify_manifest` (a damaged one is rebuilt, never reused)."""
+        try:
+            return verify_manifest(self.directory) == self.record
+        except SourceError:
+            return False
+
+
 def previous_manifest(out: Path, digest: str | None) -> dict | None:
-    """The summary of the manifest already in `out` if it was built under the key `digest` and passes
-    every check of `verify_manifest` (a damaged one is rebuilt, never reused); else None."""
-    if digest is None or not (out / SUMMARY_FILE).is_file():
-        return None
-    try:
-        summary = verify_manifest(out)
-    except SourceError:
-        return None
-    return summary if summary.get("reuse_key") == digest else None
+    """The summary of the manifest already in `out` if it was built under the key `digest` and is intact;
+    else None."""
+
+    def read(summary: Path) -> EarlierBuild:
+        return EarlierBuild(summary.parent, orjson.loads(summary.read_bytes()))
+
+    return reusable_record(out / SUMMARY_FILE, digest, read)
 
 
 @dataclass
@@ -182,18 +207,24 @@ class TrainShards:
     entries: list[dict] = field(default_factory=list)
     writer: ShardWriter = field(default_factory=ShardWriter)
     characters: int = 0
-    kept: int = 0
+    run: ShardRun = field(default_factory=ShardRun)
+    """Which shards were kept from the earlier build (reused) and which written."""
+
+    def keep(self, entry: dict, tmp: Path) -> None:
+        """The earlier build's shard `entry`, linked as it is (same inode, bytes and mtime)."""
+        link_or_copy(self.out / entry["file"], tmp / entry["file"])
+        self.entries.append(entry)
+        self.run.reused.append(entry["file"])
 
     def flush(self, tmp: Path) -> None:
         index, samples = len(self.entries), len(self.writer)
         old = (self.previous or {"shards": []})["shards"]
         path = tmp / shard_name(index)
         if index < len(old) and old[index]["samples"] == samples:  # the same key: the same rows
-            link_or_copy(self.out / old[index]["file"], path)
-            self.entries.append(old[index])
-            self.kept += 1
+            self.keep(old[index], tmp)
         else:
             self.entries.append(self.writer.write(path))
+            self.run.written.append(path.name)
         self.characters += self.writer.characters
         self.writer = ShardWriter()
 
@@ -212,9 +243,7 @@ def resume(
     old = previous["shards"]
     last_partial = bool(old) and old[-1]["samples"] < previous["shard_size"]
     for entry in old[:-1] if last_partial else old:
-        link_or_copy(out / entry["file"], tmp / entry["file"])
-        shards.entries.append(entry)
-        shards.kept += 1
+        shards.keep(entry, tmp)
     if last_partial:
         for row in read_manifest_shard(out, old[-1]).to_pylist():
             shards.writer.add(row["id"], row["source"], row["conversation"], row["hash"])
@@ -236,7 +265,7 @@ def build_manifest(params: DataParams, out: Path | str, root: Path | str = ".", 
     manifest in `out` built under the same key already holds is kept, not rebuilt; without it, nothing
     is reused and nothing written says what made it."""
     root, out = Path(root), Path(out)
-    digest = None if key is None else key.digest
+    digest = stage_digest(key)
     previous = previous_manifest(out, digest)
     grow = previous is not None and previous["num_samples"] <= params.num_samples
     # verify_manifest checked hashes.bin against files.json and its size against the sample counts
@@ -306,8 +335,8 @@ def build_manifest(params: DataParams, out: Path | str, root: Path | str = ".", 
         # last: every reader checks the directory against it first. `previous` passed verify_manifest
         # (files.json against every file) in this run, so the files kept from it are not read again.
         write_file_listing(tmp, verified=out if previous is not None else None)
-    written = len(shards.entries) - shards.kept
-    print(f"manifest: kept {shards.kept} training shard(s) of the earlier build, wrote {written}")
+    run = shards.run
+    print(f"manifest: kept {len(run.reused)} training shard(s) of the earlier build, wrote {len(run.written)}")
     return summary
 
 

@@ -13,15 +13,15 @@ whose reply is empty (`empty_reply`) ends it before that turn; a reply cut at ma
 conversation left with no reply is dropped (`no_reply`, or `no_assistant_turn`). Trailing turns after the
 last reply carry no supervision and are dropped.
 
-Reuse is tokenize's: the key is the stage key from dvc.yaml less data/manifest, plus each input shard's
-sha256 (pipeline.REUSE), so growing the data answers only the new shards. Disabled, the output is the
+Reuse is the incremental shards protocol (dflashpipe.incremental), tokenize's too: the key is the stage key
+from dvc.yaml less data/manifest, plus each input shard's sha256 (pipeline.REUSE), so growing the data
+answers only the new shards. Disabled, the output is the
 manifest's shards, hard-linked: tokenize's input bytes are exactly what they were without this stage.
 """
 
 from __future__ import annotations
 
 import hashlib
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,13 +30,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dflashpipe.artifacts import file_sha256, link_or_copy, write_file_listing, write_json_atomic
-from dflashpipe.data.shards import SUMMARY_FILE, ShardWriter, conversation_hash, read_manifest_shard, verify_manifest
+from dflashpipe.artifacts import file_sha256, link_or_copy
+from dflashpipe.data.shards import ShardWriter, conversation_hash, read_manifest_shard, verify_manifest
 from dflashpipe.errors import SourceError
+from dflashpipe.incremental import InputShard, ShardedOutput
 from dflashpipe.params.sections import RegenerateParams
 from dflashpipe.pipeline import StageKey
 from dflashpipe.regenerate.endpoint import Endpoint
-from dflashpipe.regenerate.shards import reusable_record, shard_key, write_shard
+from dflashpipe.regenerate.shards import stored_shard, write_shard
 from dflashpipe.spread import Spread
 from dflashpipe.tokens.chat import ChatTokenizer, load_chat_tokenizer
 
@@ -258,12 +259,6 @@ def regenerate_metrics(run: RegenerateRun) -> dict:
     }
 
 
-def _remove_all_but(out_dir: Path, wanted: set[str]) -> None:
-    for stale in sorted(out_dir.iterdir()):
-        if stale.name not in wanted:
-            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
-
-
 def _target_sha256(target_dir: Path) -> str:
     h = hashlib.sha256()
     for f in sorted(target_dir.iterdir()):
@@ -288,13 +283,15 @@ def regenerate_manifest(
     began = time.perf_counter()
     manifest_dir, target_dir, out_dir = Path(manifest_dir), Path(target_dir), Path(out_dir)
     entries = verify_manifest(manifest_dir)["shards"]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _remove_all_but(out_dir, {e["file"] for e in entries})
+    # an output shard bears its manifest shard's name: growing the manifest appends shards here too
+    inputs = {e["file"]: InputShard(e["file"], e["sha256"]) for e in entries}
+    # disabled, nothing is generated and nothing reused: the links replace whatever is there
+    output: ShardedOutput[dict] = ShardedOutput.open(out_dir, inputs, key if params.enabled else None, stored_shard)
     if not params.enabled:
         for e in entries:
             link_or_copy(manifest_dir / e["file"], out_dir / e["file"])
-        shards = [{**e, "input": {"file": e["file"], "sha256": e["sha256"]}} for e in entries]
-        return _finish(out_dir, {"enabled": False, "shards": shards}, [], [], 0, began, [])
+        shards = [{**e, "input": inputs[e["file"]].to_json()} for e in entries]
+        return _finish(output, {"enabled": False, "shards": shards}, 0, began, [])
 
     chat = load_chat_tokenizer(target_dir)
     if endpoint is None and params.endpoint is not None:
@@ -308,66 +305,48 @@ def regenerate_manifest(
         "target_sha256": _target_sha256(target_dir),
         "generator": "in_process" if endpoint is None else {"endpoint": endpoint.base_url, "model": endpoint.model},
     }
-    keys = {e["file"]: None if key is None else shard_key(key.digest, e["sha256"]) for e in entries}
-    records = {e["file"]: r for e in entries if (r := reusable_record(out_dir / e["file"], keys[e["file"]]))}
-    todo = [e for e in entries if e["file"] not in records]
+    by_name = {e["file"]: e for e in entries}
     replier: Replier | None = None
     generated = 0
-    for e in todo:
+    for name in output.todo:
         if replier is None:  # loading the target (or asking the endpoint) only when there is work
             replier = (
                 InProcessReplier(target_dir, devices, chat, params)
                 if endpoint is None
                 else EndpointReplier(endpoint, chat, params)
             )
-        rows = read_manifest_shard(manifest_dir, e).to_pylist()
-        with tqdm(desc=f"regenerate {e['file']}", unit="tok", unit_scale=True, mininterval=1.0) as bar:
+        rows = read_manifest_shard(manifest_dir, by_name[name]).to_pylist()
+        with tqdm(desc=f"regenerate {name}", unit="tok", unit_scale=True, mininterval=1.0) as bar:
             out_rows, counts = regenerate_rows(rows, chat, replier, params, bar.update)
         writer = ShardWriter()
         for row in out_rows:
             writer.add(row["id"], row["source"], row["conversation"], row["hash"])
         record = {
-            "key": keys[e["file"]],
-            "input": {"file": e["file"], "sha256": e["sha256"]},
+            "key": output.keys[name],
+            "input": inputs[name].to_json(),
             "settings": settings,
             "counts": asdict(counts),
         }
-        write_shard(out_dir / e["file"], writer.table(), record)
-        records[e["file"]] = record
+        write_shard(out_dir / name, writer.table(), record)
+        output.wrote(name, record)
         generated += counts.generated_tokens
-    total = RegenerateCounts()
-    shards = []
-    for e in entries:
-        record = records[e["file"]]
-        total.merge(record["counts"])
-        path = out_dir / e["file"]
-        shards.append(
-            {
-                "file": e["file"],
-                "samples": record["counts"]["samples_out"],
-                "sha256": file_sha256(path),
-                "key": record["key"],
-                "input": record["input"],
-                "counts": record["counts"],
-            }
-        )
+    shards = [
+        {**entry, "counts": output.records[entry["file"]]["counts"]}
+        for entry in output.entries(lambda record: record["counts"]["samples_out"])
+    ]
+    total = output.total(RegenerateCounts(), lambda record: record["counts"])
     summary = {"enabled": True, "settings": settings, "counts": asdict(total), "shards": shards}
-    rates = replier.batch_rates if replier is not None else []
-    return _finish(
-        out_dir,
-        summary,
-        [e["file"] for e in todo],
-        sorted(records.keys() - {e["file"] for e in todo}),
-        generated,
-        began,
-        rates,
+    return _finish(output, summary, generated, began, replier.batch_rates if replier is not None else [])
+
+
+def _finish(output: ShardedOutput, summary: dict, generated: int, began: float, rates: list[float]) -> RegenerateRun:
+    output.finish(summary)
+    shards = output.run
+    run = RegenerateRun(summary, shards.written, shards.reused, generated, time.perf_counter() - began, rates)
+    what = (
+        "linked the manifest's"
+        if not summary["enabled"]
+        else f"answered {len(shards.written)}, reused {len(shards.reused)}"
     )
-
-
-def _finish(out_dir, summary, regenerated, reused, generated, began, rates) -> RegenerateRun:
-    write_json_atomic(out_dir / SUMMARY_FILE, summary)
-    write_file_listing(out_dir)  # last: a directory without it is not a complete output
-    run = RegenerateRun(summary, regenerated, reused, generated, time.perf_counter() - began, rates)
-    what = "linked the manifest's" if not summary["enabled"] else f"answered {len(regenerated)}, reused {len(reused)}"
     print(f"regenerate: {what} shard(s) of {len(summary['shards'])}")
     return run

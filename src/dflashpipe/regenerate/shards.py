@@ -39,10 +39,6 @@ class ConversationShard:
     sha256: str
 
 
-def shard_key(stage_digest: str, input_sha256: str) -> str:
-    return hashlib.sha256(canonical_json({"stage": stage_digest, "input_sha256": input_sha256})).hexdigest()
-
-
 def rows_sha256(table: pa.Table) -> str:
     """The sha256 of a shard's rows by value (parquet pages carry no checksum we check)."""
     return hashlib.sha256(orjson.dumps(table.select(["id", "source", "conversation", "hash"]).to_pylist())).hexdigest()
@@ -61,17 +57,26 @@ def write_shard(path: Path, table: pa.Table, record: dict) -> None:
     write_bytes_atomic(path, sink.getvalue().to_pybytes())
 
 
-def reusable_record(path: Path, key: str | None) -> dict | None:
-    """The stored record of a shard written for exactly `key` whose rows hash to what it stored; else None."""
-    if key is None or not path.is_file():  # without a key nothing says what made a shard
-        return None
-    try:
-        table = pq.read_table(path)
-        record = json.loads(table.schema.metadata[METADATA_KEY])
-        ok = record["key"] == key and record["rows_sha256"] == rows_sha256(table)
-    except (OSError, pa.ArrowException, KeyError, TypeError, ValueError):
-        return None
-    return record if ok else None
+@dataclass(frozen=True)
+class StoredConversations:
+    """A regenerated shard read back for the reuse check (a `dflashpipe.incremental.StoredShard`)."""
+
+    table: pa.Table
+    record: dict
+    """What `write_shard` stored: key, input, settings, counts and rows_sha256."""
+
+    @property
+    def key(self) -> str | None:
+        return self.record["key"]
+
+    def intact(self) -> bool:
+        return self.record["rows_sha256"] == rows_sha256(self.table)
+
+
+def stored_shard(path: Path) -> StoredConversations:
+    """Raises OSError/ArrowException/KeyError/ValueError on a file that is not such a shard."""
+    table = pq.read_table(path)
+    return StoredConversations(table, json.loads(table.schema.metadata[METADATA_KEY]))
 
 
 def read_conversation_shards(directory: Path | str) -> list[ConversationShard]:

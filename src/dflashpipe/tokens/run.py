@@ -6,7 +6,8 @@ Incremental by content. A tokens shard depends only on its manifest shard and on
 lists for the stage (the tokenizer and template in data/target, the tokenize params, this package's
 code, the stage script, the library versions): the caller passes that as a `StageKey`, read from
 dvc.yaml itself, so a shard is reused on exactly the condition under which DVC would keep the
-output (see `dflashpipe.pipeline`). `data/tokens/` is a DVC `persist` output: on a rerun, a shard
+output (see `dflashpipe.pipeline`; the protocol is `dflashpipe.incremental`). `data/tokens/` is a DVC
+`persist` output: on a rerun, a shard
 whose stored key matches and whose content hashes to its stored sha256 is reused untouched; every other
 one is encoded again and written atomically. Files that are not a current shard are removed first
 (summary.json and files.json too), so a killed run leaves no listing that vouches for it.
@@ -22,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,14 +32,14 @@ from typing import Any
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from dflashpipe.artifacts import file_sha256, write_file_listing, write_json_atomic
+from dflashpipe.incremental import InputShard, ShardedOutput
 from dflashpipe.params import TokenizeParams
 from dflashpipe.pipeline import StageKey
 from dflashpipe.regenerate.shards import ConversationShard, read_conversation_shards
 from dflashpipe.spread import Spread
 from dflashpipe.tokens.chat import ChatTokenizer, load_chat_tokenizer
 from dflashpipe.tokens.encode import EncodedRows, SampleEncoder, TokenStats, concat_rows, length_edges
-from dflashpipe.tokens.shards import SUMMARY_FILE, reusable_shard, shard_key, shard_name, write_shard
+from dflashpipe.tokens.shards import shard_name, stored_shard, write_shard
 
 CHUNK_SAMPLES = 64
 """Samples per task handed to a worker: small enough to balance, large enough for encode_batch."""
@@ -152,25 +152,6 @@ def tokenize_metrics(run: TokenizeRun) -> dict:
     }
 
 
-def _remove_all_but(out_dir: Path, wanted: set[str]) -> None:
-    """A persist output is not emptied by DVC: anything that is not a current shard goes, summary.json
-    and files.json included (both are rewritten last, so a killed run leaves neither)."""
-    for stale in sorted(out_dir.iterdir()):
-        if stale.name not in wanted:
-            if stale.is_dir():
-                shutil.rmtree(stale)
-            else:
-                stale.unlink()
-
-
-def _reused_stats(path: Path, key: str | None) -> TokenStats | None:
-    raw = reusable_shard(path, key)
-    try:
-        return None if raw is None else TokenStats.from_json(raw)
-    except (KeyError, TypeError, AttributeError):  # stats of another shape: encode the shard again
-        return None
-
-
 def tokenize_manifest(
     params: TokenizeParams,
     manifest_dir: Path | str,
@@ -188,16 +169,16 @@ def tokenize_manifest(
     manifest_dir, out_dir = Path(manifest_dir), Path(out_dir)
     chat = load_chat_tokenizer(target_dir)
     shards = read_conversation_shards(manifest_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _remove_all_but(out_dir, {shard_name(s.index) for s in shards})
-    keys = {s.index: shard_key(None if key is None else key.digest, s.sha256) for s in shards}
-    stats_by_shard: dict[int, TokenStats] = {}
-    for s in shards:
-        reused = _reused_stats(out_dir / shard_name(s.index), keys[s.index])
-        if reused is not None:
-            stats_by_shard[s.index] = reused
-    todo = [s for s in shards if s.index not in stats_by_shard]
-    reused_names = sorted(shard_name(i) for i in stats_by_shard)
+    names = {s.index: shard_name(s.index) for s in shards}
+    output: ShardedOutput[TokenStats] = ShardedOutput.open(
+        out_dir,
+        {names[s.index]: InputShard(s.path.name, s.sha256) for s in shards},
+        key,
+        stored_shard,
+        TokenStats.from_json,  # stats of another shape: the shard is encoded again
+    )
+    made = set(output.todo)
+    todo = [s for s in shards if names[s.index] in made]
 
     def empty_stats() -> TokenStats:
         return TokenStats(length_histogram=[0] * len(length_edges(params.max_length)))
@@ -206,14 +187,15 @@ def tokenize_manifest(
         stats = empty_stats()
         for _, part_stats in parts:
             stats.merge(part_stats)
+        name = names[shard.index]
         write_shard(
-            out_dir / shard_name(shard.index),
+            out_dir / name,
             concat_rows([p[0] for p in parts]),
             stats,
-            keys[shard.index],
-            {"file": shard.path.name, "sha256": shard.sha256},
+            output.keys[name],
+            output.inputs[name].to_json(),
         )
-        stats_by_shard[shard.index] = stats
+        output.wrote(name, stats)
 
     num_proc = params.num_proc or available_cores()
     tasks = _tasks(todo)
@@ -236,35 +218,22 @@ def tokenize_manifest(
             if tasks_left[index] == 0:
                 finish(shards[index], pending.pop(index))
 
-    total = empty_stats()
-    entries = []
-    for s in shards:
-        total.merge(stats_by_shard[s.index])
-        path = out_dir / shard_name(s.index)
-        entries.append(
-            {
-                "file": path.name,
-                "samples": stats_by_shard[s.index].samples_out,
-                "sha256": file_sha256(path),
-                "key": keys[s.index],
-                "input": {"file": s.path.name, "sha256": s.sha256},
-            }
-        )
+    total = output.total(empty_stats())
+    entries = output.entries(lambda stats: stats.samples_out)
     summary = {"length_histogram_max_tokens": length_edges(params.max_length), **total.to_json(), "shards": entries}
-    write_json_atomic(out_dir / SUMMARY_FILE, summary)
-    write_file_listing(out_dir)  # last: a directory without it is not a complete output
+    output.finish(summary)
     run = TokenizeRun(
         summary,
-        sorted(shard_name(s.index) for s in todo),
-        reused_names,
+        sorted(output.run.written),
+        output.run.reused,
         sum(s.samples for s in todo),
-        sum(stats_by_shard[s.index].tokens for s in todo),
+        sum(output.records[names[s.index]].tokens for s in todo),
         num_proc,
         time.perf_counter() - began,
         chunk_rates,
     )
     print(
-        f"tokenize: encoded {len(run.encoded_shards)} shard(s), reused {len(reused_names)}; "
+        f"tokenize: encoded {len(run.encoded_shards)} shard(s), reused {len(run.reused_shards)}; "
         f"{total.samples_out} of {total.samples_in} samples kept, {total.tokens} tokens"
     )
     return run

@@ -8,11 +8,11 @@ parquet (decompressed on read) would hold the whole set in memory; `.npy` files 
 files per shard and a sidecar for the key. IPC costs disk (about 5 bytes per token, uncompressed),
 which is what buys the mapping.
 
-A shard is reused only under the key it was written for. Each shard carries, in its schema
-metadata, the sha256 of (the stage key: every dep and param dvc.yaml lists for `tokenize`, less the
-manifest and num_proc; this shard's input manifest shard's sha256), its own stats, and the sha256
-of its content (IPC has no page checksums): a shard whose stored key matches and whose content
-hashes to what it says is reused untouched.
+A shard is reused only under the key it was written for (the protocol: dflashpipe.incremental).
+Each shard carries, in its schema metadata, the sha256 of (the stage key: every dep and param
+dvc.yaml lists for `tokenize`, less the manifest and num_proc; this shard's input manifest shard's
+sha256), its own stats, and the sha256 of its content (IPC has no page checksums): a shard whose
+stored key matches and whose content hashes to what it says is reused untouched.
 
 The reader trusts nothing it has not checked: `load_tokens` verifies every file of the directory
 against its files.json (written last by the stage; the one integrity check of a directory
@@ -57,15 +57,6 @@ SUMMARY_FILE = "summary.json"
 
 def shard_name(index: int) -> str:
     return f"train-{index:05d}.arrow"
-
-
-def shard_key(stage_digest: str | None, input_sha256: str) -> str | None:
-    """The key of the shard made from the manifest shard `input_sha256` under the stage key `stage_digest`.
-
-    None without a stage key: a shard written so is never reused (nothing says what made it)."""
-    if stage_digest is None:
-        return None
-    return hashlib.sha256(canonical_json({"stage": stage_digest, "input_sha256": input_sha256})).hexdigest()
 
 
 def rows_table(rows: EncodedRows) -> pa.Table:
@@ -177,20 +168,32 @@ def map_shard(path: Path, samples: int) -> TokenShard:
     return shard
 
 
-def reusable_shard(path: Path, key: str | None) -> dict | None:
-    """The stored stats (TokenStats JSON) of a shard written for exactly `key` whose content hashes to
-    what it stored and whose row count matches its stats; else None. Never reusable without a key."""
-    if key is None or not path.is_file():
-        return None
-    try:
-        batch, meta = read_shard(path)
-        if meta.get("key") != key:
-            return None
-        stats = meta["stats"]
-        ok = batch.num_rows == stats["samples_out"] and meta["content_sha256"] == content_sha256(batch)
-    except (OSError, pa.ArrowException, KeyError, TypeError, ValueError):
-        return None
-    return stats if ok else None
+@dataclass(frozen=True)
+class StoredTokens:
+    """A shard read back for the reuse check: a `dflashpipe.incremental.StoredShard` by shape (this module
+    imports nothing of the stage: training depends on it alone)."""
+
+    batch: pa.RecordBatch
+    meta: dict
+
+    @property
+    def key(self) -> str | None:
+        return self.meta.get("key")
+
+    @property
+    def record(self) -> dict:
+        """Its stats (TokenStats JSON)."""
+        return self.meta["stats"]
+
+    def intact(self) -> bool:
+        """Its row count matches its stats, and its content hashes to what it stored."""
+        return self.batch.num_rows == self.record["samples_out"] and self.meta["content_sha256"] == content_sha256(
+            self.batch
+        )
+
+
+def stored_shard(path: Path) -> StoredTokens:
+    return StoredTokens(*read_shard(path))
 
 
 @dataclass(frozen=True)
