@@ -235,8 +235,8 @@ def prepare(run: OverfitRun, target_dir: Path, work: Path) -> Path:
 def train(run: OverfitRun, target_dir: Path, tokens_dir: Path, out: Path, steps: int) -> dict:
     """Train to `steps` steps with the train stage's own function, resuming `out`'s last checkpoint."""
     from dflashpipe.pipeline import StageKey
-    from dflashpipe.train.state import TrainInputs
     from dflashpipe.train.stage import TrainPaths, train_drafter
+    from dflashpipe.train.state import TrainInputs
 
     inputs = TrainInputs(
         model=run.model_params(),
