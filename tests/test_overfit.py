@@ -2,10 +2,11 @@
 trainer memorises the target's own replies and then drafts them; a trainer broken on purpose in one of the
 ways published DFlash trainers were broken fails the same check.
 
-One published misalignment does not show in memorised tau: a block that also sees the context at its own
-anchor (`context_mask`, `<=` for `<`) still drafts what it memorised from the rest of the context (3.29
-against 3.83 aligned here; 6.89 of 8 on the real target at 40 steps). The last test catches it where it
-is: the training forward's blocks against the decoding path's, block for block."""
+Two do not always show in memorised tau, so each also has a check where it lives: a block that also sees
+the context at its own anchor (`context_mask`, `<=` for `<`) still drafts what it memorised from the rest
+of the context (3.29 against 3.83 aligned here, 6.89 of 8 on SmolLM2 at 40 steps), caught by the training
+forward's blocks against the decoding path's; a layer tapped one off collapses tau here but not on SmolLM2
+(6.89), caught by the trainer's target features against the ones decoding captures."""
 
 from __future__ import annotations
 
