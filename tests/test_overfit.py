@@ -47,7 +47,7 @@ def prepared(tmp_path_factory, smollm2_tokenizer_dir):
     """The talking target and, once, the memorised data: its greedy replies to 8 chitchat conversations."""
     target = write_talking_target(tmp_path_factory.mktemp("overfit-target"), smollm2_tokenizer_dir)
     work = tmp_path_factory.mktemp("overfit")
-    overfit.prepare(RUN, target, work)
+    overfit.prepared_data(RUN, target, work)
     return target, work
 
 
@@ -58,7 +58,8 @@ def test_a_correct_trainer_drafts_what_it_memorised(prepared):
     assert checkpoint.exact_prompts >= 2, "too few prompts whose greedy reply is the trained one to judge"
     assert checkpoint.verdict(BLOCK) == "aligned", checkpoint
     # It learned on the way: the trainer's own simulated acceptance rose from its first steps.
-    window = json.loads((work / "aligned" / "metrics" / "metrics.json").read_text())["acceptance_length"]
+    trained = overfit.prepared_data(RUN, target, work) / "aligned"
+    window = json.loads((trained / "metrics" / "metrics.json").read_text())["acceptance_length"]
     assert window["first"] < 1.5 < 2.5 < window["last"] == checkpoint.train_acceptance
 
 
