@@ -8,6 +8,7 @@ run, not only the steps it trained itself.
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ from dflashpipe import plots as plotting
 from dflashpipe.artifacts import PARTIAL, atomic_directory
 from dflashpipe.spread import Spread
 from dflashpipe.train.flops import throughput
-from dflashpipe.train.state import StepRecord, TrainInputs, TrainState
+from dflashpipe.train.state import StepRecord, TrainInputs, TrainState, acceptance_length
 from dflashpipe.train.topology import Topology
 
 
@@ -77,20 +78,13 @@ def acceptance_window(history: Sequence[StepRecord]) -> dict:
     """Simulated tau on the training blocks over the run's first and last tenth of steps (at least one each):
     learning shows as `last` above `first`; on data it memorised, decode-time tau should equal `last`."""
     n = max(1, len(history) // 10)
-
-    def over(records: Sequence[StepRecord]) -> float:
-        return round(1 + sum(h.accepted for h in records) / max(sum(h.blocks for h in records), 1), 4)
-
-    return {"first": over(history[:n]), "last": over(history[-n:]), "steps_each": n}
+    first, last = (round(acceptance_length(part), 4) for part in (history[:n], history[-n:]))
+    return {"first": first, "last": last, "steps_each": n}
 
 
 def seen_tokens(history: Sequence[StepRecord]) -> list[int]:
     """Supervised tokens trained on up to and including each step: the x of the learning curve."""
-    total, seen = 0, []
-    for h in history:
-        total += h.tokens
-        seen.append(total)
-    return seen
+    return list(itertools.accumulate(h.tokens for h in history))
 
 
 IMAGES = ("loss", "slot_accuracy", "tokens_per_s", "acceptance_length")

@@ -49,8 +49,8 @@ class StepRecord:
 
     @property
     def acceptance_length(self) -> float:
-        """Simulated tau on this step's training blocks (before its update): accepted per block + 1."""
-        return 1 + self.accepted / max(self.blocks, 1)
+        """Simulated tau on this step's training blocks (before its update)."""
+        return acceptance_length([self])
 
     @classmethod
     def of(
@@ -85,6 +85,11 @@ class StepRecord:
             accepted=accepted,
             blocks=blocks,
         )
+
+
+def acceptance_length(records: Sequence[StepRecord]) -> float:
+    """Simulated tau over the blocks of `records`: accepted slots per block, + 1 for the target's bonus token."""
+    return 1 + sum(h.accepted for h in records) / max(sum(h.blocks for h in records), 1)
 
 
 @dataclass
