@@ -207,7 +207,7 @@ class Checkpoint:
                 f"decode tau {self.tau:.2f} is {self.train_acceptance - self.tau:.2f} below training's "
                 f"{self.train_acceptance:.2f}"
             )
-        return "aligned" if not failed else "; ".join(failed)
+        return ALIGNED if not failed else "; ".join(failed)
 
 
 MEMORISED = 0.8
@@ -216,8 +216,8 @@ GAP = 0.25
 """Training-block acceptance minus decode tau beyond which trainer and decoder disagree (aligned: ~0)."""
 
 
-def prepare(run: OverfitRun, target_dir: Path, work: Path) -> Path:
-    """The manifest, the target's own replies and their tokens under `work`; returns the regenerated dir."""
+def prepare(run: OverfitRun, target_dir: Path, work: Path) -> None:
+    """The manifest, the target's own replies and their tokens under `work`."""
     from dflashpipe.data.manifest import build_manifest
     from dflashpipe.regenerate.run import regenerate_manifest
     from dflashpipe.tokens.run import tokenize_manifest
@@ -233,17 +233,30 @@ def prepare(run: OverfitRun, target_dir: Path, work: Path) -> Path:
     regenerate_manifest(regenerate, ["cpu"], work / "manifest", target_dir, work / "regenerated")
     tokenize = build(TokenizeParams, {**_project("tokenize"), "num_proc": 1, "min_supervised_tokens": 2}, "tokenize")
     tokenize_manifest(tokenize, work / "regenerated", target_dir, work / "tokens")
-    return work / "regenerated"
+
+
+def code_key(*stages: str) -> dict[str, str]:
+    """What dvc.yaml lists for `stages` (their code, params and fingerprint keys), less their data deps: the
+    benchmark makes its own data, which its directory's key covers. A change that would rerun those stages
+    never lets the benchmark reuse what it made before."""
+    from dflashpipe.pipeline import stage_key, stage_spec
+
+    inputs = {}
+    for name in stages:
+        data = [dep for dep in stage_spec(name, ROOT).deps if dep.startswith("data/")]
+        inputs |= {f"{name}:{k}": v for k, v in stage_key(name, ROOT, without_deps=data).inputs.items()}
+    return inputs
 
 
 def prepared_data(run: OverfitRun, target_dir: Path, work: Path) -> Path:
     """`work/data-<key>`, prepared unless it already is: the key is what the data depends on (the samples,
-    the reply length, the target's files), so a changed target or setting never finds the old data, nor
-    resumes an arm trained on it."""
+    the reply length, the target's files, and what dvc.yaml lists for the stages that make it), so a changed
+    target, setting or stage never finds the old data, nor resumes an arm trained on it."""
     from dflashpipe.artifacts import canonical_json, file_sha256
 
     files = {name: file_sha256(target_dir / name) for name in ("config.json", "model.safetensors", "tokenizer.json")}
-    inputs = {"samples": run.samples, "max_new_tokens": run.max_new_tokens, **files}
+    stages = code_key("manifest", "regenerate", "tokenize")
+    inputs = {"samples": run.samples, "max_new_tokens": run.max_new_tokens, **files, **stages}
     data = work / f"data-{hashlib.sha256(canonical_json(inputs)).hexdigest()[:16]}"
     if not (data / "tokens" / "files.json").is_file():
         prepare(run, target_dir, data)
@@ -266,8 +279,9 @@ def train(run: OverfitRun, target_dir: Path, tokens_dir: Path, out: Path, steps:
         ),
         train=run.train_params(steps),
     )
-    # The key is the run's settings, not its length: each segment resumes the one before it.
-    key = StageKey("train", {"overfit:run": json.dumps(asdict(run), sort_keys=True, default=str)})
+    # The run's settings (not its length: each segment resumes the one before it) and what dvc.yaml lists for
+    # train (its code, params.yaml's train and model keys that the run does not set, the kernel environment).
+    key = StageKey("train", {"overfit:run": json.dumps(asdict(run), sort_keys=True, default=str), **code_key("train")})
     paths = TrainPaths(tokens_dir, target_dir, out / "compile", out / "drafter", out / "state", out / "metrics")
     return train_drafter(inputs, paths, key, None)
 
