@@ -204,12 +204,14 @@ def test_every_output_path_the_code_names_is_written_by_exactly_one_stage(stages
         "MANIFEST",
         "REGENERATED",
         "TOKENS",
+        "FEATURES",
         "COMPILE",
         "DRAFTER",
         "TRAIN_STATE",
         "MANIFEST_METRICS",
         "REGENERATE_METRICS",
         "TOKENIZE_METRICS",
+        "FEATURES_METRICS",
         "TRAIN_METRICS",
     )
     for name in names:

@@ -38,6 +38,7 @@ TARGET = Path("data/target")
 MANIFEST = Path("data/manifest")
 REGENERATED = Path("data/regenerated")
 TOKENS = Path("data/tokens")
+FEATURES = Path("data/features")
 COMPILE = Path("data/compile")
 DRAFTER = Path("data/drafter")
 TRAIN_STATE = Path("data/train-state")
@@ -45,6 +46,7 @@ METRICS = Path("metrics")
 MANIFEST_METRICS = METRICS / "manifest.json"
 REGENERATE_METRICS = METRICS / "regenerate.json"
 TOKENIZE_METRICS = METRICS / "tokenize.json"
+FEATURES_METRICS = METRICS / "features.json"
 TRAIN_METRICS_DIR = METRICS / "train"
 TRAIN_METRICS = TRAIN_METRICS_DIR / "metrics.json"
 EVAL_METRICS = METRICS / "eval.json"
@@ -173,6 +175,27 @@ REUSE = {
         ("tokenize.num_proc",),
         "each shard's key adds its own input shard's sha256, so growing the manifest reuses the "
         "shards it already had; num_proc never changes a byte",
+    ),
+    "features": Reuse(
+        ("data/tokens",),
+        (
+            "model.block_size",
+            "model.num_anchors",
+            "model.gamma",
+            "model.attention",
+            "model.mask_token",
+            "model.final_norm",
+            "model.final_norm_scale",
+            "model.init",
+            "model.distill",
+            "model.distill_weight",
+            "topology.drafter_devices",
+            "topology.allow_shared_devices",
+        ),
+        "each shard's key adds its own token shard's sha256, so growing the data computes only the new shards; "
+        "the target's hidden states depend on the layers chosen (model.layers, target_layers, target_layer_ids) "
+        "and the length cut (model.seq_len), never on the drafter's other settings, which come with the model "
+        "section (a distilling drafter is refused offline before anything is computed)",
     ),
     "warmup": Reuse(why="train and bench use the compile artifact only if it was built for this key"),
     "train": Reuse(why="a checkpoint in data/train-state is resumed only if it was saved under this key"),

@@ -9,7 +9,8 @@ the same config resumes its own checkpoint, another does not. CONFIG_JSON may al
 - "key_inputs": extra inputs of the key, as `reuse_key` names them (e.g. {"dep:src/x.py": "edited"}),
   to stand for an edited dvc.yaml dep;
 - "compile_key_root": a DVC project whose warmup built WORKDIR/compile; the artifact is used only
-  if it was built for that project's warmup key as it is now (absent: no key, compile cold).
+  if it was built for that project's warmup key as it is now (absent: no key, compile cold);
+- "features_dir": the features stage's output, read when the config's "features" mode is offline.
 """
 
 from __future__ import annotations
@@ -20,12 +21,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
-from dflashpipe.params import CompileParams, ModelParams, TopologyParams, TrainParams, build  # noqa: E402
+from dflashpipe.params import (  # noqa: E402
+    CompileParams,
+    FeaturesParams,
+    ModelParams,
+    TopologyParams,
+    TrainParams,
+    build,
+)
 from dflashpipe.pipeline import StageKey, reuse_key  # noqa: E402
 from dflashpipe.train.loop import TrainInputs  # noqa: E402
 from dflashpipe.train.stage import TrainPaths, train_drafter  # noqa: E402
 
-OPTIONS = ("key_inputs", "compile_key_root")
+OPTIONS = ("key_inputs", "compile_key_root", "features_dir")
 
 
 def main(workdir: Path, config: dict) -> None:
@@ -34,10 +42,17 @@ def main(workdir: Path, config: dict) -> None:
         compile=build(CompileParams, config["compile"], "compile"),
         topology=build(TopologyParams, config["topology"], "topology"),
         train=build(TrainParams, config["train"], "train"),
+        features=build(FeaturesParams, config.get("features", {"mode": "online"}), "features"),
     )
     out = workdir / config["name"]
     paths = TrainPaths(
-        workdir / "tokens", workdir / "target", workdir / "compile", out / "drafter", out / "state", out / "metrics"
+        workdir / "tokens",
+        workdir / "target",
+        workdir / "compile",
+        out / "drafter",
+        out / "state",
+        out / "metrics",
+        Path(config["features_dir"]) if "features_dir" in config else None,
     )
     run_config = {k: v for k, v in config.items() if k not in OPTIONS}
     key = StageKey("train", {"scenario:config": json.dumps(run_config, sort_keys=True), **config.get("key_inputs", {})})

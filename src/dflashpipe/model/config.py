@@ -63,12 +63,9 @@ class DFlashConfig:
     @classmethod
     def for_target(cls, target_config: Any, params: ModelParams, mask_token_id: int) -> DFlashConfig:
         """Size a drafter for a Hugging Face target config: attention and MLP shapes follow the target."""
-        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        text = text_config(target_config)
         num_layers = text.num_hidden_layers
-        if params.target_layer_ids:
-            ids = check_target_layer_ids(params.target_layer_ids, num_layers)
-        else:
-            ids = spaced_target_layer_ids(num_layers, params.target_layer_count)
+        ids = target_layer_ids_for(target_config, params)
         rope = getattr(text, "rope_parameters", None) or {}
         heads = text.num_attention_heads
         return cls(
@@ -149,3 +146,17 @@ class DFlashConfig:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise SourceError(f"{where}: not a DFlash drafter config ({type(exc).__name__}: {exc})") from None
+
+
+def text_config(target_config: Any) -> Any:
+    """The language model's part of a Hugging Face config (a multimodal one nests it)."""
+    return target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+
+
+def target_layer_ids_for(target_config: Any, params: ModelParams) -> list[int]:
+    """The target layers whose hidden states feed the drafter: `model.target_layer_ids`, or the even spacing.
+    The drafter's config and the offline features (train/features.py) both take them from here."""
+    num_layers = text_config(target_config).num_hidden_layers
+    if params.target_layer_ids:
+        return check_target_layer_ids(params.target_layer_ids, num_layers)
+    return spaced_target_layer_ids(num_layers, params.target_layer_count)

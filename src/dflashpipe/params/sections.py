@@ -265,6 +265,17 @@ class TopologyParams:
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
+class FeaturesParams:
+    """Where train gets the target's hidden states at the drafter's layers (docs/quality.md measures both)."""
+
+    mode: Literal["online", "offline"]
+    """`online`: train runs the target on every batch, every epoch (no disk; the 8-GPU profile's choice, where
+    the features of 1.1M samples would take ~45 TB). `offline`: the features stage computes them once per
+    token shard, stored bf16 in data/features (bytes a token: 2 x layers x hidden), and train reads them:
+    the target's cost is paid once, not once an epoch; growing the data computes only the new shards."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
 class TrainParams:
     """The drafter's training recipe (DFlash defaults: AdamW, warmup + cosine, clip 1.0)."""
 
@@ -402,6 +413,7 @@ SECTIONS: dict[str, type] = {
     "model": ModelParams,
     "regenerate": RegenerateParams,
     "tokenize": TokenizeParams,
+    "features": FeaturesParams,
     "compile": CompileParams,
     "topology": TopologyParams,
     "train": TrainParams,

@@ -57,6 +57,7 @@ from dflashpipe.train.topology import Topology
 
 if TYPE_CHECKING:  # only an annotation: training imports no pyarrow (the GPU check's machine has none)
     from dflashpipe.tokens.shards import TokenData
+    from dflashpipe.train.features import FeatureStore
 
 POLL_S = 0.05
 
@@ -233,6 +234,8 @@ class Trainer:
     topology: Topology
     target_dir: Path
     pad_id: int
+    features: FeatureStore | None = None
+    """Offline (features.mode): the stored features, read in place of the target's forward."""
     replicas: list[Replica] = field(default_factory=list)
     targets: list[Any] = field(default_factory=list)
     state: TrainState = field(default_factory=TrainState)
@@ -319,7 +322,8 @@ class Trainer:
             raise run.errors[0]
 
     def target_worker(self, run: RunState, t: int) -> None:
-        """Target t's thread: the frozen forward and the anchors for its (step, replica) items, into the mailboxes."""
+        """Target t's thread: the frozen forward (offline: the stored features) and the anchors for its (step,
+        replica) items, into the mailboxes."""
         p = self.inputs
         n_targets, n_replicas = len(self.targets), len(self.replicas)
         layer_ids = self.replicas[0].drafter.config.target_layer_ids
@@ -332,7 +336,8 @@ class Trainer:
             while not slots.acquire(timeout=POLL_S):
                 if run.abort.is_set():
                     return
-            batch = collate(self.data, self.plan.rows(step, self.topology.rank, r), p.model.seq_len, self.pad_id)
+            rows = self.plan.rows(step, self.topology.rank, r)
+            batch = collate(self.data, rows, p.model.seq_len, self.pad_id)
             began = time.perf_counter()
             anchors, valid = sample_anchor_positions(
                 batch.loss_mask,
@@ -340,7 +345,10 @@ class Trainer:
                 anchor_generator(p.train.seed, step, self.global_replica(r)),
                 batch.document_ids,
             )
-            features, target_hidden = target_inputs(target, batch, anchors, layer_ids, p.model)
+            if self.features is None:
+                features, target_hidden = target_inputs(target, batch, anchors, layer_ids, p.model)
+            else:  # offline: what the features stage stored for these rows' sequences
+                features, target_hidden = self.features.rows(rows, feature_dtype(self.replicas[r].device)), None
             drafter_device = self.replicas[r].device
             dtype = feature_dtype(drafter_device)
             features = features.to(drafter_device, dtype)

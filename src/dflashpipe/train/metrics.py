@@ -50,6 +50,7 @@ def train_metrics(
         "supervised_tokens": int(sum(h.tokens for h in history)),
         "slot_accuracy": {str(k + 1): round(a, 6) for k, a in enumerate(accuracy)},
         "acceptance_length": acceptance_window(history),
+        "features": inputs.features.mode,
         "replicas": topology.replicas * topology.world_size,
         "replicas_identical": replicas_identical,
         "truncated_sequences": state.truncated,

@@ -10,10 +10,11 @@ from dflashpipe.compile.artifact import load_artifact_or_go_cold
 from dflashpipe.compile.guard import COUNTER, CompileGuard, dynamo_counters
 from dflashpipe.errors import DflashpipeError
 from dflashpipe.model.drafter import PUBLISHED_DTYPE
-from dflashpipe.pipeline import COMPILE, DRAFTER, TARGET, TOKENS, TRAIN_METRICS_DIR, TRAIN_STATE, StageKey
+from dflashpipe.pipeline import COMPILE, DRAFTER, FEATURES, TARGET, TOKENS, TRAIN_METRICS_DIR, TRAIN_STATE, StageKey
 from dflashpipe.tokens.shards import load_tokens
 from dflashpipe.train.card import write_model_card
 from dflashpipe.train.checkpoint import checkpoint_key, load_checkpoint, save_checkpoint
+from dflashpipe.train.features import FeatureLayout, FeatureStore
 from dflashpipe.train.loop import Trainer
 from dflashpipe.train.metrics import train_metrics, write_plots
 from dflashpipe.train.state import TrainInputs
@@ -30,12 +31,26 @@ class TrainPaths:
     drafter: Path
     state: Path
     metrics: Path
+    features: Path | None = None
+    """The features stage's output; read only when features.mode is offline."""
 
     @classmethod
     def pipeline(cls, root: Path | str = ".") -> TrainPaths:
         """dvc.yaml's paths, under the project root `root`."""
         root = Path(root)
-        return cls(*(root / p for p in (TOKENS, TARGET, COMPILE, DRAFTER, TRAIN_STATE, TRAIN_METRICS_DIR)))
+        return cls(*(root / p for p in (TOKENS, TARGET, COMPILE, DRAFTER, TRAIN_STATE, TRAIN_METRICS_DIR, FEATURES)))
+
+
+def offline_features(inputs: TrainInputs, paths: TrainPaths, data, target) -> FeatureStore:
+    """data/features checked against the drafter's layout and the token shards, before any step."""
+    if inputs.model.distill != "none":
+        raise DflashpipeError(
+            f"params.yaml: features.mode = offline stores the drafter's layers only, but model.distill = "
+            f"{inputs.model.distill!r} also needs the target's final states at every slot: use features.mode: online"
+        )
+    if paths.features is None:
+        raise DflashpipeError("features.mode is offline, but no features directory was given")
+    return FeatureStore.load(paths.features, paths.tokens, data, FeatureLayout.of(target.config, inputs.model))
 
 
 def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, compile_key: StageKey | None) -> dict:
@@ -67,6 +82,8 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
 
     trainer = Trainer(inputs, data, topology, paths.target, pad_id)
     trainer.build(tokenizer)
+    if inputs.features.mode == "offline":
+        trainer.features = offline_features(inputs, paths, data, trainer.targets[0])
     checkpoint = load_checkpoint(paths.state, key)
     if checkpoint is not None:
         trainer.restore(checkpoint)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dflashpipe.model import DraftLoss
-from dflashpipe.params import CompileParams, ModelParams, TopologyParams, TrainParams
+from dflashpipe.params import CompileParams, FeaturesParams, ModelParams, TopologyParams, TrainParams
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,7 @@ class TrainInputs:
     compile: CompileParams
     topology: TopologyParams
     train: TrainParams
+    features: FeaturesParams = FeaturesParams(mode="online")
 
 
 @dataclass

@@ -1,0 +1,209 @@
+"""Offline target features: the target's hidden states at the drafter's layers, computed once per token shard.
+
+Online (`features.mode: online`), train runs the frozen target on every batch it trains on, so every
+epoch pays the target's forward again; on the CPU that forward is most of a step. Offline, the
+`features` stage computes them once, one shard per token shard, and train reads them back: the
+target's cost is paid once, and an epoch after the first costs only the drafter.
+
+What is stored, for each sequence of a token shard, is exactly what the online trainer hands the
+drafter for it: the chosen layers' hidden states (`model.features.target_layer_features`) of its
+first `model.seq_len` tokens (train cuts a longer sequence there), the document attending only
+within itself, computed in the target's compute dtype and stored as bfloat16 (2 bytes x layers x
+hidden a token: 2,304 bytes on SmolLM2-135M with 2 layers; 40 KB on Qwen3-8B with 5, which is why
+the 8-GPU profile stays online). Sequences are packed into rows of `seq_len` to compute them, as
+train packs them; each document sees only itself, so how they were packed does not decide what is
+stored for it.
+
+This module is the format and the reader train uses; the stage that writes it is dflashpipe.features.
+
+A shard is a safetensors file: `features` [tokens, layers x hidden] bfloat16 and `offsets`
+[sequences + 1] int64, with the key, the input token shard, the layout and the sha256 of both
+tensors in its metadata. It follows the incremental protocol (dflashpipe.incremental): a shard is
+reused only under the key it was written for and only if it hashes to what it stored, so growing
+the data computes only the new shards and any edit to what dvc.yaml lists for the stage recomputes
+them all. Train maps the shards (safetensors reads slices of the mapped file) after checking every
+file against files.json and each shard's layout and input against the drafter and the token shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from dflashpipe.artifacts import verify_file_listing, write_bytes_atomic
+from dflashpipe.errors import SourceError
+from dflashpipe.tokens.shards import SUMMARY_FILE
+
+if TYPE_CHECKING:
+    from dflashpipe.params import ModelParams
+    from dflashpipe.tokens.shards import TokenData
+
+STORED_DTYPE = torch.bfloat16
+METADATA_KEY = "dflashpipe.features"
+FIX = "run `dvc repro features`"
+
+
+@dataclass(frozen=True)
+class FeatureLayout:
+    """What one token's stored features are: which target layers, how wide each, cut at which length."""
+
+    layer_ids: tuple[int, ...]
+    hidden_size: int
+    seq_len: int
+    dtype: str = "bfloat16"
+
+    @property
+    def width(self) -> int:
+        return len(self.layer_ids) * self.hidden_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.width * STORED_DTYPE.itemsize
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "layer_ids": list(self.layer_ids)}
+
+    @classmethod
+    def from_json(cls, raw: dict) -> FeatureLayout:
+        return cls(tuple(int(i) for i in raw["layer_ids"]), int(raw["hidden_size"]), int(raw["seq_len"]), raw["dtype"])
+
+    @classmethod
+    def of(cls, target_config: Any, model: ModelParams) -> FeatureLayout:
+        """The layout the drafter that `model` describes reads from this target."""
+        from dflashpipe.model.config import target_layer_ids_for, text_config
+
+        ids = target_layer_ids_for(target_config, model)
+        return cls(tuple(ids), text_config(target_config).hidden_size, model.seq_len)
+
+
+def shard_name(index: int) -> str:
+    return f"train-{index:05d}.safetensors"
+
+
+def kept_lengths(lengths: np.ndarray, seq_len: int) -> np.ndarray:
+    """Tokens stored per sequence: train cuts a sequence at seq_len, so nothing past it is ever read."""
+    return np.minimum(lengths, seq_len).astype(np.int64)
+
+
+def _tensors_sha256(features: torch.Tensor, offsets: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    h.update(np.ascontiguousarray(offsets.numpy()))
+    h.update(np.ascontiguousarray(features.view(torch.int16).numpy()))
+    return h.hexdigest()
+
+
+def write_shard(path: Path, features: torch.Tensor, offsets: torch.Tensor, meta: dict) -> None:
+    from safetensors.torch import save
+
+    meta = {**meta, "content_sha256": _tensors_sha256(features, offsets)}
+    write_bytes_atomic(path, save({"features": features, "offsets": offsets}, {METADATA_KEY: json.dumps(meta)}))
+
+
+@dataclass(frozen=True)
+class StoredFeatures:
+    """A shard read back for the reuse check (a `dflashpipe.incremental.StoredShard` by shape)."""
+
+    path: Path
+    meta: dict
+
+    @property
+    def key(self) -> str | None:
+        return self.meta.get("key")
+
+    @property
+    def record(self) -> dict:
+        return self.meta["record"]
+
+    def intact(self) -> bool:
+        from safetensors import safe_open
+
+        with safe_open(str(self.path), "pt") as f:
+            return _tensors_sha256(f.get_tensor("features"), f.get_tensor("offsets")) == self.meta["content_sha256"]
+
+
+def read_meta(path: Path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return json.loads((f.metadata() or {})[METADATA_KEY])
+
+
+def stored_shard(path: Path) -> StoredFeatures:
+    return StoredFeatures(path, read_meta(path))
+
+
+# --- the reader train uses ---------------------------------------------------------------------
+
+
+@dataclass
+class FeatureStore:
+    """data/features mapped for training: the stored features of any packed row, laid out as collate lays out
+    its tokens. Built only by `load`, which checks everything against the drafter and the token shards."""
+
+    layout: FeatureLayout
+    handles: list[Any]
+    """One open safetensors file per token shard, in order."""
+    offsets: list[np.ndarray]
+    starts: np.ndarray
+    """TokenData.starts: the global index of each shard's first sequence."""
+
+    @classmethod
+    def load(cls, features_dir: Path | str, tokens_dir: Path | str, data: TokenData, layout: FeatureLayout):
+        from safetensors import safe_open
+
+        features_dir, tokens_dir = Path(features_dir), Path(tokens_dir)
+        verify_file_listing(features_dir, FIX, SourceError)
+        summary = json.loads((features_dir / SUMMARY_FILE).read_text())
+        if summary.get("mode") != "offline":
+            raise SourceError(f"{features_dir}: built with features.mode {summary.get('mode')!r}, not offline: {FIX}")
+        token_entries = json.loads((tokens_dir / SUMMARY_FILE).read_text())["shards"]
+        entries = summary["shards"]
+        if len(entries) != len(token_entries):
+            raise SourceError(
+                f"{features_dir}: {len(entries)} features shards for {len(token_entries)} token shards: {FIX}"
+            )
+        handles, offsets = [], []
+        for k, (entry, tokens) in enumerate(zip(entries, token_entries, strict=True)):
+            path = features_dir / entry["file"]
+            if Path(entry["file"]).name != entry["file"]:
+                raise SourceError(f"{features_dir / SUMMARY_FILE}: lists {entry['file']!r}, not a file name: {FIX}")
+            handle = safe_open(str(path), "pt")
+            meta = json.loads((handle.metadata() or {})[METADATA_KEY])
+            found = FeatureLayout.from_json(meta["record"]["layout"])
+            shape = handle.get_slice("features").get_shape()
+            kept = kept_lengths(data.lengths[int(data.starts[k]) : int(data.starts[k + 1])], layout.seq_len)
+            want = [int(kept.sum()), layout.width]
+            if found != layout or list(shape) != want or handle.get_slice("features").get_dtype() != "BF16":
+                raise SourceError(
+                    f"{path}: features of shape {list(shape)} ({handle.get_slice('features').get_dtype()}) for target "
+                    f"layers {list(found.layer_ids)} cut at {found.seq_len} tokens, but the drafter reads {want} "
+                    f"(BF16) for layers {list(layout.layer_ids)} cut at {layout.seq_len}: {FIX}"
+                )
+            if meta["input"]["sha256"] != tokens["sha256"]:
+                raise SourceError(f"{path}: computed from another {tokens['file']} than data/tokens holds: {FIX}")
+            shard_offsets = handle.get_tensor("offsets").numpy()
+            if not np.array_equal(np.diff(shard_offsets), kept):
+                raise SourceError(f"{path}: its sequences' lengths differ from {tokens['file']}'s: {FIX}")
+            handles.append(handle)
+            offsets.append(shard_offsets)
+        return cls(layout, handles, offsets, data.starts)
+
+    def rows(self, rows: Sequence[Sequence[int]], dtype: torch.dtype) -> torch.Tensor:
+        """[B, seq_len, width] in `dtype`: each row's sequences' features one after another, zeros after."""
+        out = torch.zeros(len(rows), self.layout.seq_len, self.layout.width, dtype=dtype)
+        for r, row in enumerate(rows):
+            at = 0
+            for i in row:
+                k = int(np.searchsorted(self.starts, i, side="right")) - 1
+                j = i - int(self.starts[k])
+                start, end = int(self.offsets[k][j]), int(self.offsets[k][j + 1])
+                out[r, at : at + end - start] = self.handles[k].get_slice("features")[start:end]
+                at += end - start
+        return out
