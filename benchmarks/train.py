@@ -22,6 +22,12 @@ writes are required.
 
 `--baseline none` runs this tree's variants: compiled step with 2 drafter replicas (the default),
 1 replica (drafter-worker scaling), eager sdpa with the guard off (what compile buys).
+
+`--features` compares where the target's features come from, this tree only: it computes --data's
+features once with the features stage's own function (timed: the first epoch's extra cost, in target
+tokens/s), then runs online (the target's forward every step) and offline (the stored features)
+interleaved, --repeats times each, on the same data for the same steps: offline / online is what every
+epoch after the first gains.
 """
 
 from __future__ import annotations
@@ -48,10 +54,11 @@ DEFAULT_BASELINE = "047eb6f"
 SHARED_INPUTS = ("manifest", "target")
 
 
-def train_once(code: Path, data: Path, steps: int, variant: str, out: Path) -> dict:
-    """One run of `code`'s train stage function on `data`'s inputs; what every revision reports."""
+def train_once(code: Path, data: Path, steps: int, variant: str, out: Path, features: Path | None = None) -> dict:
+    """One run of `code`'s train stage function on `data`'s inputs; what every revision reports. `features`:
+    the stored features directory, read by the `offline-2` variant."""
     sys.path.insert(0, str(code / "src"))
-    from dflashpipe.params import load_params
+    from dflashpipe.params import FeaturesParams, load_params
     from dflashpipe.pipeline import reuse_key
     from dflashpipe.train.stage import TrainPaths, train_drafter
     from dflashpipe.train.state import TrainInputs
@@ -64,6 +71,7 @@ def train_once(code: Path, data: Path, steps: int, variant: str, out: Path) -> d
         compile=dataclasses.replace(p["compile"], enabled=compile_on, guard="error" if compile_on else "warn"),
         topology=dataclasses.replace(p["topology"], drafter_devices=drafters),
         train=dataclasses.replace(p["train"], max_steps=steps, checkpoint_every=0),
+        **({"features": FeaturesParams(mode="offline" if variant == "offline-2" else "online")} if features else {}),
     )
     paths = dataclasses.replace(
         TrainPaths.pipeline(code),
@@ -73,6 +81,7 @@ def train_once(code: Path, data: Path, steps: int, variant: str, out: Path) -> d
         drafter=out / "drafter",
         state=out / "state",
         metrics=out / "metrics",
+        **({"features": features} if features else {}),
     )
     # No resume key: every run trains every step. Warmup's key as it is now, so the artifact is loaded
     # exactly when the train stage would load it; only for the project's own data/.
@@ -90,8 +99,9 @@ def train_once(code: Path, data: Path, steps: int, variant: str, out: Path) -> d
     }
 
 
-def child(code: Path, data: Path, steps: int, variant: str) -> dict:
+def child(code: Path, data: Path, steps: int, variant: str, features: Path | None = None) -> dict:
     cmd = [sys.executable, __file__, "--child", str(code), "--data", str(data), "--steps", str(steps)]
+    cmd += ["--features-dir", str(features)] if features else []
     proc = subprocess.run(cmd + ["--variant", variant], capture_output=True, text=True, cwd=code)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not line:
@@ -172,24 +182,58 @@ def variants(steps: int, data: Path) -> None:
     print(f"compiled vs eager (2 replicas): {tps['compiled-2'] / tps['eager-2']:.2f}x")
 
 
+def features_side_by_side(steps: int, repeats: int, data: Path) -> None:
+    sys.path.insert(0, str(ROOT / "src"))
+    from dflashpipe.features import compute_features
+    from dflashpipe.params import load_params
+
+    p = load_params(ROOT)
+    with tempfile.TemporaryDirectory(prefix="bench-features-", dir=data) as tmp:
+        out = Path(tmp) / "features"
+        run = compute_features("offline", p["model"], "cpu", data / "tokens", data / "target", out)
+        first = run.summary["tokens"] / run.seconds
+        print(
+            f"features: {run.summary['tokens']} tokens, {run.summary['bytes'] / 1e6:.0f} MB, {run.seconds:.0f} s "
+            f"({first:.0f} target tokens/s): the first epoch's extra cost",
+            flush=True,
+        )
+        runs: dict[str, list[dict]] = {"online-2": [], "offline-2": []}
+        for i in range(repeats):
+            for name in runs:
+                runs[name].append(child(ROOT, data, steps, name, out))
+                r = runs[name][-1]
+                print(f"  repeat {i + 1} {name:9s} {r['tokens_per_s']:8.1f} sup. tok/s  busy {r['busy_s']}", flush=True)
+    tps = {k: [r["tokens_per_s"] for r in v] for k, v in runs.items()}
+    ratios = [off / on for off, on in zip(tps["offline-2"], tps["online-2"], strict=True)]
+    print(f"\n{steps} steps x {repeats} repeats, interleaved; median (min..max)")
+    for name, values in tps.items():
+        print(f"{name:10s} supervised tok/s {spread(values)}")
+    print(f"offline / online: {spread(ratios)} (per repeat, side by side)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--baseline", default=DEFAULT_BASELINE, help="git revision, or none (variants only)")
     parser.add_argument("--data", type=Path, default=ROOT / "data", help="holds manifest/, target/, tokens/")
+    parser.add_argument("--features", action="store_true", help="online vs offline features, this tree")
+    parser.add_argument("--features-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--variant", default="compiled-2", help=argparse.SUPPRESS)
     args = parser.parse_args()
     data = args.data.resolve()
     if args.child:
         with tempfile.TemporaryDirectory() as tmp:
-            print("RESULT " + json.dumps(train_once(args.child, data, args.steps, args.variant, Path(tmp))))
+            result = train_once(args.child, data, args.steps, args.variant, Path(tmp), args.features_dir)
+            print("RESULT " + json.dumps(result))
         return
     missing = [name for name in ("manifest", "target", "tokens") if not (data / name).is_dir()]
     if missing:
         sys.exit(f"{data}: no {', '.join(missing)}: run `dvc repro tokenize warmup` first (or pass --data)")
-    if args.baseline == "none":
+    if args.features:
+        features_side_by_side(args.steps, args.repeats, data)
+    elif args.baseline == "none":
         variants(args.steps, data)
     else:
         compare(args.baseline, args.steps, args.repeats, data)

@@ -313,3 +313,26 @@ def test_peak_flops_are_matched_on_the_device_name_and_unknown_on_the_cpu():
     assert peak_bf16_flops("NVIDIA H200") == 989e12
     assert peak_bf16_flops("NVIDIA GeForce RTX 3060") is None
     assert device_peak_flops(torch.device("cpu")) is None
+
+
+def test_held_out_sequences_are_never_trained_on_and_measured_every_n_steps(workdir):
+    from dflashpipe.train.data import held_out, without
+
+    data = load_tokens(workdir / "tokens")
+    held = held_out(data.starts, 3)
+    assert held == list(range(int(data.starts[1]) - 3, int(data.starts[1])))  # the first shard's last ones
+    plan = BatchPlan(without(data.lengths, held), 64, 1, 2, 2, seed=1)
+    trained = {i for step in range(40) for r in range(2) for row in plan.rows(step, 0, r) for i in row}
+    assert not trained & set(held), "held-out sequences were packed into training rows"
+    assert trained == set(range(len(data))) - set(held), "a sequence other than the held-out ones went missing"
+    with pytest.raises(ParamsError, match=r"train.heldout_sequences = \d+: the first token shard holds"):
+        held_out(data.starts, int(data.starts[1]))
+
+    metrics = train(workdir, config("heldout", drafters=2, max_steps=5, heldout_sequences=3, heldout_every=2))
+    curve = metrics["heldout_acceptance"]
+    # after step 1, every 2nd step, and the last
+    assert curve["sequences"] == 3 and curve["measured"] == 4
+    assert curve["first"]["step"] == 1 and curve["last"]["step"] == 5
+    assert 1.0 <= curve["last"]["tau"] <= MODEL["block_size"]
+    assert metrics["replicas_identical"] is True
+    assert (workdir / "heldout" / "metrics" / "plots" / "images" / "heldout_acceptance.png").is_file()

@@ -11,6 +11,8 @@ import yaml
 from dflashpipe.pipeline import (
     COMPILE,
     DRAFTER,
+    FEATURES,
+    FEATURES_METRICS,
     FINGERPRINT,
     MANIFEST,
     MANIFEST_METRICS,
@@ -35,6 +37,7 @@ OUTPUTS = {
     "manifest": {MANIFEST: BYTES, MANIFEST_METRICS: BYTES},
     "regenerate": {REGENERATED: BYTES, REGENERATE_METRICS: TIMED},
     "tokenize": {TOKENS: BYTES, TOKENIZE_METRICS: TIMED},
+    "features": {FEATURES: BYTES, FEATURES_METRICS: TIMED},
     "warmup": {COMPILE: KERNELS},  # report.json: graphs, shapes, counters, environment; not seconds
     "train": {
         DRAFTER: BYTES,

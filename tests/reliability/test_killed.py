@@ -19,6 +19,7 @@ from dflashpipe.params import load_params
 from dflashpipe.pipeline import (
     COMPILE,
     DRAFTER,
+    FEATURES,
     FINGERPRINT,
     MANIFEST,
     MANIFEST_METRICS,
@@ -301,6 +302,34 @@ def test_tokenize_killed_at_four_points_reuses_the_shards_it_completed(finished,
     )
     # what the killed runs completed was checked (key and content sha256) and reused, not encoded again
     assert f"encoded 0 shard(s), reused {shards}" in completed, completed
+
+
+def test_features_killed_at_four_points_reuses_the_shards_it_completed(finished, tmp_path):
+    project, log = finished, tmp_path / "log"
+    features = project / FEATURES
+    if json.loads((features / "summary.json").read_text())["mode"] != "offline":
+        set_params(project, features__mode="offline")
+        run(["dvc", "repro", "-s", "features"], project)
+    shards = len(list(features.glob("*.safetensors")))
+    assert shards >= 6, "too few shards for a kill to land among them"
+
+    def shards_written(n: int) -> Callable[[int], bool]:
+        return lambda _: len(list(features.glob("*.safetensors"))) >= n
+
+    completed = kill_then_repro(
+        project,
+        "features",
+        {
+            "target loading": stage_imported_torch("stages/features.py"),
+            "2 shards written": shards_written(2),
+            f"{shards - 2} of {shards} shards written": shards_written(shards - 2),
+            "listing written, not yet recorded": written(features / FILE_LISTING),
+        },
+        log,
+        (FEATURES,),  # metrics/features.json reports what this very run computed and reused
+        prepare=lambda: shutil.rmtree(features),  # from nothing: -f alone would reuse every shard
+    )
+    assert f"computed 0 shard(s), reused {shards}" in completed, completed
 
 
 def test_warmup_killed_while_compiling_leaves_no_artifact_and_no_cache_behind(finished, tmp_path):

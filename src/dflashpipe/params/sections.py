@@ -297,6 +297,11 @@ class TrainParams:
     """Save a resumable checkpoint every this many steps (0 = only at the end)."""
     prefetch: int
     """Batches of target features a target worker may run ahead of the drafters (bounded queues)."""
+    heldout_sequences: int = 0
+    """Sequences kept out of training (the last ones of the first token shard, which growing the data never
+    changes) on which the drafter's simulated acceptance is measured while it trains; 0 = none."""
+    heldout_every: int = 0
+    """Measure the held-out acceptance after every this many steps (and after the first and the last)."""
 
     def __post_init__(self) -> None:
         checks = (
@@ -304,6 +309,8 @@ class TrainParams:
             ("warmup_steps", self.warmup_steps, 0, 10**9),
             ("checkpoint_every", self.checkpoint_every, 0, 10**9),
             ("prefetch", self.prefetch, 1, 1024),
+            ("heldout_sequences", self.heldout_sequences, 0, 100_000),
+            ("heldout_every", self.heldout_every, 0, 10**9),
             ("seed", self.seed, 0, 2**63 - 1),
         )
         for key, value, low, high in checks:

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from dflashpipe.errors import ParamsError
+
 if TYPE_CHECKING:  # only an annotation: training imports no pyarrow (the GPU check's machine has none)
     from dflashpipe.tokens.shards import TokenData
 
@@ -48,6 +50,8 @@ def pack_rows(order: Sequence[int], lengths: Sequence[int], seq_len: int) -> lis
     room: list[int] = []  # free tokens of rows[-len(room):], the open ones
     for i in order:
         n = min(int(lengths[i]), seq_len)
+        if n == 0:  # held out of training (BatchPlan.held_out), or nothing to train on
+            continue
         open_from = len(rows) - len(room)
         for k, free in enumerate(room):
             if n <= free:
@@ -60,6 +64,30 @@ def pack_rows(order: Sequence[int], lengths: Sequence[int], seq_len: int) -> lis
             if len(room) > OPEN_ROWS:
                 room.pop(0)
     return rows
+
+
+def held_out(shard_starts: np.ndarray, count: int) -> list[int]:
+    """The sequences kept out of training (train.heldout_sequences): the last `count` of the first token shard.
+    Growing the data appends shards and never changes the first, and the evaluate stage's training-split
+    prompts are the first of its manifest shard, so these are neither."""
+    if count == 0:
+        return []
+    first = int(shard_starts[1]) if len(shard_starts) > 1 else 0
+    if count * 2 > first:
+        raise ParamsError(
+            f"params.yaml: train.heldout_sequences = {count}: the first token shard holds {first} sequences; "
+            f"hold out at most half of them"
+        )
+    return list(range(first - count, first))
+
+
+def without(lengths: np.ndarray, held: Sequence[int]) -> np.ndarray:
+    """`lengths` with the held-out sequences' set to 0: packing skips them, every other index stays put."""
+    if not len(held):
+        return lengths
+    kept = lengths.copy()
+    kept[list(held)] = 0
+    return kept
 
 
 @dataclass(frozen=True, eq=False)

@@ -51,8 +51,8 @@ from dflashpipe.model.loss import prediction_positions
 from dflashpipe.params import ModelParams, TrainParams
 from dflashpipe.target import load_materialised_target
 from dflashpipe.train.checkpoint import Checkpoint
-from dflashpipe.train.data import Batch, BatchPlan, collate
-from dflashpipe.train.state import StepRecord, TrainInputs, TrainState
+from dflashpipe.train.data import Batch, BatchPlan, collate, held_out, pack_rows, without
+from dflashpipe.train.state import StepRecord, TrainInputs, TrainState, acceptance_length
 from dflashpipe.train.topology import Topology
 
 if TYPE_CHECKING:  # only an annotation: training imports no pyarrow (the GPU check's machine has none)
@@ -191,6 +191,7 @@ class RunState:
     """Per target worker, cumulative: its forwards and copies, not its waits."""
     step_began: float
     """perf_counter() when the step now running began (the end of the previous one)."""
+    held_out: HeldOut | None
     barrier: threading.Barrier = field(init=False)
     """The replicas' lockstep; its action ends each step (Trainer.end_step)."""
     errors: list[BaseException] = field(default_factory=list)
@@ -227,6 +228,27 @@ def target_inputs(
         return target_features_and_predictions(target, ids, attention, layer_ids, at, documents, positions)
 
 
+@dataclass(frozen=True)
+class HeldOut:
+    """The held-out sequences (train.heldout_sequences) as the drafter step's inputs: chunks of the compiled
+    step's rows (micro_batch; the last padded with empty rows), fixed anchors, and their features computed
+    once. Measured with the training step itself, so no new graph is compiled and no kernel differs."""
+
+    chunks: list[tuple[torch.Tensor, ...]]
+    sequences: int
+
+    def acceptance(self, step_fn: Callable[..., DraftLoss], guard: CompileGuard, device: torch.device) -> float:
+        """Simulated tau on the held-out blocks: what the drafter's weights now would get verified."""
+        accepted = blocks = 0.0
+        for inputs in self.chunks:
+            with autocast(device):
+                out = guard.call("held-out acceptance", step_fn, *inputs)
+            accepted += float(out.accepted.detach())
+            blocks += float(out.blocks.detach())
+            del out  # its graph: this forward is never backpropagated
+        return acceptance_length([StepRecord(0, 0.0, 0.0, 0, 0.0, [], [], 0.0, 0.0, accepted=accepted, blocks=blocks)])
+
+
 @dataclass
 class Trainer:
     inputs: TrainInputs
@@ -241,11 +263,15 @@ class Trainer:
     state: TrainState = field(default_factory=TrainState)
 
     @functools.cached_property
+    def held_out_sequences(self) -> list[int]:
+        return held_out(self.data.starts, self.inputs.train.heldout_sequences)
+
+    @functools.cached_property
     def plan(self) -> BatchPlan:
-        """One plan for the run: its target threads share its packed epochs."""
+        """One plan for the run, the held-out sequences left out: its target threads share its packed epochs."""
         p = self.inputs
         return BatchPlan(
-            self.data.lengths,
+            without(self.data.lengths, self.held_out_sequences),
             p.model.seq_len,
             self.topology.world_size,
             self.topology.replicas,
@@ -283,6 +309,42 @@ class Trainer:
             rep.optimizer.load_state_dict(copy.deepcopy(checkpoint.optimizer))
         self.state = checkpoint.state
 
+    def held_out(self) -> HeldOut | None:
+        """The held-out sequences' step inputs on replica 0's device, their features computed now (in the main
+        thread, before any worker starts), or None when none are held out."""
+        p, ids = self.inputs, self.held_out_sequences
+        if not ids:
+            return None
+        device, layer_ids = self.replicas[0].device, self.replicas[0].drafter.config.target_layer_ids
+        rows = pack_rows(ids, self.data.lengths, p.model.seq_len)
+        rows += [[]] * (-len(rows) % p.compile.micro_batch)  # whole compiled shapes
+        chunks = []
+        for k in range(0, len(rows), p.compile.micro_batch):
+            part = rows[k : k + p.compile.micro_batch]
+            batch = collate(self.data, part, p.model.seq_len, self.pad_id)
+            generator = torch.Generator().manual_seed(p.train.seed + 0x5EED + k)
+            anchors, valid = sample_anchor_positions(
+                batch.loss_mask, p.model.num_anchors, generator, batch.document_ids
+            )
+            if self.features is not None:
+                features, target_hidden = self.features.rows(part, feature_dtype(device)), None
+            else:
+                features, target_hidden = target_inputs(self.targets[0], batch, anchors, layer_ids, p.model)
+            inputs = (
+                features,
+                batch.input_ids,
+                batch.loss_mask,
+                anchors,
+                valid,
+                batch.document_ids,
+                batch.position_ids,
+            )
+            inputs += (target_hidden,) if target_hidden is not None else ()
+            chunks.append(
+                tuple(t.to(device, feature_dtype(device)) if t.is_floating_point() else t.to(device) for t in inputs)
+            )
+        return HeldOut(chunks, len(ids))
+
     def warm_up_compiled(self) -> float:
         """Run every replica's compiled step once, forward and backward, in the main thread."""
         began = time.perf_counter()
@@ -303,6 +365,7 @@ class Trainer:
             mailboxes=[Mailbox(abort) for _ in self.replicas],
             target_busy_s=[0.0] * len(self.targets),
             step_began=time.perf_counter(),
+            held_out=self.held_out(),
         )
         # An exception in the action breaks the barrier: the thread that ran it reports it.
         run.barrier = threading.Barrier(len(self.replicas), action=functools.partial(self.end_step, run))
@@ -399,7 +462,13 @@ class Trainer:
                 padding_fraction=sum(res.padding_fraction for res in results) / len(self.replicas),
             )
         )
-        run.step_began = now
+        done, every = self.state.step + 1, self.inputs.train.heldout_every
+        if run.held_out is not None and (
+            done == 1 or done == self.inputs.train.max_steps or (every and done % every == 0)
+        ):
+            rep = self.replicas[0]  # every replica holds the same weights
+            self.state.history[-1].heldout_acceptance = run.held_out.acceptance(rep.step_fn, run.guard, rep.device)
+        run.step_began = time.perf_counter()
         self.state.step += 1
         run.on_step(self)
 

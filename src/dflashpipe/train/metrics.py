@@ -50,6 +50,7 @@ def train_metrics(
         "supervised_tokens": int(sum(h.tokens for h in history)),
         "slot_accuracy": {str(k + 1): round(a, 6) for k, a in enumerate(accuracy)},
         "acceptance_length": acceptance_window(history),
+        "heldout_acceptance": heldout_curve(history, inputs.train.heldout_sequences),
         "features": inputs.features.mode,
         "replicas": topology.replicas * topology.world_size,
         "replicas_identical": replicas_identical,
@@ -83,12 +84,25 @@ def acceptance_window(history: Sequence[StepRecord]) -> dict:
     return {"first": first, "last": last, "steps_each": n}
 
 
+def heldout_curve(history: Sequence[StepRecord], sequences: int) -> dict | None:
+    """Simulated tau on the held-out sequences where it was measured (train.heldout_every): the first and the
+    last measurement, each with the steps and supervised tokens behind it; None when nothing is held out."""
+    points = [
+        {"step": h.step + 1, "supervised_tokens": seen, "tau": round(h.heldout_acceptance, 4)}
+        for h, seen in zip(history, seen_tokens(history), strict=True)
+        if h.heldout_acceptance is not None
+    ]
+    if not points:
+        return None
+    return {"sequences": sequences, "measured": len(points), "first": points[0], "last": points[-1]}
+
+
 def seen_tokens(history: Sequence[StepRecord]) -> list[int]:
     """Supervised tokens trained on up to and including each step: the x of the learning curve."""
     return list(itertools.accumulate(h.tokens for h in history))
 
 
-IMAGES = ("loss", "slot_accuracy", "tokens_per_s", "acceptance_length")
+IMAGES = ("loss", "slot_accuracy", "tokens_per_s", "acceptance_length", "heldout_acceptance")
 """metrics/train/plots/images/<name>.png: static images of the key curves (dvc.yaml declares the folder)."""
 
 
@@ -121,6 +135,17 @@ def plot_images(history: Sequence[StepRecord]) -> dict[str, bytes]:
             "simulated tau on the training blocks",
             y_title="accepted + 1 per block",
         ),
+        "heldout_acceptance": plotting.line_spec(
+            [
+                {"supervised_tokens": seen, "heldout_acceptance": round(h.heldout_acceptance, 4)}
+                for h, seen in zip(history, seen_tokens(history), strict=True)
+                if h.heldout_acceptance is not None
+            ],
+            "supervised_tokens",
+            "heldout_acceptance",
+            "simulated tau on held-out sequences (train.heldout_sequences)",
+            y_title="accepted + 1 per block",
+        ),
     }
     return {name: plotting.png(specs[name]) for name in IMAGES}
 
@@ -146,6 +171,8 @@ def write_plots(history: list[StepRecord], metrics_dir: Path) -> None:
                 live.log_metric("tokens_per_s", h.tokens / max(h.seconds, 1e-9), plot=True)
                 live.log_metric("slot1_accuracy", h.slot_correct[0] / max(h.slot_count[0], 1), plot=True)
                 live.log_metric("acceptance_length", h.acceptance_length, plot=True)
+                if h.heldout_acceptance is not None:
+                    live.log_metric("heldout_acceptance", h.heldout_acceptance, plot=True)
                 live.log_metric("supervised_tokens_seen", seen, plot=True)
                 live.log_metric("target_busy_s", h.target_busy_s, plot=True)
                 live.log_metric("drafter_busy_s", h.drafter_busy_s, plot=True)

@@ -47,6 +47,8 @@ class StepRecord:
     """Leading right slots summed over this process's blocks (DraftLoss.accepted): simulated verification."""
     blocks: float = 0.0
     """Blocks whose slot 1 is supervised, over this process's replicas (DraftLoss.blocks)."""
+    heldout_acceptance: float | None = None
+    """Simulated tau on the held-out sequences after this step's update (train.heldout_every); None: not measured."""
 
     @property
     def acceptance_length(self) -> float:
