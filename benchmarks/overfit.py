@@ -87,6 +87,7 @@ class OverfitRun:
             "min_lr_ratio": 1.0,
             "seed": self.seed,
             "checkpoint_every": max_steps,
+            "heldout_sequences": 0,  # memorisation: every sequence is trained on, and then decoded
         }
         return build(TrainParams, raw, "train")
 

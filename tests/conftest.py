@@ -49,9 +49,14 @@ TINY_PROFILE = {
     **{f"model__{key}": value for key, value in TINY_MODEL.items()},
     # Eager: the compiled path has its own tests (test_compile, test_train); here it would only cost minutes.
     "compile__enabled": False,
+    # Online: the chain the explain and history tests follow (tokenize -> train); the offline path has its
+    # own tests (test_features, and the features kill test, which switches the shared run to it).
+    "features__mode": "online",
     "train__max_steps": 3,
     "train__warmup_steps": 1,
     "train__checkpoint_every": 0,
+    "train__heldout_sequences": 2,  # of the first token shard's few sequences (5 at 20 samples a shard)
+    "train__heldout_every": 2,
     "evaluate__num_prompts": 1,
     "evaluate__max_new_tokens": 12,
     "evaluate__max_prompt_tokens": 512,
