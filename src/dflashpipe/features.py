@@ -23,7 +23,15 @@ from tqdm import tqdm
 from dflashpipe.errors import DflashpipeError
 from dflashpipe.incremental import SUMMARY_FILE, InputShard, ShardedOutput
 from dflashpipe.train.data import collate, pack_rows
-from dflashpipe.train.features import STORED_DTYPE, FeatureLayout, kept_lengths, shard_name, stored_shard, write_shard
+from dflashpipe.train.features import (
+    STORED_DTYPE,
+    FeatureLayout,
+    kept_lengths,
+    refuse_distillation,
+    shard_name,
+    stored_shard,
+    write_shard,
+)
 
 if TYPE_CHECKING:
     from dflashpipe.params import ModelParams
@@ -116,11 +124,7 @@ def compute_features(
         summary = {"mode": mode, "shards": []}
         output.finish(summary)
         return FeaturesRun(summary, [], [], 0, time.perf_counter() - began)
-    if model.distill != "none":
-        raise DflashpipeError(
-            f"params.yaml: features.mode = offline stores the drafter's layers only, but model.distill = "
-            f"{model.distill!r} also needs the target's final states at every slot: use features.mode: online"
-        )
+    refuse_distillation(model)
     data = load_tokens(tokens_dir)
     token_entries = json.loads((tokens_dir / SUMMARY_FILE).read_text())["shards"]
     names = [shard_name(i) for i in range(len(token_entries))]

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from dflashpipe.artifacts import verify_file_listing, write_bytes_atomic
-from dflashpipe.errors import SourceError
+from dflashpipe.errors import ParamsError, SourceError
 from dflashpipe.tokens.shards import SUMMARY_FILE
 
 if TYPE_CHECKING:
@@ -81,6 +81,16 @@ class FeatureLayout:
 
         ids = target_layer_ids_for(target_config, model)
         return cls(tuple(ids), text_config(target_config).hidden_size, model.seq_len)
+
+
+def refuse_distillation(model: ModelParams) -> None:
+    """Offline features are the drafter's layers only; a distilling drafter also reads the target's final
+    states at every slot, which only the online forward gives."""
+    if model.distill != "none":
+        raise ParamsError(
+            f"params.yaml: features.mode = offline stores the drafter's layers only, but model.distill = "
+            f"{model.distill!r} also needs the target's final states at every slot: use features.mode: online"
+        )
 
 
 def shard_name(index: int) -> str:

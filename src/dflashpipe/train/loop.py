@@ -52,7 +52,7 @@ from dflashpipe.params import ModelParams, TrainParams
 from dflashpipe.target import load_materialised_target
 from dflashpipe.train.checkpoint import Checkpoint
 from dflashpipe.train.data import Batch, BatchPlan, collate, held_out, pack_rows, without
-from dflashpipe.train.state import StepRecord, TrainInputs, TrainState, acceptance_length
+from dflashpipe.train.state import StepRecord, TrainInputs, TrainState, simulated_tau
 from dflashpipe.train.topology import Topology
 
 if TYPE_CHECKING:  # only an annotation: training imports no pyarrow (the GPU check's machine has none)
@@ -246,7 +246,7 @@ class HeldOut:
             accepted += float(out.accepted.detach())
             blocks += float(out.blocks.detach())
             del out  # its graph: this forward is never backpropagated
-        return acceptance_length([StepRecord(0, 0.0, 0.0, 0, 0.0, [], [], 0.0, 0.0, accepted=accepted, blocks=blocks)])
+        return simulated_tau(accepted, blocks)
 
 
 @dataclass

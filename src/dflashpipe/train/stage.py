@@ -14,7 +14,7 @@ from dflashpipe.pipeline import COMPILE, DRAFTER, FEATURES, TARGET, TOKENS, TRAI
 from dflashpipe.tokens.shards import load_tokens
 from dflashpipe.train.card import write_model_card
 from dflashpipe.train.checkpoint import checkpoint_key, load_checkpoint, save_checkpoint
-from dflashpipe.train.features import FeatureLayout, FeatureStore
+from dflashpipe.train.features import FeatureLayout, FeatureStore, refuse_distillation
 from dflashpipe.train.loop import Trainer
 from dflashpipe.train.metrics import train_metrics, write_plots
 from dflashpipe.train.state import TrainInputs
@@ -43,11 +43,7 @@ class TrainPaths:
 
 def offline_features(inputs: TrainInputs, paths: TrainPaths, data, target) -> FeatureStore:
     """data/features checked against the drafter's layout and the token shards, before any step."""
-    if inputs.model.distill != "none":
-        raise DflashpipeError(
-            f"params.yaml: features.mode = offline stores the drafter's layers only, but model.distill = "
-            f"{inputs.model.distill!r} also needs the target's final states at every slot: use features.mode: online"
-        )
+    refuse_distillation(inputs.model)
     if paths.features is None:
         raise DflashpipeError("features.mode is offline, but no features directory was given")
     return FeatureStore.load(paths.features, paths.tokens, data, FeatureLayout.of(target.config, inputs.model))

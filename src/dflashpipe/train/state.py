@@ -90,9 +90,14 @@ class StepRecord:
         )
 
 
+def simulated_tau(accepted: float, blocks: float) -> float:
+    """Accepted slots per block, + 1 for the target's bonus token: what greedy verification would give."""
+    return 1 + accepted / max(blocks, 1)
+
+
 def acceptance_length(records: Sequence[StepRecord]) -> float:
-    """Simulated tau over the blocks of `records`: accepted slots per block, + 1 for the target's bonus token."""
-    return 1 + sum(h.accepted for h in records) / max(sum(h.blocks for h in records), 1)
+    """Simulated tau over the blocks of `records`."""
+    return simulated_tau(sum(h.accepted for h in records), sum(h.blocks for h in records))
 
 
 @dataclass
