@@ -163,9 +163,11 @@ def test_an_edited_source_file_hits_the_stages_that_list_it(committed):
 
 def test_a_compile_env_var_names_the_fingerprint_key_and_hits_warmup_not_data(committed):
     run(["dvc", "repro", "fingerprint"], committed, env={"TORCHINDUCTOR_MAX_AUTOTUNE": "1"})
-    report = explain("HEAD", "workspace", committed)
     kernel = naming("env")
     assert {"warmup", "train", "evaluate"} <= set(kernel) and not {"manifest", "tokenize"} & set(kernel)
+    # the fingerprint file alone (no live machine): what `dvc status` compares against
+    report = explain("HEAD", "workspace", committed, machine=False)
+    assert report.machine is None
     assert verdicts(report) == {**quiet(), **dict.fromkeys(kernel, DIRECT)}
     (cause,) = report.root_causes
     assert (cause.kind, cause.what, cause.new) == (
@@ -175,18 +177,20 @@ def test_a_compile_env_var_names_the_fingerprint_key_and_hits_warmup_not_data(co
     )
     # evaluate times a compiled train step on warmup's kernels, so it lists what decides them too
     assert cause.stages == kernel
-    # this process has no such variable: the file describes another machine, and explain says so first
+    # this process has no such variable: the file describes another machine, and explain says so first; the
+    # machine is what `dvc repro` will run with here, and it is the one dvc.lock recorded: nothing is invalid
+    report = explain("HEAD", "workspace", committed)
     machine = report.machine
     assert machine.stale and [(c.what, c.old, c.new) for c in machine.changes] == [
         ("env.TORCHINDUCTOR_MAX_AUTOTUNE", "1", None)
     ]
-    assert machine.invalid == kernel and machine.edited == []
+    assert machine.invalid == [] and machine.edited == []
+    assert verdicts(report) == quiet() and report.root_causes == []
     first = to_markdown(report).split("### This machine\n")[1].splitlines()[0]
     assert first.startswith(
         "- the fingerprint file is stale: env.TORCHINDUCTOR_MAX_AUTOTUNE now null (recorded 1); "
-        f"these stages are invalid on this machine: {', '.join(kernel)} ("
+        "these stages are invalid on this machine: none ("
     )
-    assert explain("HEAD", "workspace", committed, machine=False).machine is None
 
 
 def test_an_edited_model_file_hits_warmup_and_train(committed):
@@ -643,9 +647,23 @@ def test_compare_paths_name_the_changed_files_of_a_directory_and_skip_unchanged_
     assert found["b"].paths == ["b <- out/a: directory changed (file listing not in the cache) (a: params.yaml:a.n)"]
 
 
+def fingerprint_values(stages: dict, facts: dict) -> dict[str, object]:
+    """lock_of's `values` for every fingerprint key the stages name, as `facts` (a fingerprint) holds them."""
+    from dflashpipe.explain.machine import ABSENT, _lookup
+
+    named = {
+        k
+        for d in stages.values()
+        for e in d.get("params", [])
+        if isinstance(e, dict)
+        for k in e.get(FINGERPRINT_PARAMS, [])
+    }
+    return {f"{FINGERPRINT_PARAMS}:{k}": _lookup(facts, k) for k in named if _lookup(facts, k) is not ABSENT}
+
+
 def test_a_stale_fingerprint_names_the_edited_torch_file_and_the_stages_it_invalidates(dag):
     from dflashpipe.explain import EditedFile, Machine, machine_lines
-    from dflashpipe.explain.machine import fingerprint_changes, invalid_stages
+    from dflashpipe.explain.machine import Live, attribute_to_machine, fingerprint_changes, with_live_fingerprint
 
     recorded = json.loads((ROOT / "data/env/fingerprint.json").read_text())
     now = json.loads(json.dumps(recorded))
@@ -656,16 +674,35 @@ def test_a_stale_fingerprint_names_the_edited_torch_file_and_the_stages_it_inval
         ("torch.files_edited", ["torch/fx/_symbolic_trace.py"]),
         ("torch.files_ok", False),
     ]
-    stages = read_revision_state(LockState("HEAD", dag, lock_of(dag)))
-    invalid = invalid_stages(changes, stages)
-    # the readers of torch.files_edited (the kernel environment), and nothing that reads data
-    assert invalid == naming("torch.files_edited") and {"warmup", "train", "evaluate"} <= set(invalid)
     edited = EditedFile("torch/fx/_symbolic_trace.py", "sha256=old", "sha256=new", ["Tracer.trace"])
-    first, second = machine_lines(Machine(True, changes, invalid, [edited], "full check: hashed all 3 torch files"))
+    live = Live(Machine(True, changes, [], [edited], "full check: hashed all 3 torch files"), now)
+    # the workspace's file and lock say nothing moved; its fingerprint keys are read off the machine instead
+    lock = lock_of(dag, values=fingerprint_values(dag, recorded))
+    workspace = with_live_fingerprint(read_revision_state(LockState("workspace", dag, lock)), live)
+    found = compare(read_revision_state(LockState("HEAD", dag, lock)), workspace, {}, None, "HEAD", "workspace")
+    attribute_to_machine(found, live)
+    readers = naming("torch.files_edited")  # the kernel environment, and nothing that reads data
+    assert {"warmup", "train", "evaluate"} <= set(readers) and "tokenize" not in readers
+    assert verdict_map(found) == {**quiet(), **dict.fromkeys(readers, DIRECT)}
+    (cause,) = root_causes(found)
+    assert (cause.kind, cause.what, cause.old, cause.new, cause.stages) == (
+        "machine",
+        "torch.files_edited",
+        [],
+        ["torch/fx/_symbolic_trace.py"],
+        readers,
+    )
+    assert cause.evidence.endswith(
+        "this machine now (observed live; data/env/fingerprint.json still says []: stale); "
+        "edited torch/fx/_symbolic_trace.py (changed: Tracer.trace)"
+    )
+    # the header's list is read off the same verdicts, and each change names the stages it hits
+    assert live.machine.invalid == readers and changes[0].stages == readers and changes[1].stages == []
+    first, second = machine_lines(live.machine)
     assert first.startswith(
         'the fingerprint file is stale: torch.files_edited now ["torch/fx/_symbolic_trace.py"] (recorded []); '
         "torch.files_ok now false (recorded true); "
-        f"these stages are invalid on this machine: {', '.join(invalid)} (full check"
+        f"these stages are invalid on this machine: {', '.join(readers)} (full check"
     )
     assert second == (
         "edited installed file torch/fx/_symbolic_trace.py: sha256=new (the wheel's RECORD says sha256=old); "
