@@ -666,6 +666,8 @@ def test_a_stale_fingerprint_names_the_edited_torch_file_and_the_stages_it_inval
     from dflashpipe.explain.machine import Live, attribute_to_machine, fingerprint_changes, with_live_fingerprint
 
     recorded = json.loads((ROOT / "data/env/fingerprint.json").read_text())
+    threads = {"torch_intra_op": 2, "torch_inter_op": 2, "env": {}, "affinity": "0-1", "cpu_quota": "none"}
+    recorded["threads"] = recorded.get("threads") or threads  # a file recorded before the thread facts
     now = json.loads(json.dumps(recorded))
     now["torch"]["files_edited"] = ["torch/fx/_symbolic_trace.py"]
     now["torch"]["files_ok"] = False
