@@ -749,3 +749,47 @@ def test_a_figure_read_off_a_clock_is_never_called_a_deterministic_move():
     counted = ["per_source.chitchat.tau", "throughput.flops_per_step", "verify_steps", "final_loss", "shards"]
     assert [k for k in timed + counted if is_throughput(k, {}, {})] == timed
     assert is_throughput("tau", {"tau_spread.low": 1.0}, {})  # a recorded spread says so whatever the name
+
+
+def busy(cpu_over_wall: float, load: float) -> dict:
+    """A spread's `machine` facts (spread.Busy.to_json) for 2 CPUs."""
+    return {"cpu_s": 2.0 * cpu_over_wall, "wall_s": 2.0, "cpu_over_wall": cpu_over_wall, "cpus": 2, "load_1m": load}
+
+
+def test_a_timed_figure_that_moved_with_no_input_changed_says_what_the_machine_facts_say(dag):
+    quiet_run = {"low": 50.0, "high": 53.0, "repeats": 5, "machine": busy(1.95, 0.4)}
+    busy_run = {"low": 30.0, "high": 33.0, "repeats": 5, "machine": busy(0.9, 3.8)}
+    found = deltas_between(
+        dag, (lock_of(dag), train_metrics(52.0, quiet_run)), (lock_of(dag), train_metrics(31.0, busy_run))
+    )
+    assert set(found) == {"tokens_per_s"}  # the facts ride in the spread, never as metrics of their own
+    m = found["tokens_per_s"]
+    assert (m.call, m.causes) == (CHANGE, [])
+    assert m.machine == (
+        "while measuring: before CPU time/wall 1.95 on 2 CPUs, load 0.4; after CPU time/wall 0.9 on 2 CPUs, load 3.8"
+    )
+    assert metric_line(m)[1].endswith(f"changed inputs: none recorded; {m.spread}; recorded machine facts: {m.machine}")
+    # an input that reaches the figure is its cause: no machine story then
+    found = deltas_between(
+        dag,
+        (lock_of(dag, values={"train.lr": 1e-3}), train_metrics(52.0, quiet_run)),
+        (lock_of(dag, values={"train.lr": 2e-3}), train_metrics(31.0, busy_run)),
+    )
+    assert (found["tokens_per_s"].causes, found["tokens_per_s"].machine) == (["params.yaml:train.lr"], "")
+
+
+def test_a_figure_measured_under_other_threads_than_the_machine_now_names_them(dag):
+    """The workspace's verdicts read the machine now; a figure in it was measured under what its dvc.lock
+    recorded. When the machine is back to what A recorded, no input differs, and the lock says why it moved."""
+    from dflashpipe.explain import metric_deltas
+
+    key = "data/env/fingerprint.json:threads.env"
+    sa = MetricsState("HEAD", dag, lock_of(dag, values={key: {}}), train_metrics(52.0, None))
+    sb = MetricsState("workspace", dag, lock_of(dag, values={key: {"OMP_NUM_THREADS": "1"}}), train_metrics(31.0, None))
+    now = read_revision_state(sa)  # the machine now, as HEAD recorded it
+    verdicts = compare(read_revision_state(sa), now, {}, None, "HEAD", "workspace")
+    assert set(verdict_map(verdicts).values()) == {UNCHANGED, ALWAYS}
+    (m,) = (d for d in metric_deltas(sa, sb, now, verdicts) if d.key == "tokens_per_s")
+    assert (m.call, m.causes) == (UNMEASURED, [])
+    assert m.machine == 'the runs were recorded (dvc.lock) with threads.env {} -> {"OMP_NUM_THREADS": "1"}'
+

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dflashpipe import env
-from dflashpipe.explain import DIRECT, DOWNSTREAM, explain, print_text, to_json, to_markdown
+from dflashpipe.explain import DIRECT, DOWNSTREAM, NOISE, explain, print_text, to_json, to_markdown
 from tests.conftest import copy_project, run
 from tests.test_explain import naming, quiet, verdicts
 
@@ -119,3 +119,50 @@ def test_a_variable_set_here_but_not_fingerprinted_is_the_machine_cause(committe
     assert not report.machine.stale and report.machine.invalid == []
     assert verdicts(report) == {**quiet(), **dict.fromkeys(readers, DIRECT)}
     assert [(c.kind, c.what) for c in report.root_causes] == [("param", "data/env/fingerprint.json:env")]
+
+
+def test_a_thread_count_set_here_is_the_machine_cause_of_warmup_and_the_timed_stages(committed, capsys, monkeypatch):
+    recorded = json.loads((committed / "data/env/fingerprint.json").read_text())["threads"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    report = explain("HEAD", "workspace", committed)
+    kernels, timed = naming("threads.torch_intra_op"), naming("threads.env")
+    assert timed == ["train", "bench", "evaluate"] and kernels == ["warmup", *timed]
+    causes = {c.what: c for c in report.root_causes}
+    assert causes["threads.env"].kind == "machine" and causes["threads.env"].new["OMP_NUM_THREADS"] == "1"
+    assert causes["threads.env"].stages == timed
+    if recorded["torch_intra_op"] > 1:  # torch now starts with one thread: other CPU kernels, so warmup too
+        intra = causes["threads.torch_intra_op"]
+        assert (intra.kind, intra.old, intra.new, intra.stages) == ("machine", recorded["torch_intra_op"], 1, kernels)
+        assert verdicts(report) == {**quiet(), **dict.fromkeys(kernels, DIRECT)}
+    else:
+        assert verdicts(report) == {**quiet(), **dict.fromkeys(timed, DIRECT)}
+    assert_one_story(report, committed, capsys, {"OMP_NUM_THREADS": "1"})
+
+
+def metric(report, file: str, key: str):
+    return next(m for m in report.metrics if (m.file, m.key) == (file, key))
+
+
+def test_bench_re_measured_with_one_thread_names_the_thread_change(committed, monkeypatch):
+    # every timed figure carries what the machine gave the process while it measured
+    for file in ("metrics/bench.json", "metrics/train/metrics.json"):
+        facts = json.loads((committed / file).read_text())["tokens_per_s_spread"]["machine"]
+        assert set(facts) == {"cpu_s", "wall_s", "cpu_over_wall", "cpus", "load_1m"}, file
+    run(["dvc", "repro", "bench"], committed, env={"OMP_NUM_THREADS": "1"})
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # explained in the shell that re-measured: the file is current
+    report = explain("HEAD", "workspace", committed)
+    assert not report.machine.stale
+    threads = next(c for c in report.root_causes if c.what == "data/env/fingerprint.json:threads.env")
+    assert threads.kind == "param" and threads.new["OMP_NUM_THREADS"] == "1" and "bench" in threads.stages
+    moved = metric(report, "metrics/bench.json", "tokens_per_s")
+    assert moved.call == NOISE or "data/env/fingerprint.json:threads.env" in moved.causes, moved
+    # back in a shell without it: the machine is HEAD's again, so no input of bench differs from HEAD's record;
+    # the figure still moved, and explain says what the records of the two measurements say
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    report = explain("HEAD", "workspace", committed)
+    assert report.machine.stale and "threads.env" in [c.what for c in report.machine.changes]
+    moved = metric(report, "metrics/bench.json", "tokens_per_s")
+    assert moved.causes == []
+    assert "threads.env {" in moved.machine and '"OMP_NUM_THREADS": "1"' in moved.machine
+    assert moved.machine.startswith("the runs were recorded (dvc.lock) with ")
+    assert "; while measuring: before CPU time/wall " in moved.machine

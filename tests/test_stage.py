@@ -162,3 +162,19 @@ def test_a_file_is_hashed_once_unless_its_stat_moved(tmp_path, monkeypatch):
     file.write_bytes(b"bbbb")
     os.utime(file, (old, old))
     assert pipeline._file_digest(file) != first and len(reads) == 3
+
+
+def test_a_measurement_window_records_cpu_time_against_wall_time():
+    from dflashpipe.spread import Measuring, Spread
+
+    with Measuring() as idle:
+        time.sleep(0.2)
+    assert idle.busy.wall_s >= 0.2 and idle.busy.cpu_s / idle.busy.wall_s < 0.5  # asleep: no CPU wanted
+    with Measuring() as spinning:
+        began = time.process_time()
+        while time.process_time() - began < 0.1:
+            pass
+    assert spinning.busy.cpu_s >= 0.1 and spinning.busy.cpu_s <= spinning.busy.wall_s * 1.05  # one thread
+    recorded = Spread.of([1.0, 2.0, 3.0]).record("tokens_per_s", busy=spinning.busy)
+    assert recorded["tokens_per_s_spread"]["machine"] == spinning.busy.to_json()
+    assert Spread.read(recorded, "tokens_per_s") == Spread(2.0, 1.0, 3.0, 3)  # readers see the figure as before

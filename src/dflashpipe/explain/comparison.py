@@ -27,7 +27,8 @@ from dflashpipe.explain.report import (
     StageState,
     Verdict,
 )
-from dflashpipe.explain.state import State, dir_listing, in_cache, read_metrics
+from dflashpipe.explain.state import State, dir_listing, in_cache, read_metrics, read_revision_state
+from dflashpipe.pipeline import FINGERPRINT
 
 LISTED_FILES = 5
 """How many changed files of one directory a path names before it says how many more there are."""
@@ -241,6 +242,13 @@ def metric_deltas(sa: State, sb: State, new: dict[str, StageState], verdicts: li
             todo.extend(by_stage[s].linked)
         return sorted(set(found))
 
+    recorded: list[dict[str, StageState]] = []  # each side's dvc.lock: what each measurement ran with
+
+    def ran_with() -> list[dict[str, StageState]]:
+        if not recorded:
+            recorded.extend((_lock_state(sa), _lock_state(sb)))
+        return recorded
+
     deltas = []
     for st in new.values():
         for path in st.metrics:
@@ -260,6 +268,8 @@ def metric_deltas(sa: State, sb: State, new: dict[str, StageState], verdicts: li
                     delta.spread = f"before {_described(before)}; after {_described(after)}"
                     if delta.call == NOISE:
                         delta.causes = []  # within the repeats' range: nothing upstream is to blame
+                    if not delta.causes:
+                        delta.machine = _machine_facts(st.name, key, old, cur, ran_with())
                 deltas.append(delta)
     return deltas
 
@@ -287,3 +297,41 @@ def figure(flat: dict, key: str) -> spread.Spread | None:
 
 def _described(s: spread.Spread | None) -> str:
     return "no spread recorded" if s is None else s.describe()
+
+
+def _lock_state(state: State) -> dict[str, StageState]:
+    try:
+        return read_revision_state(state)
+    except Exception:  # an unreadable record says nothing here; the verdicts already reported on it
+        return {}
+
+
+def _machine_facts(stage: str, key: str, old: dict, cur: dict, recorded: list[dict[str, StageState]]) -> str:
+    """What the two measurements' records say about their machines: fingerprint keys of `stage` that its two
+    dvc.lock entries differ on, and each side's `machine` facts from `<key>_spread` (spread.Busy)."""
+    said = []
+    before, after = (r.get(stage) for r in recorded) if len(recorded) == 2 else (None, None)
+    if before is not None and after is not None and before.locked and after.locked:
+        was, now = before.params.get(str(FINGERPRINT), {}), after.params.get(str(FINGERPRINT), {})
+        keys = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+        moved = [f"{k} {_compact(was.get(k))} -> {_compact(now.get(k))}" for k in keys]
+        if moved:
+            said.append(f"the runs were recorded (dvc.lock) with {'; '.join(moved)}")
+    busy = [_busy(flat, key) for flat in (old, cur)]
+    if any(busy):
+        said.append(f"while measuring: before {busy[0] or 'not recorded'}; after {busy[1] or 'not recorded'}")
+    return "; ".join(said)
+
+
+def _busy(flat: dict, key: str) -> str:
+    prefix = f"{key}{spread.SUFFIX}.{spread.BUSY}."
+    facts = {k[len(prefix) :]: v for k, v in flat.items() if k.startswith(prefix)}
+    if not facts:
+        return ""
+    ratio, load, cpus = facts.get("cpu_over_wall"), facts.get("load_1m"), facts.get("cpus")
+    return f"CPU time/wall {ratio} on {cpus} CPUs, load {load}"
+
+
+def _compact(value) -> str:
+    text = json.dumps(value, sort_keys=True, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
