@@ -793,3 +793,16 @@ def test_a_figure_measured_under_other_threads_than_the_machine_now_names_them(d
     assert (m.call, m.causes) == (UNMEASURED, [])
     assert m.machine == 'the runs were recorded (dvc.lock) with threads.env {} -> {"OMP_NUM_THREADS": "1"}'
 
+
+def test_an_upstream_that_only_rewrote_its_metrics_invalidates_nothing_downstream(dag):
+    """regenerate reran (`dvc repro -f`) and wrote new timings into metrics/regenerate.json, its shards byte for
+    byte the same: tokenize reads the shards, never that file, so no alarm is raised without a changed path."""
+    timings = {"metrics/regenerate.json": "md5(new timings)"}
+    found = {v.stage: v for v in compared(dag, lock_of(dag), lock_of(dag, timings))}
+    assert (found["regenerate"].verdict, found["tokenize"].verdict) == (UNCHANGED, UNCHANGED)
+    assert found["tokenize"].upstream == [] and found["tokenize"].paths == []
+    # the shards themselves changed: now tokenize is downstream, and says through which file
+    shards = {**timings, "data/regenerated": "new md5(data/regenerated)"}
+    found = {v.stage: v for v in compared(dag, lock_of(dag), lock_of(dag, shards))}
+    assert found["tokenize"].verdict == DOWNSTREAM and found["tokenize"].upstream == ["regenerate"]
+    assert found["tokenize"].paths == ["tokenize <- data/regenerated (regenerate: unchanged)"]

@@ -114,7 +114,12 @@ def compare(
                         )
                     )
         for u in ups[name]:
-            changed_outs = [o for o in new[u].outs if old.get(u) and old[u].outs.get(o) != new[u].outs.get(o)]
+            # only the outputs this stage reads: a metrics file an upstream rewrote (its timings) reaches no one
+            changed_outs = [
+                o
+                for o in new[u].outs
+                if old.get(u) and old[u].outs.get(o) != new[u].outs.get(o) and any(_inside(d, o) for d in st.deps)
+            ]
             if verdicts[u].verdict in (DIRECT, DOWNSTREAM) or (changed_outs and not _restorable(verdicts[u])):
                 v.upstream.append(u)
         if st.frozen:
