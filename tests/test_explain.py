@@ -806,3 +806,63 @@ def test_an_upstream_that_only_rewrote_its_metrics_invalidates_nothing_downstrea
     found = {v.stage: v for v in compared(dag, lock_of(dag), lock_of(dag, shards))}
     assert found["tokenize"].verdict == DOWNSTREAM and found["tokenize"].upstream == ["regenerate"]
     assert found["tokenize"].paths == ["tokenize <- data/regenerated (regenerate: unchanged)"]
+
+
+def test_a_compile_cache_rebuilt_to_other_bytes_for_the_same_key_is_equivalent(dag, tmp_path):
+    """data/compile's bytes differ from build to build (paths and timestamps inside the objects), but inductor
+    names every file by its cache key and report.json records the warmup key: same names and key, same kernels."""
+    cache = DirCache(tmp_path)
+
+    def build(name: str, digest: str, files: tuple[str, ...] = ("inductor/ab/kernel.so",)) -> str:
+        report = json.dumps({"built_for": {"stage": "warmup", "digest": digest}, "seconds": len(name)})
+        cache.put(f"report-{name}", report.encode())
+        listing = [{"relpath": f, "md5": f"{f}-{name}"} for f in files] + [
+            {"relpath": "report.json", "md5": f"report-{name}"}
+        ]
+        cache.put(f"{name}.dir", json.dumps(listing).encode())
+        return f"{name}.dir"
+
+    # a kernel named by its source's hash, and an FX graph entry (its key a directory, the entry file named by a
+    # hash of its bytes, which hold timings): the key is what must match, not the entry's name
+    entries = ("inductor/ab/cabc.cpp", "inductor/ab/cabc.so", "inductor/fxgraph/f3/f3key/{}")
+    here = build("here", "k" * 64, tuple(f.format("entry1") for f in entries))
+    there = build("there", "k" * 64, tuple(f.format("entry2") for f in entries))
+    found = {
+        v.stage: v
+        for v in compared(dag, lock_of(dag, {"data/compile": there}), lock_of(dag, {"data/compile": here}), cache=cache)
+    }
+    assert verdict_map(found.values()) == quiet()
+    assert found["warmup"].note.startswith(
+        "data/compile rebuilt here, equivalent: other bytes, the same 4 entries by inductor's cache keys, "
+        "built for the same warmup key (kkkkkkkkkkkk)"
+    )
+    assert found["train"].paths == found["bench"].paths == []
+    # built for another key, or other files (other cache keys): what reads it is invalidated, naming the path
+    for other in (
+        build("key", "x" * 64, tuple(f.format("entry1") for f in entries)),
+        build("files", "k" * 64, ("inductor/cd/ccd.cpp", "inductor/cd/ccd.so", "inductor/fxgraph/f3/f3key/entry1")),
+        build("graph", "k" * 64, ("inductor/ab/cabc.cpp", "inductor/ab/cabc.so", "inductor/fxgraph/g4/g4key/entry1")),
+    ):
+        found = {
+            v.stage: v
+            for v in compared(
+                dag, lock_of(dag, {"data/compile": there}), lock_of(dag, {"data/compile": other}), cache=cache
+            )
+        }
+        assert (found["train"].verdict, found["bench"].verdict) == (DOWNSTREAM, DOWNSTREAM)
+        assert found["bench"].paths[0].startswith("bench <- data/compile/")
+
+
+def test_a_forced_rebuild_of_the_compile_cache_is_equivalent_and_invalidates_nothing(committed):
+    run(["dvc", "repro", "-f", "warmup"], committed)
+    lock = yaml.safe_load((committed / "dvc.lock").read_text())["stages"]["warmup"]["outs"][0]["md5"]
+    head = yaml.safe_load(run(["git", "show", "HEAD:dvc.lock"], committed).stdout)["stages"]["warmup"]["outs"][0]
+    report = explain("HEAD", "workspace", committed)
+    by_stage = {v.stage: v for v in report.stages}
+    if lock == head["md5"]:  # the rebuild gave the very same bytes: nothing to tell apart
+        assert verdicts(report) == quiet()
+        return
+    assert verdicts(report) == quiet() and report.root_causes == []
+    assert by_stage["warmup"].note.startswith("data/compile rebuilt here, equivalent: other bytes, the same ")
+    assert by_stage["train"].paths == [] and by_stage["bench"].paths == []
+    assert "| warmup | unchanged | data/compile rebuilt here, equivalent" in to_markdown(report)

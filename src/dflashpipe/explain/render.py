@@ -112,7 +112,7 @@ def verdict_reason(v: Verdict) -> str:
     if v.verdict == OUTPUTS:
         return "; ".join(f"{cause_line(c)} ({c.evidence.split('; ')[-1]})" for c in v.causes)
     if v.verdict == UNCHANGED:
-        return "none of its deps, params or upstream outputs changed"
+        return v.note or "none of its deps, params or upstream outputs changed"
     return v.note
 
 
