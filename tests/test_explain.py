@@ -680,7 +680,7 @@ def test_a_stale_fingerprint_names_the_edited_torch_file_and_the_stages_it_inval
     live = Live(Machine(True, changes, [], [edited], "full check: hashed all 3 torch files"), now)
     # the workspace's file and lock say nothing moved; its fingerprint keys are read off the machine instead
     lock = lock_of(dag, values=fingerprint_values(dag, recorded))
-    workspace = with_live_fingerprint(read_revision_state(LockState("workspace", dag, lock)), live)
+    workspace = with_live_fingerprint(read_revision_state(LockState("workspace", dag, lock)), live, {})
     found = compare(read_revision_state(LockState("HEAD", dag, lock)), workspace, {}, None, "HEAD", "workspace")
     attribute_to_machine(found, live)
     readers = naming("torch.files_edited")  # the kernel environment, and nothing that reads data
@@ -866,3 +866,36 @@ def test_a_forced_rebuild_of_the_compile_cache_is_equivalent_and_invalidates_not
     assert by_stage["warmup"].note.startswith("data/compile rebuilt here, equivalent: other bytes, the same ")
     assert by_stage["train"].paths == [] and by_stage["bench"].paths == []
     assert "| warmup | unchanged | data/compile rebuilt here, equivalent" in to_markdown(report)
+
+
+def test_a_fingerprint_key_the_file_does_not_hold_yet_is_read_off_the_machine(dag):
+    """dvc.yaml names a key the fingerprint file (and dvc.lock) predate: `dvc repro` will run the stages with
+    the machine's value, so the machine's value is what the verdicts compare, and the header agrees."""
+    from dflashpipe.explain import Machine
+    from dflashpipe.explain.machine import Live, attribute_to_machine, fingerprint_changes, with_live_fingerprint
+
+    recorded = json.loads((ROOT / "data/env/fingerprint.json").read_text())
+    recorded.pop("threads", None)  # a file written before the thread facts
+    now = {**recorded, "threads": {"torch_intra_op": 2, "torch_inter_op": 2, "env": {}, "affinity": "0-1"}}
+    now["threads"]["cpu_quota"] = "none"
+    lock = lock_of(dag, values=fingerprint_values(dag, recorded))
+    for entry in lock["stages"].values():  # nor did dvc.lock record them
+        named = entry["params"].get(FINGERPRINT_PARAMS, {})
+        for key in [k for k in named if k.startswith("threads.")]:
+            del named[key]
+    live = Live(Machine(True, fingerprint_changes(recorded, now), [], [], "full check"), now)
+    declared = {
+        name: [k for e in d.get("params", []) if isinstance(e, dict) for k in e.get(FINGERPRINT_PARAMS, [])]
+        for name, d in dag.items()
+    }
+    workspace = with_live_fingerprint(read_revision_state(LockState("workspace", dag, lock)), live, declared)
+    found = compare(read_revision_state(LockState("HEAD", dag, lock)), workspace, {}, None, "HEAD", "workspace")
+    attribute_to_machine(found, live)
+    readers = naming("threads.torch_intra_op")
+    assert verdict_map(found) == {**quiet(), **dict.fromkeys(readers, DIRECT)}
+    causes = {c.what: c for c in root_causes(found)}
+    intra = causes["threads.torch_intra_op"]
+    assert (intra.kind, intra.old, intra.new, intra.stages) == ("machine", None, 2, readers)
+    assert intra.evidence.endswith("this machine now (observed live; data/env/fingerprint.json lacks it: stale)")
+    assert causes["threads.env"].stages == naming("threads.env")
+    assert live.machine.invalid == readers

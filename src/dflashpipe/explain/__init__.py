@@ -52,7 +52,7 @@ from dflashpipe.explain.state import (
     read_workspace_state,
     resolve,
 )
-from dflashpipe.pipeline import PARAMS_FILE
+from dflashpipe.pipeline import FINGERPRINT, PARAMS_FILE, read_dvc_yaml, spec_of
 
 __all__ = [
     "ALWAYS",
@@ -120,7 +120,7 @@ def explain(a: str = "HEAD", b: str = WORKSPACE, root: str | Path = ".", machine
             workspace, recorded = read_workspace_state(repo)
             live = observe_machine(root) if machine else None
             if live is not None:
-                workspace = with_live_fingerprint(workspace, live)
+                workspace = with_live_fingerprint(workspace, live, _fingerprint_keys(root))
             sa, sb = sa or State(repo, WORKSPACE), sb or State(repo, WORKSPACE)
             old = read_revision_state(sa) if isinstance(sa, Commit) else workspace
             new = read_revision_state(sb) if isinstance(sb, Commit) else workspace
@@ -130,3 +130,12 @@ def explain(a: str = "HEAD", b: str = WORKSPACE, root: str | Path = ".", machine
                 attribute_to_machine(verdicts, live)
             metrics = metric_deltas(sa, sb, new, verdicts)
     return Report(a, b, root_causes(verdicts), verdicts, metrics, live and live.machine)
+
+
+def _fingerprint_keys(root: Path) -> dict[str, list[str]]:
+    """Each stage's fingerprint keys as the workspace's dvc.yaml declares them."""
+    stages = read_dvc_yaml(root).get("stages", {}) or {}
+    return {
+        name: [key for file, key in spec_of(name, entry).params if file == str(FINGERPRINT)]
+        for name, entry in stages.items()
+    }

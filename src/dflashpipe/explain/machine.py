@@ -102,27 +102,31 @@ def _compact(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def with_live_fingerprint(stages: dict[str, StageState], live: Live) -> dict[str, StageState]:
+def with_live_fingerprint(
+    stages: dict[str, StageState], live: Live, declared: dict[str, list[str]]
+) -> dict[str, StageState]:
     """The workspace's stages with every fingerprint key they name read off the machine now, not the file.
 
     `dvc repro` reruns the fingerprint stage (always_changed) before anything that reads it, so what each stage
-    will run with here is the live value; the file only says what the machine was when that stage last ran."""
+    will run with here is the live value; the file only says what the machine was when that stage last ran.
+    `declared`: each stage's fingerprint keys in dvc.yaml, so a key the file does not hold yet (a key added since
+    the fingerprint stage last ran) is read off the machine too."""
     file = str(FINGERPRINT)
     result = {}
     for name, st in stages.items():
-        if file not in st.params:
+        keys = list(dict.fromkeys([*st.params.get(file, {}), *declared.get(name, [])]))
+        if not keys:
             result[name] = st
             continue
-        values, where = dict(st.params[file]), dict(st.where)
-        for key in list(values):
-            now = _lookup(live.facts, key)
+        values, where = dict(st.params.get(file, {})), dict(st.where)
+        for key in keys:
+            now, was = _lookup(live.facts, key), values.get(key, ABSENT)
             if now is ABSENT:  # DVC reads a key the file lacks as absent
-                values.pop(key)
+                values.pop(key, None)
                 continue
-            if now != values[key]:
-                where[f"param:{file}:{key}"] = (
-                    f"this machine now (observed live; {file} still says {_compact(values[key])}: stale)"
-                )
+            if now != was:
+                says = "lacks it" if was is ABSENT else f"still says {_compact(was)}"
+                where[f"param:{file}:{key}"] = f"this machine now (observed live; {file} {says}: stale)"
             values[key] = now
         result[name] = replace(st, params={**st.params, file: values}, where=where)
     return result
