@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import yaml
@@ -42,7 +43,10 @@ def test_no_data_tokens_or_train_input_reaches_bench_in_dvc_yaml():
     assert keys and all(k.split(".")[0] in ("model", "compile") for k in keys), keys
     # the same shapes and kernel environment as the compile it times
     assert keys == [k for k in stages["warmup"]["params"] if isinstance(k, str)]
-    assert bench["params"][-1] == stages["warmup"]["params"][-1]
+    fingerprint = "data/env/fingerprint.json"
+    kernels, timed = stages["warmup"]["params"][-1][fingerprint], bench["params"][-1][fingerprint]
+    # the kernel environment, and the thread facts that decide how fast they run (never a data key)
+    assert timed[: len(kernels)] == kernels and all(k.startswith("threads.") for k in timed[len(kernels) :])
     # evaluate decodes eagerly: no compile artifact or compile params any more, only bench's figure
     evaluate = stages["evaluate"]
     assert "data/compile" not in evaluate["deps"] and "metrics/bench.json" in evaluate["deps"]
@@ -68,6 +72,12 @@ def test_the_eager_step_is_timed_in_rounds_with_its_spread(tiny_target_dir, tmp_
     assert check_figure(metrics["paths"]["eager"], "tokens_per_s") == headline
     assert metrics["shapes"]["input_ids"] == [1, tiny_model_params().seq_len]
     assert not list(tmp_path.glob("metrics/.bench.json*"))  # the inductor scratch is gone
+    # what the machine gave the rounds rides with each figure: CPU time over wall time, CPUs, load
+    machine = metrics["tokens_per_s_spread"]["machine"]
+    assert set(machine) == {"cpu_s", "wall_s", "cpu_over_wall", "cpus", "load_1m"}
+    assert machine["cpu_s"] > 0 and machine["wall_s"] > 0 and machine["cpus"] == len(os.sched_getaffinity(0))
+    assert machine["cpu_over_wall"] == pytest.approx(machine["cpu_s"] / machine["wall_s"], abs=0.01)
+    assert metrics["paths"]["eager"]["tokens_per_s_spread"]["machine"] == machine
 
 
 @pytest.fixture(scope="module")

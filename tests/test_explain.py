@@ -163,9 +163,11 @@ def test_an_edited_source_file_hits_the_stages_that_list_it(committed):
 
 def test_a_compile_env_var_names_the_fingerprint_key_and_hits_warmup_not_data(committed):
     run(["dvc", "repro", "fingerprint"], committed, env={"TORCHINDUCTOR_MAX_AUTOTUNE": "1"})
-    report = explain("HEAD", "workspace", committed)
     kernel = naming("env")
     assert {"warmup", "train", "evaluate"} <= set(kernel) and not {"manifest", "tokenize"} & set(kernel)
+    # the fingerprint file alone (no live machine): what `dvc status` compares against
+    report = explain("HEAD", "workspace", committed, machine=False)
+    assert report.machine is None
     assert verdicts(report) == {**quiet(), **dict.fromkeys(kernel, DIRECT)}
     (cause,) = report.root_causes
     assert (cause.kind, cause.what, cause.new) == (
@@ -175,18 +177,20 @@ def test_a_compile_env_var_names_the_fingerprint_key_and_hits_warmup_not_data(co
     )
     # evaluate times a compiled train step on warmup's kernels, so it lists what decides them too
     assert cause.stages == kernel
-    # this process has no such variable: the file describes another machine, and explain says so first
+    # this process has no such variable: the file describes another machine, and explain says so first; the
+    # machine is what `dvc repro` will run with here, and it is the one dvc.lock recorded: nothing is invalid
+    report = explain("HEAD", "workspace", committed)
     machine = report.machine
     assert machine.stale and [(c.what, c.old, c.new) for c in machine.changes] == [
         ("env.TORCHINDUCTOR_MAX_AUTOTUNE", "1", None)
     ]
-    assert machine.invalid == kernel and machine.edited == []
+    assert machine.invalid == [] and machine.edited == []
+    assert verdicts(report) == quiet() and report.root_causes == []
     first = to_markdown(report).split("### This machine\n")[1].splitlines()[0]
     assert first.startswith(
         "- the fingerprint file is stale: env.TORCHINDUCTOR_MAX_AUTOTUNE now null (recorded 1); "
-        f"these stages are invalid on this machine: {', '.join(kernel)} ("
+        "these stages are invalid on this machine: none ("
     )
-    assert explain("HEAD", "workspace", committed, machine=False).machine is None
 
 
 def test_an_edited_model_file_hits_warmup_and_train(committed):
@@ -643,11 +647,27 @@ def test_compare_paths_name_the_changed_files_of_a_directory_and_skip_unchanged_
     assert found["b"].paths == ["b <- out/a: directory changed (file listing not in the cache) (a: params.yaml:a.n)"]
 
 
+def fingerprint_values(stages: dict, facts: dict) -> dict[str, object]:
+    """lock_of's `values` for every fingerprint key the stages name, as `facts` (a fingerprint) holds them."""
+    from dflashpipe.explain.machine import ABSENT, _lookup
+
+    named = {
+        k
+        for d in stages.values()
+        for e in d.get("params", [])
+        if isinstance(e, dict)
+        for k in e.get(FINGERPRINT_PARAMS, [])
+    }
+    return {f"{FINGERPRINT_PARAMS}:{k}": _lookup(facts, k) for k in named if _lookup(facts, k) is not ABSENT}
+
+
 def test_a_stale_fingerprint_names_the_edited_torch_file_and_the_stages_it_invalidates(dag):
     from dflashpipe.explain import EditedFile, Machine, machine_lines
-    from dflashpipe.explain.machine import fingerprint_changes, invalid_stages
+    from dflashpipe.explain.machine import Live, attribute_to_machine, fingerprint_changes, with_live_fingerprint
 
     recorded = json.loads((ROOT / "data/env/fingerprint.json").read_text())
+    threads = {"torch_intra_op": 2, "torch_inter_op": 2, "env": {}, "affinity": "0-1", "cpu_quota": "none"}
+    recorded["threads"] = recorded.get("threads") or threads  # a file recorded before the thread facts
     now = json.loads(json.dumps(recorded))
     now["torch"]["files_edited"] = ["torch/fx/_symbolic_trace.py"]
     now["torch"]["files_ok"] = False
@@ -656,16 +676,35 @@ def test_a_stale_fingerprint_names_the_edited_torch_file_and_the_stages_it_inval
         ("torch.files_edited", ["torch/fx/_symbolic_trace.py"]),
         ("torch.files_ok", False),
     ]
-    stages = read_revision_state(LockState("HEAD", dag, lock_of(dag)))
-    invalid = invalid_stages(changes, stages)
-    # the readers of torch.files_edited (the kernel environment), and nothing that reads data
-    assert invalid == naming("torch.files_edited") and {"warmup", "train", "evaluate"} <= set(invalid)
     edited = EditedFile("torch/fx/_symbolic_trace.py", "sha256=old", "sha256=new", ["Tracer.trace"])
-    first, second = machine_lines(Machine(True, changes, invalid, [edited], "full check: hashed all 3 torch files"))
+    live = Live(Machine(True, changes, [], [edited], "full check: hashed all 3 torch files"), now)
+    # the workspace's file and lock say nothing moved; its fingerprint keys are read off the machine instead
+    lock = lock_of(dag, values=fingerprint_values(dag, recorded))
+    workspace = with_live_fingerprint(read_revision_state(LockState("workspace", dag, lock)), live, {})
+    found = compare(read_revision_state(LockState("HEAD", dag, lock)), workspace, {}, None, "HEAD", "workspace")
+    attribute_to_machine(found, live)
+    readers = naming("torch.files_edited")  # the kernel environment, and nothing that reads data
+    assert {"warmup", "train", "evaluate"} <= set(readers) and "tokenize" not in readers
+    assert verdict_map(found) == {**quiet(), **dict.fromkeys(readers, DIRECT)}
+    (cause,) = root_causes(found)
+    assert (cause.kind, cause.what, cause.old, cause.new, cause.stages) == (
+        "machine",
+        "torch.files_edited",
+        [],
+        ["torch/fx/_symbolic_trace.py"],
+        readers,
+    )
+    assert cause.evidence.endswith(
+        "this machine now (observed live; data/env/fingerprint.json still says []: stale); "
+        "edited torch/fx/_symbolic_trace.py (changed: Tracer.trace)"
+    )
+    # the header's list is read off the same verdicts, and each change names the stages it hits
+    assert live.machine.invalid == readers and changes[0].stages == readers and changes[1].stages == []
+    first, second = machine_lines(live.machine)
     assert first.startswith(
         'the fingerprint file is stale: torch.files_edited now ["torch/fx/_symbolic_trace.py"] (recorded []); '
         "torch.files_ok now false (recorded true); "
-        f"these stages are invalid on this machine: {', '.join(invalid)} (full check"
+        f"these stages are invalid on this machine: {', '.join(readers)} (full check"
     )
     assert second == (
         "edited installed file torch/fx/_symbolic_trace.py: sha256=new (the wheel's RECORD says sha256=old); "
@@ -710,3 +749,153 @@ def test_a_figure_read_off_a_clock_is_never_called_a_deterministic_move():
     counted = ["per_source.chitchat.tau", "throughput.flops_per_step", "verify_steps", "final_loss", "shards"]
     assert [k for k in timed + counted if is_throughput(k, {}, {})] == timed
     assert is_throughput("tau", {"tau_spread.low": 1.0}, {})  # a recorded spread says so whatever the name
+
+
+def busy(cpu_over_wall: float, load: float) -> dict:
+    """A spread's `machine` facts (spread.Busy.to_json) for 2 CPUs."""
+    return {"cpu_s": 2.0 * cpu_over_wall, "wall_s": 2.0, "cpu_over_wall": cpu_over_wall, "cpus": 2, "load_1m": load}
+
+
+def test_a_timed_figure_that_moved_with_no_input_changed_says_what_the_machine_facts_say(dag):
+    quiet_run = {"low": 50.0, "high": 53.0, "repeats": 5, "machine": busy(1.95, 0.4)}
+    busy_run = {"low": 30.0, "high": 33.0, "repeats": 5, "machine": busy(0.9, 3.8)}
+    found = deltas_between(
+        dag, (lock_of(dag), train_metrics(52.0, quiet_run)), (lock_of(dag), train_metrics(31.0, busy_run))
+    )
+    assert set(found) == {"tokens_per_s"}  # the facts ride in the spread, never as metrics of their own
+    m = found["tokens_per_s"]
+    assert (m.call, m.causes) == (CHANGE, [])
+    assert m.machine == (
+        "while measuring: before CPU time/wall 1.95 on 2 CPUs, load 0.4; after CPU time/wall 0.9 on 2 CPUs, load 3.8"
+    )
+    assert metric_line(m)[1].endswith(f"changed inputs: none recorded; {m.spread}; recorded machine facts: {m.machine}")
+    # an input that reaches the figure is its cause: no machine story then
+    found = deltas_between(
+        dag,
+        (lock_of(dag, values={"train.lr": 1e-3}), train_metrics(52.0, quiet_run)),
+        (lock_of(dag, values={"train.lr": 2e-3}), train_metrics(31.0, busy_run)),
+    )
+    assert (found["tokens_per_s"].causes, found["tokens_per_s"].machine) == (["params.yaml:train.lr"], "")
+
+
+def test_a_figure_measured_under_other_threads_than_the_machine_now_names_them(dag):
+    """The workspace's verdicts read the machine now; a figure in it was measured under what its dvc.lock
+    recorded. When the machine is back to what A recorded, no input differs, and the lock says why it moved."""
+    from dflashpipe.explain import metric_deltas
+
+    key = "data/env/fingerprint.json:threads.env"
+    sa = MetricsState("HEAD", dag, lock_of(dag, values={key: {}}), train_metrics(52.0, None))
+    sb = MetricsState("workspace", dag, lock_of(dag, values={key: {"OMP_NUM_THREADS": "1"}}), train_metrics(31.0, None))
+    now = read_revision_state(sa)  # the machine now, as HEAD recorded it
+    verdicts = compare(read_revision_state(sa), now, {}, None, "HEAD", "workspace")
+    assert set(verdict_map(verdicts).values()) == {UNCHANGED, ALWAYS}
+    (m,) = (d for d in metric_deltas(sa, sb, now, verdicts) if d.key == "tokens_per_s")
+    assert (m.call, m.causes) == (UNMEASURED, [])
+    assert m.machine == 'the runs were recorded (dvc.lock) with threads.env {} -> {"OMP_NUM_THREADS": "1"}'
+
+
+def test_an_upstream_that_only_rewrote_its_metrics_invalidates_nothing_downstream(dag):
+    """regenerate reran (`dvc repro -f`) and wrote new timings into metrics/regenerate.json, its shards byte for
+    byte the same: tokenize reads the shards, never that file, so no alarm is raised without a changed path."""
+    timings = {"metrics/regenerate.json": "md5(new timings)"}
+    found = {v.stage: v for v in compared(dag, lock_of(dag), lock_of(dag, timings))}
+    assert (found["regenerate"].verdict, found["tokenize"].verdict) == (UNCHANGED, UNCHANGED)
+    assert found["tokenize"].upstream == [] and found["tokenize"].paths == []
+    # the shards themselves changed: now tokenize is downstream, and says through which file
+    shards = {**timings, "data/regenerated": "new md5(data/regenerated)"}
+    found = {v.stage: v for v in compared(dag, lock_of(dag), lock_of(dag, shards))}
+    assert found["tokenize"].verdict == DOWNSTREAM and found["tokenize"].upstream == ["regenerate"]
+    assert found["tokenize"].paths == ["tokenize <- data/regenerated (regenerate: unchanged)"]
+
+
+def test_a_compile_cache_rebuilt_to_other_bytes_for_the_same_key_is_equivalent(dag, tmp_path):
+    """data/compile's bytes differ from build to build (paths and timestamps inside the objects), but inductor
+    names every file by its cache key and report.json records the warmup key: same names and key, same kernels."""
+    cache = DirCache(tmp_path)
+
+    def build(name: str, digest: str, files: tuple[str, ...] = ("inductor/ab/kernel.so",)) -> str:
+        report = json.dumps({"built_for": {"stage": "warmup", "digest": digest}, "seconds": len(name)})
+        cache.put(f"report-{name}", report.encode())
+        listing = [{"relpath": f, "md5": f"{f}-{name}"} for f in files] + [
+            {"relpath": "report.json", "md5": f"report-{name}"}
+        ]
+        cache.put(f"{name}.dir", json.dumps(listing).encode())
+        return f"{name}.dir"
+
+    # a kernel named by its source's hash, and an FX graph entry (its key a directory, the entry file named by a
+    # hash of its bytes, which hold timings): the key is what must match, not the entry's name
+    entries = ("inductor/ab/cabc.cpp", "inductor/ab/cabc.so", "inductor/fxgraph/f3/f3key/{}")
+    here = build("here", "k" * 64, tuple(f.format("entry1") for f in entries))
+    there = build("there", "k" * 64, tuple(f.format("entry2") for f in entries))
+    found = {
+        v.stage: v
+        for v in compared(dag, lock_of(dag, {"data/compile": there}), lock_of(dag, {"data/compile": here}), cache=cache)
+    }
+    assert verdict_map(found.values()) == quiet()
+    assert found["warmup"].note.startswith(
+        "data/compile rebuilt here, equivalent: other bytes, the same 4 entries by inductor's cache keys, "
+        "built for the same warmup key (kkkkkkkkkkkk)"
+    )
+    assert found["train"].paths == found["bench"].paths == []
+    # built for another key, or other files (other cache keys): what reads it is invalidated, naming the path
+    for other in (
+        build("key", "x" * 64, tuple(f.format("entry1") for f in entries)),
+        build("files", "k" * 64, ("inductor/cd/ccd.cpp", "inductor/cd/ccd.so", "inductor/fxgraph/f3/f3key/entry1")),
+        build("graph", "k" * 64, ("inductor/ab/cabc.cpp", "inductor/ab/cabc.so", "inductor/fxgraph/g4/g4key/entry1")),
+    ):
+        found = {
+            v.stage: v
+            for v in compared(
+                dag, lock_of(dag, {"data/compile": there}), lock_of(dag, {"data/compile": other}), cache=cache
+            )
+        }
+        assert (found["train"].verdict, found["bench"].verdict) == (DOWNSTREAM, DOWNSTREAM)
+        assert found["bench"].paths[0].startswith("bench <- data/compile/")
+
+
+def test_a_forced_rebuild_of_the_compile_cache_is_equivalent_and_invalidates_nothing(committed):
+    run(["dvc", "repro", "-f", "warmup"], committed)
+    lock = yaml.safe_load((committed / "dvc.lock").read_text())["stages"]["warmup"]["outs"][0]["md5"]
+    head = yaml.safe_load(run(["git", "show", "HEAD:dvc.lock"], committed).stdout)["stages"]["warmup"]["outs"][0]
+    report = explain("HEAD", "workspace", committed)
+    by_stage = {v.stage: v for v in report.stages}
+    if lock == head["md5"]:  # the rebuild gave the very same bytes: nothing to tell apart
+        assert verdicts(report) == quiet()
+        return
+    assert verdicts(report) == quiet() and report.root_causes == []
+    assert by_stage["warmup"].note.startswith("data/compile rebuilt here, equivalent: other bytes, the same ")
+    assert by_stage["train"].paths == [] and by_stage["bench"].paths == []
+    assert "| warmup | unchanged | data/compile rebuilt here, equivalent" in to_markdown(report)
+
+
+def test_a_fingerprint_key_the_file_does_not_hold_yet_is_read_off_the_machine(dag):
+    """dvc.yaml names a key the fingerprint file (and dvc.lock) predate: `dvc repro` will run the stages with
+    the machine's value, so the machine's value is what the verdicts compare, and the header agrees."""
+    from dflashpipe.explain import Machine
+    from dflashpipe.explain.machine import Live, attribute_to_machine, fingerprint_changes, with_live_fingerprint
+
+    recorded = json.loads((ROOT / "data/env/fingerprint.json").read_text())
+    recorded.pop("threads", None)  # a file written before the thread facts
+    now = {**recorded, "threads": {"torch_intra_op": 2, "torch_inter_op": 2, "env": {}, "affinity": "0-1"}}
+    now["threads"]["cpu_quota"] = "none"
+    lock = lock_of(dag, values=fingerprint_values(dag, recorded))
+    for entry in lock["stages"].values():  # nor did dvc.lock record them
+        named = entry["params"].get(FINGERPRINT_PARAMS, {})
+        for key in [k for k in named if k.startswith("threads.")]:
+            del named[key]
+    live = Live(Machine(True, fingerprint_changes(recorded, now), [], [], "full check"), now)
+    declared = {
+        name: [k for e in d.get("params", []) if isinstance(e, dict) for k in e.get(FINGERPRINT_PARAMS, [])]
+        for name, d in dag.items()
+    }
+    workspace = with_live_fingerprint(read_revision_state(LockState("workspace", dag, lock)), live, declared)
+    found = compare(read_revision_state(LockState("HEAD", dag, lock)), workspace, {}, None, "HEAD", "workspace")
+    attribute_to_machine(found, live)
+    readers = naming("threads.torch_intra_op")
+    assert verdict_map(found) == {**quiet(), **dict.fromkeys(readers, DIRECT)}
+    causes = {c.what: c for c in root_causes(found)}
+    intra = causes["threads.torch_intra_op"]
+    assert (intra.kind, intra.old, intra.new, intra.stages) == ("machine", None, 2, readers)
+    assert intra.evidence.endswith("this machine now (observed live; data/env/fingerprint.json lacks it: stale)")
+    assert causes["threads.env"].stages == naming("threads.env")
+    assert live.machine.invalid == readers

@@ -142,3 +142,35 @@ def test_the_edited_function_is_named_by_diffing_against_the_wheel(tmp_path):
     assert edited_functions(dist, "fakepkg/fx.py", wheels) == ["<module>"]  # whitespace is no change
     fx.write_text(FX + "# a comment\n")
     assert edited_functions(dist, "fakepkg/fx.py", wheels) == []
+
+
+def test_the_fingerprint_records_the_thread_facts_that_decide_cpu_speed(dvc_project):
+    from dflashpipe.env import CGROUP_CPU_MAX, _cpu_ranges
+
+    out = dvc_project / "data/env/fingerprint.json"
+    run(["python", "stages/fingerprint.py"], dvc_project)
+    threads = json.loads(out.read_text())["threads"]
+    assert threads["affinity"] == _cpu_ranges(sorted(os.sched_getaffinity(0)))
+    quota = CGROUP_CPU_MAX.read_text().strip() if CGROUP_CPU_MAX.is_file() else "none"
+    assert threads["cpu_quota"] == quota
+    assert threads["torch_intra_op"] >= 1 and threads["torch_inter_op"] >= 1
+    # one thread, a passive wait, one CPU: each is in the record, and torch's count follows the variable
+    pinned = ["taskset", "-c", str(min(os.sched_getaffinity(0))), "python", "stages/fingerprint.py"]
+    run(pinned, dvc_project, env={"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"})
+    one = json.loads(out.read_text())["threads"]
+    assert one["torch_intra_op"] == 1 and one["affinity"] == str(min(os.sched_getaffinity(0)))
+    assert {k: one["env"][k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")} == {
+        "OMP_NUM_THREADS": "1",
+        "OMP_WAIT_POLICY": "PASSIVE",
+    }
+
+
+def test_thread_facts_keep_only_thread_variables_and_key_the_loaded_facts():
+    from dflashpipe.env import _cpu_ranges, loaded_key, thread_facts
+
+    environ = {"OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4", "KMP_BLOCKTIME": "0", "PATH": "/bin", "HOME": "/x"}
+    assert thread_facts(environ)["env"] == {"KMP_BLOCKTIME": "0", "MKL_NUM_THREADS": "4", "OMP_NUM_THREADS": "4"}
+    assert _cpu_ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8" and _cpu_ranges([3]) == "3"
+    # torch's default thread counts follow these variables: facts recorded under others are not reused
+    integrity = distribution_integrity(metadata.distribution("torch"), Path(HASH_STATE))
+    assert loaded_key(integrity, {"OMP_NUM_THREADS": "1"}) != loaded_key(integrity, {"OMP_NUM_THREADS": "2"})

@@ -245,10 +245,22 @@ def test_the_import_walk_finds_what_a_stage_runs():
     assert covered("src/dflashpipe/train/loop.py", ["src/dflashpipe/train"])
 
 
+TIMED_STAGES = ("train", "bench", "evaluate")
+"""The kernel stages that record timed metrics: they name the machine's thread facts too (docs/design.md)."""
+
+
 def test_the_stages_that_run_compiled_kernels_name_the_same_environment_keys(stages):
     keys = {name: fingerprint_keys(stages[name]) for name in KERNEL_STAGES}
     assert keys["warmup"], "warmup names no fingerprint keys"
-    assert all(keys[name] == keys["warmup"] for name in KERNEL_STAGES), keys
+    # inductor generates (and caches) CPU kernels for torch's intra-op thread count: it is a kernel key
+    assert "threads.torch_intra_op" in keys["warmup"]
+    timing = [k for k in keys["train"] if k not in keys["warmup"]]
+    assert timing == ["threads.torch_inter_op", "threads.env", "threads.affinity", "threads.cpu_quota"]
+    assert all(keys[name] == keys["warmup"] + timing for name in TIMED_STAGES), keys
+    # no stage that only makes data reruns for a thread count: its bytes do not follow it
+    for name, entry in stages.items():
+        if name not in KERNEL_STAGES:
+            assert not any(k.startswith("threads") for k in fingerprint_keys(entry) or []), name
 
 
 def test_every_fingerprint_key_a_stage_names_is_in_the_fingerprint(stages):

@@ -23,7 +23,7 @@ from dflashpipe.errors import SourceError
 from dflashpipe.model import DFlashDrafter
 from dflashpipe.params import CompileParams, ModelParams
 from dflashpipe.pipeline import StageKey
-from dflashpipe.spread import Spread, clock
+from dflashpipe.spread import Measuring, Spread, clock
 
 REPEATS = 5
 """Interleaved rounds; each gives one sample of every figure (the spread needs 2 or more)."""
@@ -107,11 +107,13 @@ def bench_step(
     warm = dynamo_counters()
     positions = STEPS * compile.micro_batch * model.seq_len
     rates: dict[str, list[float]] = {name: [] for name in paths}
-    for round_ in range(REPEATS):
-        # ABBA order: a drift in the machine's load over the run favours neither path
-        for name in paths if round_ % 2 == 0 else reversed(paths):
-            seconds = time_steps(paths[name], drafter, inputs, STEPS, device)
-            rates[name].append(positions / seconds if seconds > 0 else 0.0)
+    with Measuring() as window:  # what the machine gave the rounds: recorded with each figure
+        for round_ in range(REPEATS):
+            # ABBA order: a drift in the machine's load over the run favours neither path
+            for name in paths if round_ % 2 == 0 else reversed(paths):
+                seconds = time_steps(paths[name], drafter, inputs, STEPS, device)
+                rates[name].append(positions / seconds if seconds > 0 else 0.0)
+    busy = window.busy
     headline = "compiled" if compile.enabled else "eager"
     metrics = {
         "note": NOTE,
@@ -119,8 +121,8 @@ def bench_step(
         f"rounds of {STEPS} steps per path after 1 untimed step; tokens = micro_batch x seq_len positions; "
         f"tokens_per_s is the {headline} step (the one train runs)",
         "runs": headline,
-        **Spread.of(rates[headline]).record("tokens_per_s"),
-        "paths": {name: Spread.of(samples).record("tokens_per_s") for name, samples in rates.items()},
+        **Spread.of(rates[headline]).record("tokens_per_s", busy=busy),
+        "paths": {name: Spread.of(samples).record("tokens_per_s", busy=busy) for name, samples in rates.items()},
         "compile_source": source,
         "graphs_compiled_while_timed": dynamo_counters()["unique_graphs"] - warm["unique_graphs"],
         "device": device.type,
@@ -131,7 +133,7 @@ def bench_step(
     }
     if compile.enabled:  # what compile buys: a ratio within each round, where both saw the same machine
         ratios = [c / e for c, e in zip(rates["compiled"], rates["eager"], strict=True) if e > 0]
-        metrics.update(Spread.of(ratios or [0.0]).record("compiled_over_eager", digits=3))
+        metrics.update(Spread.of(ratios or [0.0]).record("compiled_over_eager", digits=3, busy=busy))
     return metrics
 
 

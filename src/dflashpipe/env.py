@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import re
+import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,6 +49,59 @@ def compile_environment(environ: dict[str, str] | None = None) -> dict[str, str]
         for k, v in sorted(environ.items())
         if (k.startswith(COMPILE_ENV_PREFIXES) or k in COMPILE_ENV_NAMES) and k not in CACHE_LOCATION_VARS
     }
+
+
+THREAD_ENV_PREFIXES = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_")
+"""Variables of the OpenMP runtimes and the BLAS libraries: how many threads a CPU kernel runs on
+(`OMP_NUM_THREADS`, `MKL_NUM_THREADS`), how an idle thread waits (`OMP_WAIT_POLICY`, `KMP_BLOCKTIME`,
+`GOMP_SPINCOUNT`), where threads are placed (`OMP_PROC_BIND`, `OMP_PLACES`, `KMP_AFFINITY`)."""
+
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def thread_facts(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """What decides how fast the CPU runs this process's kernels and is not code: the thread variables, the CPUs
+    this process may run on (`os.sched_getaffinity`) and the cgroup's CPU quota (`cpu.max`: `<quota> <period>`
+    in microseconds, or `max <period>`). Read without torch; torch's own thread counts are loaded facts."""
+    environ = os.environ if environ is None else environ
+    try:
+        affinity = _cpu_ranges(sorted(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        affinity = f"{os.cpu_count()} cpus (affinity unknown)"
+    try:
+        quota = CGROUP_CPU_MAX.read_text(encoding="utf-8").strip()
+    except OSError:  # no cgroup v2 file here: no quota this process can see
+        quota = NONE
+    return {
+        "env": {k: v for k, v in sorted(environ.items()) if k.startswith(THREAD_ENV_PREFIXES)},
+        "affinity": affinity,
+        "cpu_quota": quota,
+    }
+
+
+def _cpu_ranges(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5", as the kernel writes CPU lists."""
+    parts: list[str] = []
+    for cpu in cpus:
+        if parts and int(parts[-1].split("-")[-1]) == cpu - 1:
+            parts[-1] = f"{parts[-1].split('-')[0]}-{cpu}"
+        else:
+            parts.append(str(cpu))
+    return ",".join(parts)
+
+
+def _torch_threads() -> dict[str, int]:
+    """torch's intra-op and inter-op thread counts as a fresh process under this environment starts with them.
+
+    A torch imported before (a test, `explain --verify`) may have had its counts set since: ask a fresh one."""
+    if "torch" not in sys.modules:
+        import torch
+
+        return {"torch_intra_op": torch.get_num_threads(), "torch_inter_op": torch.get_num_interop_threads()}
+    code = "import torch; print(torch.get_num_threads(), torch.get_num_interop_threads())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    intra, inter = out.split()
+    return {"torch_intra_op": int(intra), "torch_inter_op": int(inter)}
 
 
 HASH_STATE = Path(".dvc/tmp/dflashpipe-installed-files.json")
@@ -215,7 +269,8 @@ class Observation:
 
 
 def _loaded_facts() -> dict[str, Any]:
-    """What needs torch imported: the build, its libraries, the CPU kernel set, the GPUs."""
+    """What needs torch imported: the build, its libraries, the CPU kernel set, the GPUs, its thread counts."""
+    threads = _torch_threads()  # first: it knows whether this process imported torch before
     import torch
 
     if torch.version.cuda:
@@ -240,7 +295,7 @@ def _loaded_facts() -> dict[str, Any]:
         "nccl": nccl or NONE,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
-    return {"torch": torch_facts, "gpu": _gpu_facts()}
+    return {"torch": torch_facts, "gpu": _gpu_facts(), "threads": threads}
 
 
 def _gpu_facts() -> dict[str, Any]:
@@ -266,7 +321,8 @@ def _gpu_facts() -> dict[str, Any]:
 def loaded_key(integrity: Integrity, environ: dict[str, str] | None = None) -> str:
     """What the loaded facts depend on: torch's files as they are now (integrity.content), the versions of the
     distributions torch requires, this interpreter, the CPU's model and flags, the GPUs and driver the kernel
-    lists, and the variables that choose devices or libraries. Any change means importing torch again."""
+    lists, the variables that choose devices or libraries, and the thread facts (the thread variables, the CPU
+    affinity and quota decide torch's default thread counts). Any change means importing torch again."""
     environ = os.environ if environ is None else environ
     requires = sorted({re.split(r"[ ;<>=!~\[(]", r, maxsplit=1)[0] for r in metadata.requires("torch") or []})
     parts = {
@@ -276,6 +332,7 @@ def loaded_key(integrity: Integrity, environ: dict[str, str] | None = None) -> s
         "cpu": _cpu_identity(),
         "gpus": _gpu_identity(),
         "env": {k: v for k, v in sorted(environ.items()) if k.startswith(LOADED_ENV_PREFIXES)},
+        "threads": thread_facts(environ),  # torch's default thread counts follow them
     }
     return hashlib.sha256(canonical_json(parts)).hexdigest()
 
@@ -352,6 +409,7 @@ def observe(
         "triton": {"version": _version("triton")},
         "gpu": loaded["gpu"],
         "env": compile_environment(),
+        "threads": {**loaded.get("threads", {}), **thread_facts()},
     }
     for package in VERSIONED_PACKAGES:
         facts[package] = {"version": _version(package)}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,17 +239,41 @@ def stage_key(
     return StageKey(name, inputs)
 
 
+RACY_NS = 2_000_000_000
+"""A digest is reused only for a file whose last change (mtime, ctime) is this much older than when it was
+hashed: a file written just before or while it was hashed could change again within one tick of the
+filesystem's clock keeping its size (git's "racily clean" rule). 2 s covers the coarsest clocks (FAT, HFS+)."""
+
+_DIGESTS: dict[str, tuple[tuple[int, ...], int, str]] = {}
+"""absolute path -> (stat signature, when hashed (ns), sha256), for this process: a stage takes its key at its
+start, again inside its body (reuse_key) and at its end (stage.run_stage), and hashes each file once."""
+
+
+def _file_digest(path: Path) -> str:
+    """file_sha256(path), re-read only when the file's inode, size, mtime or ctime moved since this process
+    hashed it, or when it changed within RACY_NS of that hashing (then its stat could hide an edit)."""
+    st = os.stat(path)
+    signature = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    known = _DIGESTS.get(str(path))
+    if known is not None and known[0] == signature and max(st.st_mtime_ns, st.st_ctime_ns) < known[1] - RACY_NS:
+        return known[2]
+    hashed_at = time.time_ns()
+    digest = file_sha256(path)
+    _DIGESTS[str(path)] = (signature, hashed_at, digest)
+    return digest
+
+
 def _dep_digests(root: Path, dep: str, ignore) -> dict[str, str]:
     path = root / dep
     if path.is_file():
-        return {f"dep:{dep}": file_sha256(path)}
+        return {f"dep:{dep}": _file_digest(path.absolute())}
     if not path.is_dir():
         return {f"dep:{dep}": MISSING}
     digests = {}
     for file in sorted(path.rglob("*")):
         rel = file.relative_to(root).as_posix()
         if file.is_file() and not (ignore and ignore.match_file(rel)):
-            digests[f"dep:{rel}"] = file_sha256(file)
+            digests[f"dep:{rel}"] = _file_digest(file.absolute())
     return digests or {f"dep:{dep}": "empty"}
 
 

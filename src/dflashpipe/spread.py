@@ -9,14 +9,60 @@ repeat, or a record older than spreads) cannot be told apart: *unmeasured*.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 Verdict = Literal["noise", "change", "unmeasured"]
 SUFFIX = "_spread"
+BUSY = "machine"
+"""The key, inside a `<key>_spread`, of what the machine gave the process while it measured (`Busy`)."""
+
+
+@dataclass(frozen=True)
+class Busy:
+    """What the machine gave this process while it measured: its CPU time (user + system, all threads) against
+    the wall time, the CPUs it may run on, and the 1-minute load average at the end. A process that wanted T
+    threads of CPU and got less was waiting on other work (cpu_over_wall < T); a load above the CPUs says the
+    machine had more runnable threads than cores. No root needed, nothing changed."""
+
+    cpu_s: float
+    wall_s: float
+    cpus: int
+    load_1m: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "cpu_s": round(self.cpu_s, 3),
+            "wall_s": round(self.wall_s, 3),
+            "cpu_over_wall": round(self.cpu_s / self.wall_s, 3) if self.wall_s > 0 else None,
+            "cpus": self.cpus,
+            "load_1m": None if self.load_1m is None else round(self.load_1m, 2),
+        }
+
+
+class Measuring:
+    """`with Measuring() as m: <the timed work>`, then `m.busy`: the Busy of that window."""
+
+    busy: Busy | None = None
+
+    def __enter__(self) -> Measuring:
+        self._cpu, self._wall = time.process_time(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 1
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):
+            load = None
+        self.busy = Busy(time.process_time() - self._cpu, time.perf_counter() - self._wall, cpus, load)
 
 
 @dataclass(frozen=True)
@@ -36,9 +82,11 @@ class Spread:
     def to_json(self, digits: int = 2) -> dict:
         return {"low": round(self.low, digits), "high": round(self.high, digits), "repeats": self.repeats}
 
-    def record(self, key: str, digits: int = 2) -> dict:
-        """{key: median, key_spread: {low, high, repeats}}: how a metrics file holds this figure."""
-        return {key: round(self.median, digits), key + SUFFIX: self.to_json(digits)}
+    def record(self, key: str, digits: int = 2, busy: Busy | None = None) -> dict:
+        """{key: median, key_spread: {low, high, repeats}}: how a metrics file holds this figure; with `busy`, the
+        spread also says what the machine gave the process while it measured (`machine`: Busy.to_json)."""
+        spread = self.to_json(digits) | ({BUSY: busy.to_json()} if busy is not None else {})
+        return {key: round(self.median, digits), key + SUFFIX: spread}
 
     @classmethod
     def read(cls, metrics: dict, key: str) -> Spread | None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from dflashpipe.errors import DflashpipeError
 from dflashpipe.explain.comparison import compare, metric_deltas, root_causes, topological, upstream_of
-from dflashpipe.explain.machine import observe_machine
+from dflashpipe.explain.machine import attribute_to_machine, observe_machine, with_live_fingerprint
 from dflashpipe.explain.render import cause_line, machine_lines, metric_line, print_text, to_json, to_markdown
 from dflashpipe.explain.report import (
     ALWAYS,
@@ -52,7 +52,7 @@ from dflashpipe.explain.state import (
     read_workspace_state,
     resolve,
 )
-from dflashpipe.pipeline import PARAMS_FILE
+from dflashpipe.pipeline import FINGERPRINT, PARAMS_FILE, read_dvc_yaml, spec_of
 
 __all__ = [
     "ALWAYS",
@@ -95,7 +95,9 @@ __all__ = [
 
 def explain(a: str = "HEAD", b: str = WORKSPACE, root: str | Path = ".", machine: bool = True) -> Report:
     """Compare state `a` with state `b`; with `machine`, when one side is the workspace, observe this machine
-    first (report.machine).
+    first (report.machine) and read the workspace's fingerprint keys off it, not off the fingerprint file: what
+    the machine is now is what `dvc repro` will run every stage with (it reruns the fingerprint stage first), so
+    the header, every verdict and the root causes come from the same facts.
 
     Revisions are read through one `git cat-file --batch` process; a dvc Repo (~0.5 s of imports and
     setup) is built only for the workspace, whose hashes only DVC computes."""
@@ -116,11 +118,24 @@ def explain(a: str = "HEAD", b: str = WORKSPACE, root: str | Path = ".", machine
 
         with Repo(str(root)) as repo:
             workspace, recorded = read_workspace_state(repo)
+            live = observe_machine(root) if machine else None
+            if live is not None:
+                workspace = with_live_fingerprint(workspace, live, _fingerprint_keys(root))
             sa, sb = sa or State(repo, WORKSPACE), sb or State(repo, WORKSPACE)
             old = read_revision_state(sa) if isinstance(sa, Commit) else workspace
             new = read_revision_state(sb) if isinstance(sb, Commit) else workspace
             recorded = recorded if isinstance(sb, State) else {}
             verdicts = compare(old, new, recorded, repo.cache.local, a, b)
+            if live is not None:
+                attribute_to_machine(verdicts, live)
             metrics = metric_deltas(sa, sb, new, verdicts)
-    live = observe_machine(root, new) if machine else None
-    return Report(a, b, root_causes(verdicts), verdicts, metrics, live)
+    return Report(a, b, root_causes(verdicts), verdicts, metrics, live and live.machine)
+
+
+def _fingerprint_keys(root: Path) -> dict[str, list[str]]:
+    """Each stage's fingerprint keys as the workspace's dvc.yaml declares them."""
+    stages = read_dvc_yaml(root).get("stages", {}) or {}
+    return {
+        name: [key for file, key in spec_of(name, entry).params if file == str(FINGERPRINT)]
+        for name, entry in stages.items()
+    }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 from dflashpipe import spread
+from dflashpipe.compile.artifact import BUILT_FOR, REPORT
 from dflashpipe.explain.report import (
     ALWAYS,
     DIRECT,
@@ -27,7 +28,8 @@ from dflashpipe.explain.report import (
     StageState,
     Verdict,
 )
-from dflashpipe.explain.state import State, dir_listing, in_cache, read_metrics
+from dflashpipe.explain.state import State, cached_json, dir_listing, in_cache, read_metrics, read_revision_state
+from dflashpipe.pipeline import COMPILE, FINGERPRINT
 
 LISTED_FILES = 5
 """How many changed files of one directory a path names before it says how many more there are."""
@@ -113,7 +115,16 @@ def compare(
                         )
                     )
         for u in ups[name]:
-            changed_outs = [o for o in new[u].outs if old.get(u) and old[u].outs.get(o) != new[u].outs.get(o)]
+            # only the outputs this stage reads: a metrics file an upstream rewrote (its timings) reaches no one;
+            # nor does an output rebuilt to other bytes that hold the same thing by its own key (the compile cache)
+            changed_outs = [
+                o
+                for o in new[u].outs
+                if old.get(u)
+                and old[u].outs.get(o) != new[u].outs.get(o)
+                and any(_inside(d, o) for d in st.deps)
+                and not equivalent(o, old[u].outs.get(o), new[u].outs.get(o), cache)
+            ]
             if verdicts[u].verdict in (DIRECT, DOWNSTREAM) or (changed_outs and not _restorable(verdicts[u])):
                 v.upstream.append(u)
         if st.frozen:
@@ -128,8 +139,50 @@ def compare(
             v.causes.extend(_output_problems(st, recorded.get(name, {}), cache))
             if v.causes:
                 v.verdict = OUTPUTS
+        if v.verdict == UNCHANGED and before is not None:
+            same = [equivalent(o, before.outs.get(o), h, cache) for o, h in st.outs.items() if before.outs.get(o) != h]
+            v.note = "; ".join(n for n in same if n)
     _trace_paths(verdicts, old, new, ups, cache, workspace=bool(recorded))
     return [verdicts[n] for n in topological(new, ups)]
+
+
+def equivalent(out: str, was: str | None, now: str | None, cache) -> str:
+    """Why two hashes of `out` hold the same thing, or "" when they may not. Only the compile cache has such a
+    rule: its bytes differ from build to build and machine to machine (the shared objects, the timings inside
+    the FX graph entries), but inductor names every kernel by a hash of its source and every graph entry by its
+    cache key, and report.json records the warmup key it was built for. The same names and the same
+    `built_for` digest are the same kernels for the same inputs."""
+    if out.rstrip("/") != str(COMPILE) or not was or not now or was == now:
+        return ""
+    before, after = dir_listing(cache, was), dir_listing(cache, now)
+    if before is None or after is None or _cache_keys(before) != _cache_keys(after):
+        return ""
+    keys = [_built_for(cache, listing.get(REPORT)) for listing in (before, after)]
+    if keys[0] is None or keys[0] != keys[1]:
+        return ""
+    return (
+        f"{out} rebuilt here, equivalent: other bytes, the same {len(_cache_keys(after))} entries by inductor's "
+        f"cache keys, built for the same warmup key ({keys[0][:12]})"
+    )
+
+
+KEYED_ENTRIES = ("fxgraph", "aotautograd")
+"""inductor's caches that store an entry as `<cache>/<xx>/<key>/<entry>`, the entry file named by a hash of its own
+bytes (which hold timings): the key is the directory. Kernels are `<xx>/<hash of the source>.cpp|.so`."""
+
+
+def _cache_keys(listing: dict[str, str | None]) -> set[str]:
+    return {
+        path.rsplit("/", 1)[0] if any(f"/{name}/" in f"/{path}" for name in KEYED_ENTRIES) else path for path in listing
+    }
+
+
+def _built_for(cache, md5: str | None) -> str | None:
+    report = cached_json(cache, md5)
+    try:
+        return str(report[BUILT_FOR]["digest"])
+    except (KeyError, TypeError):
+        return None
 
 
 def _inside(path: str, out: str) -> bool:
@@ -152,8 +205,8 @@ def _trace_paths(verdicts: dict[str, Verdict], old, new, ups, cache, workspace: 
             pending = pending and all(old[u].outs.get(o) == h for o, h in new[u].outs.items())
             for dep in (d for d in st.deps if any(_inside(d, o) for o in new[u].outs)):
                 was, now = (before.deps.get(dep) if before else None), st.deps.get(dep)
-                if was == now and not pending:
-                    continue  # same bytes: not on the path, whatever happened upstream
+                if (was == now and not pending) or (was != now and equivalent(dep, was, now, cache)):
+                    continue  # same bytes, or the same content by its own key: not on the path
                 if u not in verdicts[name].linked:
                     verdicts[name].linked.append(u)
                 upper = [] if verdicts[u].verdict == DIRECT else below(u)
@@ -241,6 +294,13 @@ def metric_deltas(sa: State, sb: State, new: dict[str, StageState], verdicts: li
             todo.extend(by_stage[s].linked)
         return sorted(set(found))
 
+    recorded: list[dict[str, StageState]] = []  # each side's dvc.lock: what each measurement ran with
+
+    def ran_with() -> list[dict[str, StageState]]:
+        if not recorded:
+            recorded.extend((_lock_state(sa), _lock_state(sb)))
+        return recorded
+
     deltas = []
     for st in new.values():
         for path in st.metrics:
@@ -260,6 +320,8 @@ def metric_deltas(sa: State, sb: State, new: dict[str, StageState], verdicts: li
                     delta.spread = f"before {_described(before)}; after {_described(after)}"
                     if delta.call == NOISE:
                         delta.causes = []  # within the repeats' range: nothing upstream is to blame
+                    if not delta.causes:
+                        delta.machine = _machine_facts(st.name, key, old, cur, ran_with())
                 deltas.append(delta)
     return deltas
 
@@ -287,3 +349,41 @@ def figure(flat: dict, key: str) -> spread.Spread | None:
 
 def _described(s: spread.Spread | None) -> str:
     return "no spread recorded" if s is None else s.describe()
+
+
+def _lock_state(state: State) -> dict[str, StageState]:
+    try:
+        return read_revision_state(state)
+    except Exception:  # an unreadable record says nothing here; the verdicts already reported on it
+        return {}
+
+
+def _machine_facts(stage: str, key: str, old: dict, cur: dict, recorded: list[dict[str, StageState]]) -> str:
+    """What the two measurements' records say about their machines: fingerprint keys of `stage` that its two
+    dvc.lock entries differ on, and each side's `machine` facts from `<key>_spread` (spread.Busy)."""
+    said = []
+    before, after = (r.get(stage) for r in recorded) if len(recorded) == 2 else (None, None)
+    if before is not None and after is not None and before.locked and after.locked:
+        was, now = before.params.get(str(FINGERPRINT), {}), after.params.get(str(FINGERPRINT), {})
+        keys = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+        moved = [f"{k} {_compact(was.get(k))} -> {_compact(now.get(k))}" for k in keys]
+        if moved:
+            said.append(f"the runs were recorded (dvc.lock) with {'; '.join(moved)}")
+    busy = [_busy(flat, key) for flat in (old, cur)]
+    if any(busy):
+        said.append(f"while measuring: before {busy[0] or 'not recorded'}; after {busy[1] or 'not recorded'}")
+    return "; ".join(said)
+
+
+def _busy(flat: dict, key: str) -> str:
+    prefix = f"{key}{spread.SUFFIX}.{spread.BUSY}."
+    facts = {k[len(prefix) :]: v for k, v in flat.items() if k.startswith(prefix)}
+    if not facts:
+        return ""
+    ratio, load, cpus = facts.get("cpu_over_wall"), facts.get("load_1m"), facts.get("cpus")
+    return f"CPU time/wall {ratio} on {cpus} CPUs, load {load}"
+
+
+def _compact(value) -> str:
+    text = json.dumps(value, sort_keys=True, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -91,7 +91,8 @@ def metric_line(m: MetricDelta) -> tuple[str, str]:
     call = f" [{m.call}]" if m.call else ""
     why = "within noise: not attributed" if m.call == NOISE else ", ".join(m.causes) or "none recorded"
     spread = f"; {m.spread}" if m.spread else ""
-    return f"{m.old} -> {m.new}{pct}{call}", f"{m.file}, stage {m.stage}; changed inputs: {why}{spread}"
+    machine = f"; recorded machine facts: {m.machine}" if m.machine else ""
+    return f"{m.old} -> {m.new}{pct}{call}", f"{m.file}, stage {m.stage}; changed inputs: {why}{spread}{machine}"
 
 
 def _no_causes(report: Report) -> str:
@@ -111,7 +112,7 @@ def verdict_reason(v: Verdict) -> str:
     if v.verdict == OUTPUTS:
         return "; ".join(f"{cause_line(c)} ({c.evidence.split('; ')[-1]})" for c in v.causes)
     if v.verdict == UNCHANGED:
-        return "none of its deps, params or upstream outputs changed"
+        return v.note or "none of its deps, params or upstream outputs changed"
     return v.note
 
 

@@ -76,6 +76,10 @@ class MetricDelta:
     A move called noise is attributed to no cause."""
     spread: str = ""
     """Each side's range and repeats, the evidence for `call`."""
+    machine: str = ""
+    """For a timed figure no changed input reaches: what was recorded about the machine of each measurement (the
+    fingerprint keys each side's dvc.lock ran the stage with, where they differ; the CPU time over wall time and
+    the load average its spread recorded), so a move with no cause still says what the facts say."""
 
 
 NOISE = "noise"

@@ -354,6 +354,16 @@ def dir_listing(cache, md5: str | None) -> dict[str, str] | None:
     return {e["relpath"]: e.get("md5") for e in entries if isinstance(e, dict) and "relpath" in e}
 
 
+def cached_json(cache, md5: str | None) -> Any:
+    """A JSON file's content from the DVC cache by its md5 (a file inside a directory output), None if absent."""
+    if cache is None or not md5:
+        return None
+    try:
+        return json.loads(Path(cache.oid_to_path(md5)).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
 def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(obj, dict):
         out = {}

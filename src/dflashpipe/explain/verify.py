@@ -147,8 +147,8 @@ def _locate(metric: str, sa: State, sb: State, stages) -> tuple[str, str, str]:
 
 
 def causes_reaching(report: Report, stage: str) -> list[Cause]:
-    """The root causes on `stage`'s file-level paths (explain's `linked`), then the machine's changes when the
-    live machine makes `stage` invalid: the same attribution explain gives the stage's metrics."""
+    """The root causes on `stage`'s file-level paths (explain's `linked`), the live machine's changes among them:
+    the same attribution explain gives the stage's metrics."""
     by_stage = {v.stage: v for v in report.stages}
     keys, todo, seen = set(), [stage], set()
     while todo:
@@ -160,11 +160,9 @@ def causes_reaching(report: Report, stage: str) -> list[Cause]:
         if v.verdict in (DIRECT, OUTPUTS):
             keys |= {(c.kind, c.what) for c in v.causes}
         todo.extend(v.linked)
-    found = [c for c in report.root_causes if (c.kind, c.what) in keys]
-    machine = report.machine
-    if machine is not None and machine.stale and stage in machine.invalid:
-        found += [c for c in machine.changes if c.stages]
-    return found
+    # the live machine's changes are root causes of kind `machine` (explain reads the workspace's fingerprint
+    # keys off the machine), so they are found like any other
+    return [c for c in report.root_causes if (c.kind, c.what) in keys]
 
 
 def _plan(cause: Cause, a_rev: str, root: Path, producers: dict[str, str]) -> tuple[str, bool]:

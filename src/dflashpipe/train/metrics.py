@@ -18,7 +18,7 @@ import torch
 
 from dflashpipe import plots as plotting
 from dflashpipe.artifacts import PARTIAL, atomic_directory
-from dflashpipe.spread import Spread
+from dflashpipe.spread import Busy, Spread
 from dflashpipe.train.flops import throughput
 from dflashpipe.train.state import StepRecord, TrainInputs, TrainState, acceptance_length
 from dflashpipe.train.topology import Topology
@@ -35,9 +35,11 @@ def train_metrics(
     warm_s: float,
     compile_note: str,
     replicas_identical: bool,
+    busy: Busy | None = None,
 ) -> dict:
     """metrics/train/metrics.json. `drafter`, `target`: one replica and one target copy, for the FLOP count
-    (train/flops.py); `before`/`after`: dynamo_counters() around the run."""
+    (train/flops.py); `before`/`after`: dynamo_counters() around the run; `busy`: what the machine gave the run
+    (recorded in tokens_per_s_spread)."""
     history = state.history
     steady = history[1:] or history  # the first step includes the threads' start: excluded when possible
     accuracy = slot_accuracy(history)
@@ -46,7 +48,7 @@ def train_metrics(
         "steps": state.step,
         "final_loss": round(history[-1].loss, 6),
         # the median of the steady steps' own rates, with their spread (tokens_per_s_spread: dflashpipe.spread)
-        **Spread.of([h.tokens / h.seconds for h in steady if h.seconds > 0] or [0.0]).record("tokens_per_s"),
+        **Spread.of([h.tokens / h.seconds for h in steady if h.seconds > 0] or [0.0]).record("tokens_per_s", busy=busy),
         "supervised_tokens": int(sum(h.tokens for h in history)),
         "slot_accuracy": {str(k + 1): round(a, 6) for k, a in enumerate(accuracy)},
         "acceptance_length": acceptance_window(history),

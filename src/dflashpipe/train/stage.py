@@ -11,6 +11,7 @@ from dflashpipe.compile.guard import COUNTER, CompileGuard, dynamo_counters
 from dflashpipe.errors import DflashpipeError
 from dflashpipe.model.drafter import PUBLISHED_DTYPE
 from dflashpipe.pipeline import COMPILE, DRAFTER, FEATURES, TARGET, TOKENS, TRAIN_METRICS_DIR, TRAIN_STATE, StageKey
+from dflashpipe.spread import Measuring
 from dflashpipe.tokens.shards import load_tokens
 from dflashpipe.train.card import write_model_card
 from dflashpipe.train.checkpoint import checkpoint_key, load_checkpoint, save_checkpoint
@@ -106,7 +107,8 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
             flush=True,
         )
 
-    trainer.run(guard, on_step)
+    with Measuring() as window:  # what the machine gave the steps: recorded with tokens_per_s
+        trainer.run(guard, on_step)
     if inputs.compile.enabled:
         guard.disarm()
     after = dynamo_counters()
@@ -122,6 +124,7 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
         warm_s,
         compile_note,
         replicas_identical=not mismatches,
+        busy=window.busy,
     )
     if mismatches:  # before any output: a drafter from diverged replicas is no result
         shown = ", ".join(mismatches[:3]) + (f" and {len(mismatches) - 3} more" if len(mismatches) > 3 else "")

@@ -1,0 +1,168 @@
+"""`dflashpipe explain` against the live machine, under real DVC on the shared pipeline run: when one side is the
+workspace, the machine now is the workspace's fingerprint for every verdict, so the header, the verdicts, the
+root causes and every rendering of them (--json, --md, text, `report`, `history --workspace`) say the same.
+
+The machine is made to differ cheaply, without touching the shared venv: an environment variable of this
+process, or the hash state the live check trusts for torch files whose size and mtime did not move."""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import json
+from pathlib import Path
+
+import pytest
+
+from dflashpipe import env
+from dflashpipe.explain import DIRECT, DOWNSTREAM, NOISE, explain, print_text, to_json, to_markdown
+from tests.conftest import copy_project, run
+from tests.test_explain import naming, quiet, verdicts
+
+EDITED = "torch/fx/_symbolic_trace.py"
+
+
+@pytest.fixture
+def committed(pipeline_run, tmp_path):
+    return copy_project(pipeline_run, tmp_path / "project")
+
+
+def edit_torch_file_as_the_check_sees_it(project: Path, rel: str = EDITED) -> None:
+    """The live check re-hashes only torch files whose size or mtime moved, and takes the hash state's digest for
+    the rest: a digest other than the wheel's RECORD there is, to it, an edited file."""
+    state = project / env.HASH_STATE
+    hashes = json.loads(state.read_text())
+    path = str(metadata.distribution("torch").locate_file(rel))
+    assert path in hashes, "the pipeline run's fingerprint stage hashed torch's files into its hash state"
+    hashes[path][2] = "sha256=" + "A" * 43
+    state.write_text(json.dumps(hashes))
+
+
+def machine_stages(report) -> list[str]:
+    """The stages a `machine` cause hits directly, then what the verdicts put downstream of them (DAG order)."""
+    hit: list[str] = []
+    for v in report.stages:
+        if (v.verdict == DIRECT and any(c.kind == "machine" for c in v.causes)) or (
+            v.verdict == DOWNSTREAM and set(v.upstream) & set(hit)
+        ):
+            hit.append(v.stage)
+    return hit
+
+
+def assert_one_story(report, project: Path, capsys, extra_env: dict | None = None) -> None:
+    """The header's stages are the verdicts' machine stages; JSON, Markdown, text, `report` and
+    `history --workspace` carry the same verdicts and root causes."""
+    found, causes = verdicts(report), [(c.kind, c.what) for c in report.root_causes]
+    assert report.machine.stale and report.machine.invalid == machine_stages(report) != []
+    assert ("machine", report.root_causes[0].what) in causes
+    data = json.loads(to_json(report))
+    assert {s["stage"]: s["verdict"] for s in data["stages"]} == found
+    assert [(c["kind"], c["what"]) for c in data["root_causes"]] == causes
+    assert data["machine"]["invalid"] == report.machine.invalid
+    md = to_markdown(report)
+    assert "every stage's recorded inputs are the same" not in md
+    for stage, verdict in found.items():
+        assert f"| {stage} | {verdict} |" in md
+    print_text(report)
+    text = capsys.readouterr().out
+    assert "Root causes\n  nothing" not in text and "Root causes\n  • machine " in text
+    for stage in report.machine.invalid:
+        assert f"{stage}: {DIRECT}" in text or f"{stage}: {DOWNSTREAM}" in text
+    from dflashpipe.report import build
+
+    assert {name: verdict for name, verdict, _, _ in build(project).stages} == found
+    history = json.loads(run(["dflashpipe", "history", "--workspace", "--json"], project, env=extra_env).stdout)
+    assert {s["stage"]: s["verdict"] for s in history["workspace"]["stages"]} == found
+    assert [(c["kind"], c["what"]) for c in history["workspace"]["root_causes"]] == causes
+
+
+def test_an_edited_torch_file_not_yet_fingerprinted_is_the_machine_cause_of_every_stage_reading_it(committed, capsys):
+    edit_torch_file_as_the_check_sees_it(committed)
+    report = explain("HEAD", "workspace", committed)
+    readers = naming("torch.files_edited")
+    assert {"warmup", "train", "bench", "evaluate"} <= set(readers) and "tokenize" not in readers
+    assert verdicts(report) == {**quiet(), **dict.fromkeys(readers, DIRECT)}
+    (cause,) = report.root_causes
+    assert (cause.kind, cause.what, cause.old, cause.new, cause.stages) == (
+        "machine",
+        "torch.files_edited",
+        [],
+        [EDITED],
+        readers,
+    )
+    assert "this machine now (observed live; data/env/fingerprint.json still says []: stale)" in cause.evidence
+    assert f"edited {EDITED} (" in cause.evidence
+    assert report.machine.invalid == readers
+    assert [(c.what, c.new) for c in report.machine.changes] == [
+        ("torch.files_edited", [EDITED]),
+        ("torch.files_ok", False),
+    ]
+    assert_one_story(report, committed, capsys)
+
+
+def test_a_variable_set_here_but_not_fingerprinted_is_the_machine_cause(committed, capsys, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE", "1")
+    report = explain("HEAD", "workspace", committed)
+    readers = naming("env")
+    assert verdicts(report) == {**quiet(), **dict.fromkeys(readers, DIRECT)}
+    (cause,) = report.root_causes
+    assert (cause.kind, cause.what, cause.old, cause.new, cause.stages) == (
+        "machine",
+        "env",
+        {},
+        {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"},
+        readers,
+    )
+    assert_one_story(report, committed, capsys, {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"})
+    # once the fingerprint stage has run here, the file says it too: the same change, now a param of the file
+    run(["dvc", "repro", "fingerprint"], committed, env={"TORCHINDUCTOR_MAX_AUTOTUNE": "1"})
+    report = explain("HEAD", "workspace", committed)
+    assert not report.machine.stale and report.machine.invalid == []
+    assert verdicts(report) == {**quiet(), **dict.fromkeys(readers, DIRECT)}
+    assert [(c.kind, c.what) for c in report.root_causes] == [("param", "data/env/fingerprint.json:env")]
+
+
+def test_a_thread_count_set_here_is_the_machine_cause_of_warmup_and_the_timed_stages(committed, capsys, monkeypatch):
+    recorded = json.loads((committed / "data/env/fingerprint.json").read_text())["threads"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    report = explain("HEAD", "workspace", committed)
+    kernels, timed = naming("threads.torch_intra_op"), naming("threads.env")
+    assert timed == ["train", "bench", "evaluate"] and kernels == ["warmup", *timed]
+    causes = {c.what: c for c in report.root_causes}
+    assert causes["threads.env"].kind == "machine" and causes["threads.env"].new["OMP_NUM_THREADS"] == "1"
+    assert causes["threads.env"].stages == timed
+    if recorded["torch_intra_op"] > 1:  # torch now starts with one thread: other CPU kernels, so warmup too
+        intra = causes["threads.torch_intra_op"]
+        assert (intra.kind, intra.old, intra.new, intra.stages) == ("machine", recorded["torch_intra_op"], 1, kernels)
+        assert verdicts(report) == {**quiet(), **dict.fromkeys(kernels, DIRECT)}
+    else:
+        assert verdicts(report) == {**quiet(), **dict.fromkeys(timed, DIRECT)}
+    assert_one_story(report, committed, capsys, {"OMP_NUM_THREADS": "1"})
+
+
+def metric(report, file: str, key: str):
+    return next(m for m in report.metrics if (m.file, m.key) == (file, key))
+
+
+def test_bench_re_measured_with_one_thread_names_the_thread_change(committed, monkeypatch):
+    # every timed figure carries what the machine gave the process while it measured
+    for file in ("metrics/bench.json", "metrics/train/metrics.json"):
+        facts = json.loads((committed / file).read_text())["tokens_per_s_spread"]["machine"]
+        assert set(facts) == {"cpu_s", "wall_s", "cpu_over_wall", "cpus", "load_1m"}, file
+    run(["dvc", "repro", "bench"], committed, env={"OMP_NUM_THREADS": "1"})
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # explained in the shell that re-measured: the file is current
+    report = explain("HEAD", "workspace", committed)
+    assert not report.machine.stale
+    threads = next(c for c in report.root_causes if c.what == "data/env/fingerprint.json:threads.env")
+    assert threads.kind == "param" and threads.new["OMP_NUM_THREADS"] == "1" and "bench" in threads.stages
+    moved = metric(report, "metrics/bench.json", "tokens_per_s")
+    assert moved.call == NOISE or "data/env/fingerprint.json:threads.env" in moved.causes, moved
+    # back in a shell without it: the machine is HEAD's again, so no input of bench differs from HEAD's record;
+    # the figure still moved, and explain says what the records of the two measurements say
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    report = explain("HEAD", "workspace", committed)
+    assert report.machine.stale and "threads.env" in [c.what for c in report.machine.changes]
+    moved = metric(report, "metrics/bench.json", "tokens_per_s")
+    assert moved.causes == []
+    assert "threads.env {" in moved.machine and '"OMP_NUM_THREADS": "1"' in moved.machine
+    assert moved.machine.startswith("the runs were recorded (dvc.lock) with ")
+    assert "; while measuring: before CPU time/wall " in moved.machine

@@ -1,0 +1,180 @@
+"""The stage runner (`dflashpipe.stage.run_stage`): a dep or param edited while a stage runs fails the stage
+with one line naming it, so DVC (which hashes deps only after the command, DVC issue #11058) records nothing.
+
+Real DVC in a temporary git repo: a stage of its own that goes through `run_stage` like every stage of the
+project, and waits mid-run until the test has edited one of its inputs."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflashpipe import pipeline
+from tests.conftest import copy_from_root, run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PROBE = f"""
+import os, sys, time
+from pathlib import Path
+sys.path.insert(0, {str(ROOT / "src")!r})
+from dflashpipe.stage import run_stage
+
+
+def body(params):
+    Path("out.txt").write_text(Path("inputs/a.txt").read_text())
+    signal = os.environ.get("PROBE_SIGNAL")
+    if signal:  # say the body runs (the start key is taken), then wait for the test's edit
+        Path(signal + ".started").touch()
+        deadline = time.time() + 120
+        while not Path(signal + ".go").exists() and time.time() < deadline:
+            time.sleep(0.02)
+
+
+run_stage("probe", body)
+"""
+
+DVC_YAML = {
+    "stages": {
+        "probe": {
+            "cmd": "python probe.py",
+            "deps": ["probe.py", "inputs"],
+            "params": [{"probe.yaml": ["x"]}],
+            "outs": ["out.txt"],
+        }
+    }
+}
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    """A git + DVC repo with the project's params.yaml (every stage validates it) and one stage, run once."""
+    project = copy_from_root(tmp_path / "project", ["params.yaml", ".dvcignore"])
+    (project / "dvc.yaml").write_text(yaml.safe_dump(DVC_YAML, sort_keys=False))
+    (project / "probe.py").write_text(PROBE)
+    (project / "probe.yaml").write_text("x: 1\n")
+    (project / "inputs").mkdir()
+    (project / "inputs/a.txt").write_text("first\n")
+    (project / "inputs/b.txt").write_text("second\n")
+    for cmd in (["git", "init", "-q"], ["dvc", "init", "-q"], ["dvc", "config", "core.analytics", "false"]):
+        run(cmd, project)
+    run(["dvc", "repro"], project)
+    return project
+
+
+def repro_editing(project: Path, edit) -> subprocess.CompletedProcess:
+    """`dvc repro -f probe`, calling `edit()` while the stage's body runs (after its start key was taken)."""
+    signal = project.parent / "signal"
+    for done in (Path(f"{signal}.started"), Path(f"{signal}.go")):
+        done.unlink(missing_ok=True)
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "PROBE_SIGNAL": str(signal),
+    }
+    proc = subprocess.Popen(
+        ["dvc", "repro", "-f", "probe"], cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.time() + 120
+    while not Path(f"{signal}.started").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.02)
+    edit()
+    Path(f"{signal}.go").touch()
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def our_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("dflashpipe probe:")]
+
+
+def test_a_dep_edited_while_the_stage_runs_fails_it_with_one_line_and_nothing_is_locked(project):
+    lock = (project / "dvc.lock").read_bytes()
+    proc = repro_editing(project, lambda: (project / "inputs/a.txt").write_text("edited mid-run\n"))
+    assert proc.returncode != 0
+    assert our_lines(proc) == [
+        "dflashpipe probe: error: inputs/a.txt changed while the stage ran, so its outputs were made from other "
+        "inputs than DVC would record; nothing was recorded: rerun `dvc repro probe`"
+    ]
+    assert (project / "dvc.lock").read_bytes() == lock
+    # rerun as told: now the lock records the edited input with the output made from it
+    run(["dvc", "repro", "probe"], project)
+    assert (project / "out.txt").read_text() == "edited mid-run\n"
+    assert "dvc.lock" not in run(["dvc", "status"], project).stdout
+
+
+def test_a_param_or_an_added_file_changed_while_the_stage_runs_is_named(project):
+    lock = (project / "dvc.lock").read_bytes()
+    proc = repro_editing(project, lambda: (project / "probe.yaml").write_text("x: 2\n"))
+    assert proc.returncode != 0 and (project / "dvc.lock").read_bytes() == lock
+    (line,) = our_lines(proc)
+    assert line.startswith("dflashpipe probe: error: probe.yaml:x changed while the stage ran")
+
+    def two_edits() -> None:
+        (project / "inputs/c.txt").write_text("added\n")
+        (project / "inputs/b.txt").unlink()
+
+    proc = repro_editing(project, two_edits)
+    assert proc.returncode != 0 and (project / "dvc.lock").read_bytes() == lock
+    (line,) = our_lines(proc)
+    assert line.startswith("dflashpipe probe: error: inputs/b.txt (and 1 more: inputs/c.txt) changed while")
+
+
+def test_a_stage_whose_inputs_stayed_put_records_as_before(project):
+    proc = repro_editing(project, lambda: None)
+    assert proc.returncode == 0 and our_lines(proc) == [], proc.stderr
+    assert "probe" in yaml.safe_load((project / "dvc.lock").read_text())["stages"]
+
+
+def test_every_stage_script_goes_through_run_stage_under_its_dvc_yaml_name():
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    for name, stage in stages.items():
+        script = ROOT / stage["cmd"].split()[-1]
+        found = re.findall(r"run_stage\(\s*\"([a-z_]+)\"", script.read_text())
+        assert found == [name], f"{script} must call run_stage({name!r}, ...) once"
+
+
+def test_a_file_is_hashed_once_unless_its_stat_moved(tmp_path, monkeypatch):
+    """The end-of-stage key re-reads only files whose stat moved, and never trusts a stat that could hide an
+    edit: a file changed within RACY_NS of its hashing, or one whose ctime alone moved (mtime set back)."""
+    reads: list[Path] = []
+    real = pipeline.file_sha256
+    monkeypatch.setattr(pipeline, "file_sha256", lambda path: reads.append(path) or real(path))
+    old = time.time() - 60
+    file = tmp_path / "dep.bin"
+    file.write_bytes(b"aaaa")
+    os.utime(file, (old, old))
+    first = pipeline._file_digest(file)
+    # ctime is now (utime moved it): within RACY_NS, so not trusted yet
+    assert pipeline._file_digest(file) == first and len(reads) == 2
+    monkeypatch.setattr(pipeline, "RACY_NS", 0)  # hashed after its last change: from now on its stat says enough
+    assert pipeline._file_digest(file) == first and len(reads) == 2
+    # same size, mtime set back: only the ctime moved, and that is enough to read it again
+    time.sleep(0.05)
+    file.write_bytes(b"bbbb")
+    os.utime(file, (old, old))
+    assert pipeline._file_digest(file) != first and len(reads) == 3
+
+
+def test_a_measurement_window_records_cpu_time_against_wall_time():
+    from dflashpipe.spread import Measuring, Spread
+
+    with Measuring() as idle:
+        time.sleep(0.2)
+    assert idle.busy.wall_s >= 0.2 and idle.busy.cpu_s / idle.busy.wall_s < 0.5  # asleep: no CPU wanted
+    with Measuring() as spinning:
+        began = time.process_time()
+        while time.process_time() - began < 0.1:
+            pass
+    assert spinning.busy.cpu_s >= 0.1 and spinning.busy.cpu_s <= spinning.busy.wall_s * 1.05  # one thread
+    recorded = Spread.of([1.0, 2.0, 3.0]).record("tokens_per_s", busy=spinning.busy)
+    assert recorded["tokens_per_s_spread"]["machine"] == spinning.busy.to_json()
+    assert Spread.read(recorded, "tokens_per_s") == Spread(2.0, 1.0, 3.0, 3)  # readers see the figure as before
