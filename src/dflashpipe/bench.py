@@ -24,6 +24,7 @@ from dflashpipe.model import DFlashDrafter
 from dflashpipe.params import CompileParams, ModelParams
 from dflashpipe.pipeline import StageKey
 from dflashpipe.spread import Spread, clock
+from dflashpipe.threads import ThreadBudget, thread_budget
 
 REPEATS = 5
 """Interleaved rounds; each gives one sample of every figure (the spread needs 2 or more)."""
@@ -82,6 +83,7 @@ def bench_step(
     scratch: Path | str,
     compile_key: StageKey | None,
     device: str | None = None,
+    threads: ThreadBudget | None = None,
 ) -> dict:
     """metrics/bench.json's content. The compiled step loads the artifact in `compile_dir` (copied into
     `scratch`) if it was built for `compile_key` (warmup's key now), else compiles cold in its untimed
@@ -92,6 +94,10 @@ def bench_step(
     from dflashpipe.compile.guard import dynamo_counters
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    # compiled and timed at the drafter threads' count (the kernels are bound to it: dflashpipe.threads);
+    # without a topology, the one step thread gets every core this process may use
+    threads = threads or thread_budget({"drafter": 1})
+    threads.apply("drafter", device)
     target = synthetic_target(target_dir, device)
     tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
     drafter = DFlashDrafter.for_target(target, tokenizer, model, generator=torch.Generator().manual_seed(0)).to(device)
@@ -128,6 +134,7 @@ def bench_step(
         "shapes": first["shapes"],
         "repeats": REPEATS,
         "steps_per_repeat": STEPS,
+        "threads": threads.to_json(),
     }
     if compile.enabled:  # what compile buys: a ratio within each round, where both saw the same machine
         ratios = [c / e for c, e in zip(rates["compiled"], rates["eager"], strict=True) if e > 0]
@@ -143,13 +150,14 @@ def run_bench(
     out: Path | str,
     compile_key: StageKey | None,
     device: str | None = None,
+    threads: ThreadBudget | None = None,
 ) -> dict:
     """Write metrics/bench.json (atomically) and return it."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # the inductor scratch is a partial sibling of bench.json: a killed run's is removed by the next write
     with tempfile.TemporaryDirectory(prefix=f".{out.name}{PARTIAL}inductor-", dir=out.parent) as scratch:
-        metrics = bench_step(model, compile, target_dir, compile_dir, scratch, compile_key, device)
+        metrics = bench_step(model, compile, target_dir, compile_dir, scratch, compile_key, device, threads)
     write_json_atomic(out, metrics)
     ratio = f", compiled/eager {metrics['compiled_over_eager']:.2f}x" if "compiled_over_eager" in metrics else ""
     print(

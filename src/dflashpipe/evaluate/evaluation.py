@@ -26,6 +26,7 @@ from dflashpipe.evaluate.speculative import (
 from dflashpipe.model import DFlashDrafter, TargetHead
 from dflashpipe.params import EvaluateParams
 from dflashpipe.spread import SUFFIX
+from dflashpipe.threads import thread_budget
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,8 @@ def evaluate_drafter(
     verify_drafter(drafter_dir)
     train = read_train_metrics(Path(train_metrics))
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    threads = thread_budget({"decode": 1})  # one decoding thread: every core this process may use
+    threads.apply("decode", device)
     target = load_materialised_target(target_dir, device)
     chat = load_chat_tokenizer(target_dir)
     # sdpa for decoding: every step has a new context length, which a compiled flex kernel would recompile for.
@@ -140,6 +143,7 @@ def evaluate_drafter(
         **decoding,
         "skipped_prompts": skipped,
         "train": train,
+        "threads": threads.to_json(),
         "setup": {
             "block_size": block_size,
             "draft_tokens": verified - 1,

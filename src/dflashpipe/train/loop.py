@@ -50,10 +50,11 @@ from dflashpipe.model.features import target_features_and_predictions, target_la
 from dflashpipe.model.loss import prediction_positions
 from dflashpipe.params import ModelParams, TrainParams
 from dflashpipe.target import load_materialised_target
+from dflashpipe.threads import ThreadBudget
 from dflashpipe.train.checkpoint import Checkpoint
 from dflashpipe.train.data import Batch, BatchPlan, collate
 from dflashpipe.train.state import StepRecord, TrainInputs, TrainState
-from dflashpipe.train.topology import Topology
+from dflashpipe.train.topology import Topology, train_threads
 
 if TYPE_CHECKING:  # only an annotation: training imports no pyarrow (the GPU check's machine has none)
     from dflashpipe.tokens.shards import TokenData
@@ -250,6 +251,11 @@ class Trainer:
             p.train.seed,
         )
 
+    @functools.cached_property
+    def threads(self) -> ThreadBudget:
+        """Each worker thread's intra-op threads, which it sets for itself (dflashpipe.threads)."""
+        return train_threads(self.topology)
+
     def global_replica(self, r: int) -> int:
         return self.topology.rank * self.topology.replicas + r
 
@@ -320,6 +326,7 @@ class Trainer:
 
     def target_worker(self, run: RunState, t: int) -> None:
         """Target t's thread: the frozen forward and the anchors for its (step, replica) items, into the mailboxes."""
+        self.threads.apply("target", self.targets[t].device)
         p = self.inputs
         n_targets, n_replicas = len(self.targets), len(self.replicas)
         layer_ids = self.replicas[0].drafter.config.target_layer_ids
@@ -352,6 +359,7 @@ class Trainer:
     def drafter_worker(self, run: RunState, r: int) -> None:
         """Replica r's thread: each step's forward and backward on its features, then wait for the others."""
         replica = self.replicas[r]
+        self.threads.apply("drafter", replica.device)
         for step in range(run.first_step, self.inputs.train.max_steps):
             item = run.mailboxes[r].get(step)
             item.release()
