@@ -73,7 +73,7 @@ def test_the_eager_step_is_timed_in_rounds_with_its_spread(tiny_target_dir, tmp_
     assert not list(tmp_path.glob("metrics/.bench.json*"))  # the inductor scratch is gone
 
 
-def test_the_bench_step_records_its_thread_budget(tiny_target_dir, tmp_path, monkeypatch):
+def test_the_bench_step_records_its_thread_budget_and_shows_progress(tiny_target_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(CORES_ENV, "1")  # one core for this process, whatever the machine has
     saved = torch.get_num_threads()
     try:
@@ -87,6 +87,8 @@ def test_the_bench_step_records_its_thread_budget(tiny_target_dir, tmp_path, mon
             "threads": {"drafter": 1},
         }
         assert torch.get_num_threads() == 1  # what the timed rounds ran with
+        err = capsys.readouterr().err  # progress on stderr: a tick per timed round
+        assert "bench: 100%" in err and f"{REPEATS}/{REPEATS}" in err and "eager" in err and "tok/s" in err, err
     finally:
         torch.set_num_threads(saved)
 

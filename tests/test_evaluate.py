@@ -10,6 +10,7 @@ import torch
 
 from dflashpipe.errors import DflashpipeError
 from dflashpipe.evaluate import regression
+from dflashpipe.evaluate.evaluation import decode_prompts
 from dflashpipe.evaluate.metrics import slot_acceptance
 from dflashpipe.evaluate.prompts import eval_prompts
 from dflashpipe.evaluate.speculative import (
@@ -454,3 +455,11 @@ def test_dvc_repro_evaluate_writes_metrics_that_dvc_shows(pipeline_run, tmp_path
     for name in ("decode_tokens_per_s", "train_tokens_per_s", "train_step_tokens_per_s"):
         figure = report["metrics"][name]  # both sides measured with repeats: the spreads decide
         assert figure["verdict"] in ("noise", "change") and min(figure["repeats"].values()) >= 2, (name, figure)
+
+
+def test_decoding_shows_its_progress_on_stderr(tiny, capsys):
+    results = decode_prompts(tiny["target"], tiny["drafter"], tiny["prompts"], MAX_NEW, tiny["stop"])
+    err = capsys.readouterr().err
+    assert len(results) == len(tiny["prompts"])
+    assert "evaluate: 100%" in err and f"{len(tiny['prompts'])}/{len(tiny['prompts'])}" in err, err
+    assert "speculative" in err and "tok/s" in err, err  # the rates so far

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from dflashpipe.artifacts import PARTIAL, write_json_atomic
 from dflashpipe.compile.warmup import autocast, compiled_step, run_step_once, step_inputs
@@ -113,11 +114,15 @@ def bench_step(
     warm = dynamo_counters()
     positions = STEPS * compile.micro_batch * model.seq_len
     rates: dict[str, list[float]] = {name: [] for name in paths}
-    for round_ in range(REPEATS):
-        # ABBA order: a drift in the machine's load over the run favours neither path
-        for name in paths if round_ % 2 == 0 else reversed(paths):
-            seconds = time_steps(paths[name], drafter, inputs, STEPS, device)
-            rates[name].append(positions / seconds if seconds > 0 else 0.0)
+    # progress on stderr, as regenerate and train show theirs: one tick per timed round of one path
+    with tqdm(total=REPEATS * len(paths), desc="bench", unit="round", mininterval=1.0) as bar:
+        for round_ in range(REPEATS):
+            # ABBA order: a drift in the machine's load over the run favours neither path
+            for name in paths if round_ % 2 == 0 else reversed(paths):
+                seconds = time_steps(paths[name], drafter, inputs, STEPS, device)
+                rates[name].append(positions / seconds if seconds > 0 else 0.0)
+                bar.set_postfix_str(f"{name} {rates[name][-1]:.0f} tok/s", refresh=False)
+                bar.update()
     headline = "compiled" if compile.enabled else "eager"
     metrics = {
         "note": NOTE,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from dflashpipe.artifacts import verify_file_listing, write_json_atomic
 from dflashpipe.errors import ParamsError, SourceError
@@ -53,7 +54,9 @@ def decode_prompts(
         target_generate(target, warm.fork(), min(max_new_tokens, 8), stop)
         speculative_generate(target, proposer, warm, min(max_new_tokens, 8), stop, draft_tokens=draft_tokens)
     results = []
-    for prompt in prompts:
+    # progress on stderr, as regenerate and train show theirs: a prompt decodes twice (three times on CUDA)
+    bar = tqdm(prompts, desc="evaluate", unit="prompt", mininterval=1.0)
+    for prompt in bar:
         start = prefill(target, prompt.prompt_ids, layers)
         baseline = target_generate(target, start.fork(), max_new_tokens, stop)
         profiled = (
@@ -65,6 +68,9 @@ def decode_prompts(
         if profiled is not None:
             speculative.profile = profiled.profile
         results.append(PromptResult(prompt, baseline, speculative))
+        rates = [run.decode_tokens / run.decode_s for run in (baseline, speculative) if run.decode_s > 0]
+        if len(rates) == 2:
+            bar.set_postfix_str(f"target {rates[0]:.1f} tok/s, speculative {rates[1]:.1f} tok/s", refresh=False)
     return results
 
 
