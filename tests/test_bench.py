@@ -6,12 +6,14 @@ import json
 import os
 
 import pytest
+import torch
 import yaml
 
 from dflashpipe.bench import NOTE, REPEATS, run_bench
 from dflashpipe.params import CompileParams
 from dflashpipe.pipeline import BENCH_METRICS
 from dflashpipe.spread import Spread
+from dflashpipe.threads import CORES_ENV
 from tests.conftest import ROOT, copy_project, run, set_params
 from tests.tiny import tiny_model_params
 
@@ -40,7 +42,8 @@ def test_no_data_tokens_or_train_input_reaches_bench_in_dvc_yaml():
     assert {d for d in bench["deps"] if d.startswith("data/")} == {"data/compile", "data/target"}
     assert upstream("bench", stages) == {"target", "warmup"}  # never manifest, tokenize, train
     keys = [k for k in bench["params"] if isinstance(k, str)]
-    assert keys and all(k.split(".")[0] in ("model", "compile") for k in keys), keys
+    # topology: with the cores, the drafter threads' intra-op count the step is compiled and timed at; no data
+    assert keys and all(k.split(".")[0] in ("model", "compile", "topology") for k in keys), keys
     # the same shapes and kernel environment as the compile it times
     assert keys == [k for k in stages["warmup"]["params"] if isinstance(k, str)]
     fingerprint = "data/env/fingerprint.json"
@@ -78,6 +81,26 @@ def test_the_eager_step_is_timed_in_rounds_with_its_spread(tiny_target_dir, tmp_
     assert machine["cpu_s"] > 0 and machine["wall_s"] > 0 and machine["cpus"] == len(os.sched_getaffinity(0))
     assert machine["cpu_over_wall"] == pytest.approx(machine["cpu_s"] / machine["wall_s"], abs=0.01)
     assert metrics["paths"]["eager"]["tokens_per_s_spread"]["machine"] == machine
+
+
+def test_the_bench_step_records_its_thread_budget_and_shows_progress(tiny_target_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(CORES_ENV, "1")  # one core for this process, whatever the machine has
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        compile = CompileParams(enabled=False, micro_batch=1, guard="error")
+        metrics = run_bench(tiny_model_params(), compile, tiny_target_dir, tmp_path / "none", tmp_path / "b.json", None)
+        assert metrics["threads"] == {
+            "cores": 1,
+            "limited_by": CORES_ENV,
+            "workers": {"drafter": 1},
+            "threads": {"drafter": 1},
+        }
+        assert torch.get_num_threads() == 1  # what the timed rounds ran with
+        err = capsys.readouterr().err  # progress on stderr: a tick per timed round
+        assert "bench: 100%" in err and f"{REPEATS}/{REPEATS}" in err and "eager" in err and "tok/s" in err, err
+    finally:
+        torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import torch
 
 from dflashpipe.errors import DflashpipeError
 from dflashpipe.evaluate import regression
+from dflashpipe.evaluate.evaluation import decode_prompts
 from dflashpipe.evaluate.metrics import slot_acceptance
 from dflashpipe.evaluate.prompts import eval_prompts
 from dflashpipe.evaluate.speculative import (
@@ -97,11 +98,12 @@ class ScriptedDrafter:
     def begin(self, features: torch.Tensor) -> None:
         self.length = features.shape[1]
 
-    def draft(self, anchor: torch.Tensor) -> torch.Tensor:
+    def draft(self, anchor: torch.Tensor, count: int) -> torch.Tensor:
         pos = self.length
         assert int(anchor) == self.sequence[pos], "the anchor must sit at position = the context length"
         wanted = (self.sequence[pos + 1 : pos + self.block_size] + [0] * self.block_size)[: self.block_size - 1]
-        return torch.tensor([(t + 1) % self.vocab if self.wrong(k) else t for k, t in enumerate(wanted, start=1)])
+        proposed = [(t + 1) % self.vocab if self.wrong(k) else t for k, t in enumerate(wanted, start=1)]
+        return torch.tensor(proposed[:count])
 
     def extend(self, features: torch.Tensor) -> None:
         self.length += features.shape[1]
@@ -213,6 +215,37 @@ def test_fewer_draft_tokens_verify_shorter_blocks_and_stay_lossless(tiny, draft_
     assert slot_acceptance([run], draft_tokens + 1) == {str(k): 1.0 for k in range(1, draft_tokens + 1)}
     whole = speculative_generate(target, oracle, prefill(target, prompt, (0,)), MAX_NEW, ())
     assert run.tau < whole.tau  # the oracle's tau is capped at draft_tokens + 1
+
+
+@pytest.mark.parametrize("draft_tokens", [1, 2, 0])
+def test_the_drafter_computes_its_lm_head_only_for_the_slots_it_verifies(tiny, draft_tokens, monkeypatch):
+    target, drafter, stop = tiny["target"], tiny["drafter"], tiny["stop"]
+    bs = drafter.config.block_size
+    heads, logits = [], drafter.logits
+
+    def counted(hidden: torch.Tensor) -> torch.Tensor:
+        heads.append(hidden.shape[1])
+        return logits(hidden)
+
+    monkeypatch.setattr(drafter, "logits", counted)
+    proposer, layers = DFlashProposer(drafter), drafter.config.target_layer_ids
+    for prompt in tiny["prompts"]:
+        greedy = target_generate(target, prefill(target, prompt.prompt_ids), MAX_NEW, stop).tokens
+        heads.clear()
+        run = speculative_generate(
+            target, proposer, prefill(target, prompt.prompt_ids, layers), MAX_NEW, stop, draft_tokens=draft_tokens
+        )
+        assert run.tokens == greedy, prompt.sample_id  # lossless
+        # one head per step, over the slots that step verifies: never the whole block when fewer are asked for
+        assert heads == [size - 1 for size in run.sizes], (heads, run.sizes)
+        assert max(heads) == (draft_tokens or bs - 1)
+    # a slot's proposal does not depend on how many are asked for: the block runs whole, only the head is cut
+    context = drafter.encode_context(prefill(target, tiny["prompts"][0].prompt_ids, layers).features)
+    anchor = torch.tensor([tiny["prompts"][0].prompt_ids[-1]])
+    full = drafter.draft_logits(context, anchor)
+    for k in range(1, bs):
+        part = drafter.draft_logits(context, anchor, k)
+        assert torch.equal(part.argmax(-1), full[:, :k].argmax(-1)) and torch.allclose(part, full[:, :k], atol=1e-5)
 
 
 def test_the_prefill_keeps_the_drafters_layers_as_hidden_states_gives_them_and_nothing_warns(tiny):
@@ -454,3 +487,11 @@ def test_dvc_repro_evaluate_writes_metrics_that_dvc_shows(pipeline_run, tmp_path
     for name in ("decode_tokens_per_s", "train_tokens_per_s", "train_step_tokens_per_s"):
         figure = report["metrics"][name]  # both sides measured with repeats: the spreads decide
         assert figure["verdict"] in ("noise", "change") and min(figure["repeats"].values()) >= 2, (name, figure)
+
+
+def test_decoding_shows_its_progress_on_stderr(tiny, capsys):
+    results = decode_prompts(tiny["target"], tiny["drafter"], tiny["prompts"], MAX_NEW, tiny["stop"])
+    err = capsys.readouterr().err
+    assert len(results) == len(tiny["prompts"])
+    assert "evaluate: 100%" in err and f"{len(tiny['prompts'])}/{len(tiny['prompts'])}" in err, err
+    assert "speculative" in err and "tok/s" in err, err  # the rates so far

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from dflashpipe.errors import DflashpipeError, ParamsError
 from dflashpipe.params import TopologyParams
 from dflashpipe.pipeline import COMPILE, TRAIN_STATE, StageKey
+from dflashpipe.threads import thread_budget
 from dflashpipe.tokens.shards import load_tokens
 from dflashpipe.train.checkpoint import checkpoint_key, mismatch
 from dflashpipe.train.data import BatchPlan, epoch_order, pack_rows
@@ -95,6 +96,8 @@ def test_replicas_stay_identical_and_two_processes_equal_one(workdir):
     single = train(workdir, config("single", drafters=2))
     assert single["steps"] == 6 and single["replicas"] == 2 and single["replicas_identical"] is True
     assert single["supervised_tokens"] > 0 and single["tokens_per_s"] > 0
+    # its thread budget: the cores this test process may use, split among the target and the two drafter threads
+    assert single["threads"] == thread_budget({"target": 1, "drafter": 2}).to_json()
     # The run's padding is what its plan's rows leave empty: pad tokens / row tokens over the run.
     lengths = load_tokens(workdir / "tokens").lengths
     plan = BatchPlan(lengths, MODEL["seq_len"], world_size=1, replicas=2, micro_batch=2, seed=TRAIN["seed"])

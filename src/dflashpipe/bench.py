@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from dflashpipe.artifacts import PARTIAL, write_json_atomic
 from dflashpipe.compile.warmup import autocast, compiled_step, run_step_once, step_inputs
@@ -24,6 +25,7 @@ from dflashpipe.model import DFlashDrafter
 from dflashpipe.params import CompileParams, ModelParams
 from dflashpipe.pipeline import StageKey
 from dflashpipe.spread import Measuring, Spread, clock
+from dflashpipe.threads import ThreadBudget, thread_budget
 
 REPEATS = 5
 """Interleaved rounds; each gives one sample of every figure (the spread needs 2 or more)."""
@@ -82,6 +84,7 @@ def bench_step(
     scratch: Path | str,
     compile_key: StageKey | None,
     device: str | None = None,
+    threads: ThreadBudget | None = None,
 ) -> dict:
     """metrics/bench.json's content. The compiled step loads the artifact in `compile_dir` (copied into
     `scratch`) if it was built for `compile_key` (warmup's key now), else compiles cold in its untimed
@@ -92,6 +95,10 @@ def bench_step(
     from dflashpipe.compile.guard import dynamo_counters
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    # compiled and timed at the drafter threads' count (the kernels are bound to it: dflashpipe.threads);
+    # without a topology, the one step thread gets every core this process may use
+    threads = threads or thread_budget({"drafter": 1})
+    threads.apply("drafter", device)
     target = synthetic_target(target_dir, device)
     tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
     drafter = DFlashDrafter.for_target(target, tokenizer, model, generator=torch.Generator().manual_seed(0)).to(device)
@@ -107,12 +114,19 @@ def bench_step(
     warm = dynamo_counters()
     positions = STEPS * compile.micro_batch * model.seq_len
     rates: dict[str, list[float]] = {name: [] for name in paths}
-    with Measuring() as window:  # what the machine gave the rounds: recorded with each figure
+    # what the machine gave the rounds, recorded with each figure; progress on stderr, as regenerate and train
+    # show theirs: one tick per timed round of one path
+    with (
+        Measuring() as window,
+        tqdm(total=REPEATS * len(paths), desc="bench", unit="round", mininterval=1.0) as bar,
+    ):
         for round_ in range(REPEATS):
             # ABBA order: a drift in the machine's load over the run favours neither path
             for name in paths if round_ % 2 == 0 else reversed(paths):
                 seconds = time_steps(paths[name], drafter, inputs, STEPS, device)
                 rates[name].append(positions / seconds if seconds > 0 else 0.0)
+                bar.set_postfix_str(f"{name} {rates[name][-1]:.0f} tok/s", refresh=False)
+                bar.update()
     busy = window.busy
     headline = "compiled" if compile.enabled else "eager"
     metrics = {
@@ -130,6 +144,7 @@ def bench_step(
         "shapes": first["shapes"],
         "repeats": REPEATS,
         "steps_per_repeat": STEPS,
+        "threads": threads.to_json(),
     }
     if compile.enabled:  # what compile buys: a ratio within each round, where both saw the same machine
         ratios = [c / e for c, e in zip(rates["compiled"], rates["eager"], strict=True) if e > 0]
@@ -145,13 +160,14 @@ def run_bench(
     out: Path | str,
     compile_key: StageKey | None,
     device: str | None = None,
+    threads: ThreadBudget | None = None,
 ) -> dict:
     """Write metrics/bench.json (atomically) and return it."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # the inductor scratch is a partial sibling of bench.json: a killed run's is removed by the next write
     with tempfile.TemporaryDirectory(prefix=f".{out.name}{PARTIAL}inductor-", dir=out.parent) as scratch:
-        metrics = bench_step(model, compile, target_dir, compile_dir, scratch, compile_key, device)
+        metrics = bench_step(model, compile, target_dir, compile_dir, scratch, compile_key, device, threads)
     write_json_atomic(out, metrics)
     ratio = f", compiled/eager {metrics['compiled_over_eager']:.2f}x" if "compiled_over_eager" in metrics else ""
     print(

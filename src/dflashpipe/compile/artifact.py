@@ -41,6 +41,8 @@ MEGA_CACHE = "mega.bin"
 REPORT = "report.json"
 BUILT_FOR = "built_for"
 """The report's record of warmup's stage key (StageKey.to_json) when the artifact was built."""
+INTRA_OP_THREADS = "intra_op_threads"
+"""The report's record of the count the step was compiled at (dflashpipe.threads): the kernels are bound to it."""
 NAMED_CHANGES = 5
 """A refusal names at most this many changed inputs and counts the rest: one readable line."""
 
@@ -124,6 +126,12 @@ def load_artifact(path: Path | str, workdir: Path | str, expected: StageKey | No
     path, workdir = Path(path), Path(workdir)
     report = verify_artifact(path)
     check_built_for(path, report, expected)
+    compiled_at, now = report.get(INTRA_OP_THREADS), torch.get_num_threads()
+    if compiled_at is not None and compiled_at != now:
+        raise CompileArtifactError(
+            f"{path} was compiled at {compiled_at} intra-op threads per drafter, this run uses {now} "
+            f"(dflashpipe.threads: this process's cores over its workers): `dvc repro -f warmup` on this machine"
+        )
     if workdir.exists():
         shutil.rmtree(workdir)
     shutil.copytree(path / INDUCTOR_DIR, workdir)

@@ -14,6 +14,7 @@ from dflashpipe.model import DFlashDrafter, DraftLoss, sample_anchor_positions
 from dflashpipe.model.attention import resolve_backend
 from dflashpipe.params import CompileParams, ModelParams
 from dflashpipe.pipeline import StageKey
+from dflashpipe.threads import ThreadBudget
 
 
 def compiled_step(drafter: DFlashDrafter):
@@ -92,8 +93,12 @@ def build_warmup_artifact(
     out: Path | str,
     key: StageKey | None,
     device: str | None = None,
+    threads: ThreadBudget | None = None,
 ) -> dict:
     """Compile the training step in this (main) thread only, cold, and write data/compile/.
+
+    `threads`: train's budget (threads.training_budget); the step is compiled at its drafter count, the
+    count train's drafter threads run it at (None: this thread's count as it is).
 
     `key` is warmup's stage key, taken before anything is built: the artifact records it, and
     train and evaluate load the artifact only under the same key (None: an artifact they refuse).
@@ -104,11 +109,13 @@ def build_warmup_artifact(
     from transformers import AutoTokenizer
 
     from dflashpipe.artifacts import atomic_directory
-    from dflashpipe.compile.artifact import BUILT_FOR, built_for, point_inductor_at, write_artifact
+    from dflashpipe.compile.artifact import BUILT_FOR, INTRA_OP_THREADS, built_for, point_inductor_at, write_artifact
     from dflashpipe.compile.guard import dynamo_counters
     from dflashpipe.target import load_materialised_target
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if threads is not None:
+        threads.apply("drafter", device)
     with atomic_directory(out) as tmp:
         # Compile into a sibling of the partial output: a killed run leaves both behind, and the next
         # run's atomic_directory removes them (a system temp directory would leak on every kill).
@@ -136,6 +143,9 @@ def build_warmup_artifact(
                 # The key's inputs include the fingerprint's kernel facts (torch build, GPUs, compile
                 # variables), so they are on record here too, without a second list of them.
                 BUILT_FOR: built_for(key),
+                # the kernels are bound to it (dynamo guards on it; inductor's cache key holds it)
+                INTRA_OP_THREADS: torch.get_num_threads(),
+                "threads": threads.to_json() if threads is not None else None,
                 "cache": "inductor cache directory" + (" + mega-cache" if device.type == "cuda" else ""),
             }
             write_artifact(tmp, cache, report, with_mega_cache=device.type == "cuda")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from dflashpipe.artifacts import verify_file_listing, write_json_atomic
 from dflashpipe.errors import ParamsError, SourceError
@@ -26,6 +27,7 @@ from dflashpipe.evaluate.speculative import (
 from dflashpipe.model import DFlashDrafter, TargetHead
 from dflashpipe.params import EvaluateParams
 from dflashpipe.spread import SUFFIX
+from dflashpipe.threads import thread_budget
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,9 @@ def decode_prompts(
         target_generate(target, warm.fork(), min(max_new_tokens, 8), stop)
         speculative_generate(target, proposer, warm, min(max_new_tokens, 8), stop, draft_tokens=draft_tokens)
     results = []
-    for prompt in prompts:
+    # progress on stderr, as regenerate and train show theirs: a prompt decodes twice (three times on CUDA)
+    bar = tqdm(prompts, desc="evaluate", unit="prompt", mininterval=1.0)
+    for prompt in bar:
         start = prefill(target, prompt.prompt_ids, layers)
         baseline = target_generate(target, start.fork(), max_new_tokens, stop)
         profiled = (
@@ -64,6 +68,9 @@ def decode_prompts(
         if profiled is not None:
             speculative.profile = profiled.profile
         results.append(PromptResult(prompt, baseline, speculative))
+        rates = [run.decode_tokens / run.decode_s for run in (baseline, speculative) if run.decode_s > 0]
+        if len(rates) == 2:
+            bar.set_postfix_str(f"target {rates[0]:.1f} tok/s, speculative {rates[1]:.1f} tok/s", refresh=False)
     return results
 
 
@@ -110,6 +117,8 @@ def evaluate_drafter(
     verify_drafter(drafter_dir)
     train = read_train_metrics(Path(train_metrics))
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    threads = thread_budget({"decode": 1})  # one decoding thread: every core this process may use
+    threads.apply("decode", device)
     target = load_materialised_target(target_dir, device)
     chat = load_chat_tokenizer(target_dir)
     # sdpa for decoding: every step has a new context length, which a compiled flex kernel would recompile for.
@@ -140,6 +149,7 @@ def evaluate_drafter(
         **decoding,
         "skipped_prompts": skipped,
         "train": train,
+        "threads": threads.to_json(),
         "setup": {
             "block_size": block_size,
             "draft_tokens": verified - 1,

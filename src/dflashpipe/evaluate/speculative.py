@@ -3,7 +3,7 @@
     prefill:  target(prompt) -> first token + the chosen layers' hidden states of the prompt
               drafter.begin(those features)
     each verify step, with `anchor` the last committed token (at position = context length):
-      1. drafter.draft(anchor)          one forward: a whole block of proposals
+      1. drafter.draft(anchor, count)   one forward: a whole block, proposals for the slots to verify
       2. target(anchor + proposals)     one forward of the decoder over its own KV cache
       3. the target's LM head at the anchor's position, and only if the first proposal holds at the
          others: the accepted proposals, then the target's token (the bonus); crop the target
@@ -45,8 +45,9 @@ class Drafter(Protocol):
     def begin(self, features: torch.Tensor) -> None:
         """Start a sequence from the prompt's target features [1, P, n*H] (positions 0..P-1)."""
 
-    def draft(self, anchor: torch.Tensor) -> torch.Tensor:
-        """Token ids [block_size - 1] proposed after `anchor` (0-d), which sits at position = the context length."""
+    def draft(self, anchor: torch.Tensor, count: int) -> torch.Tensor:
+        """Token ids [count] (count <= block_size - 1) proposed after `anchor` (0-d), which sits at position = the
+        context length: the first `count` of the block's proposals, the only ones the step verifies."""
 
     def extend(self, features: torch.Tensor) -> None:
         """Append the features [1, N, n*H] of newly verified tokens to the context."""
@@ -65,8 +66,8 @@ class DFlashProposer:
     def begin(self, features: torch.Tensor) -> None:
         self.context = self.drafter.encode_context(features)
 
-    def draft(self, anchor: torch.Tensor) -> torch.Tensor:
-        return self.drafter.draft_logits(self.context, anchor.view(1))[0].argmax(-1)
+    def draft(self, anchor: torch.Tensor, count: int) -> torch.Tensor:
+        return self.drafter.draft_logits(self.context, anchor.view(1), count)[0].argmax(-1)
 
     def extend(self, features: torch.Tensor) -> None:
         self.context = self.drafter.encode_context(features, self.context)
@@ -231,7 +232,7 @@ def speculative_generate(
             marks.clear()
             mark()
             size = min(bs, max_new_tokens - len(result.tokens) + 1)
-            proposals = drafter.draft(anchor)[: size - 1]
+            proposals = drafter.draft(anchor, size - 1)
             block = torch.cat([anchor.view(1), proposals]).view(1, size)
             mark()
             normed = decoder(block, **{cache_kw: cache}, use_cache=True).last_hidden_state

@@ -295,14 +295,17 @@ class DFlashDrafter(nn.Module):
         return DraftContext(keys, values)
 
     @torch.no_grad()
-    def draft_logits(self, context: DraftContext, anchor_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [B, bs-1, V] for the tokens after `anchor_ids` [B], which sit at position context.length."""
+    def draft_logits(self, context: DraftContext, anchor_ids: torch.Tensor, slots: int | None = None) -> torch.Tensor:
+        """Logits [B, slots, V] for the first `slots` tokens after `anchor_ids` [B] (None: all bs-1), which sit at
+        position context.length. The layers run the whole block (its slots attend to one another, so a slot's
+        proposal is the same however many are asked for); the LM head, the widest product of a draft, runs
+        only for the slots asked for."""
         bs = self.config.block_size
         x = self.embed(self._block_ids(anchor_ids))
         positions = (context.length + torch.arange(bs, device=x.device)).expand(x.shape[0], -1)
         # One block sees all the context and all of itself: no mask needed.
         hidden = self._run_layers(x, context, positions, None, resolve_backend(self.attention, x.device))
-        return self.logits(hidden[:, 1:])
+        return self.logits(hidden[:, 1 : bs if slots is None else 1 + slots])
 
     # -- checkpoint (the published DFlash format) ------------------------------------------------
 

@@ -4,11 +4,17 @@ Prompts are sent to `<base>/completions` as token ids (the OpenAI API's `prompt:
 encoded here exactly as in the in-process path, so the server's own chat template or BOS handling cannot
 change them; temperature 0, one request per batch. A connection failure, a timeout, 429 or a 5xx is
 retried with exponential backoff; what still fails is one line naming the URL.
+
+A server that needs a key gets it from the environment, never from params.yaml (which DVC records and git
+keeps): `OPENAI_API_KEY`, sent as `Authorization: Bearer`. The key is read at each request and held by no
+object, so it appears in no settings record, metric, lock or log; any text the server sends back is
+scrubbed of it before it reaches an error. A 401 or 403 is one line naming the variable to set.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -16,6 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dflashpipe.errors import DflashpipeError
+
+API_KEY_ENV = "OPENAI_API_KEY"
+"""The environment variable that holds the endpoint's API key (unset: no Authorization header is sent)."""
 
 
 class EndpointError(DflashpipeError):
@@ -42,20 +51,35 @@ class Endpoint:
     def _request(self, path: str, body: dict | None = None) -> dict:
         url = self.base_url.rstrip("/") + path
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        key = os.environ.get(API_KEY_ENV, "").strip()
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        request = urllib.request.Request(url, data=data, headers=headers)
+
+        def scrub(text: str) -> str:  # a server may echo what it was sent
+            return text.replace(key, "***") if key else text
+
         for attempt in range(self.retries + 1):
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                     return json.loads(response.read())
             except urllib.error.HTTPError as exc:  # before URLError: it is one
-                detail = exc.read().decode(errors="replace")[:300]
+                detail = scrub(exc.read().decode(errors="replace")[:300]).replace("\n", " ")
+                if exc.code in (401, 403):
+                    what = (
+                        f"refused the key in {API_KEY_ENV}" if key else f"needs an API key and {API_KEY_ENV} is unset"
+                    )
+                    raise EndpointError(
+                        f"regenerate.endpoint {url} {what} (HTTP {exc.code}): set {API_KEY_ENV} to the endpoint's key"
+                    ) from None
                 if exc.code != 429 and exc.code < 500:
                     raise EndpointError(
                         f"regenerate.endpoint {url} refused the request: HTTP {exc.code}: {detail}"
                     ) from None
                 failure = f"HTTP {exc.code}: {detail}"
             except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
-                failure = str(getattr(exc, "reason", exc))
+                failure = scrub(str(getattr(exc, "reason", exc)))
             except ValueError as exc:
                 raise EndpointError(f"regenerate.endpoint {url} answered something that is not JSON: {exc}") from None
             if attempt < self.retries:

@@ -39,6 +39,7 @@ from dflashpipe.pipeline import StageKey
 from dflashpipe.regenerate.endpoint import Endpoint
 from dflashpipe.regenerate.shards import stored_shard, write_shard
 from dflashpipe.spread import Spread
+from dflashpipe.threads import ThreadBudget, thread_budget
 from dflashpipe.tokens.chat import ChatTokenizer, load_chat_tokenizer
 
 SKIPPED_TURNS = ("no_prompt", "prompt_too_long", "empty_reply")
@@ -124,17 +125,21 @@ class InProcessReplier(Replier):
                     f"{torch.cuda.device_count()} CUDA device(s)"
                 )
         self.targets = [load_materialised_target(target_dir, device) for device in dict.fromkeys(devices)]
+        # one worker thread per target copy, sharing the cores with the others on the CPU (dflashpipe.threads)
+        self.threads: ThreadBudget = thread_budget({"target": sum(t.device.type == "cpu" for t in self.targets)})
         self.chat, self.max_new_tokens = chat, params.max_new_tokens
         self.stop = stop_token_ids(self.targets[0], chat.tokenizer)
 
     def each(self, batches, run) -> None:
+        def worker(w: int) -> None:
+            self.threads.apply("target", self.targets[w].device)  # in the worker's own thread
+            for b in batches[w :: len(self.targets)]:
+                run(b, w)
+
         if len(self.targets) == 1:
-            return super().each(batches, run)
+            return worker(0)
         with ThreadPoolExecutor(len(self.targets)) as pool:
-            jobs = [
-                pool.submit(lambda w: [run(b, w) for b in batches[w :: len(self.targets)]], w)
-                for w in range(len(self.targets))
-            ]
+            jobs = [pool.submit(worker, w) for w in range(len(self.targets))]
             for job in jobs:
                 job.result()
 
@@ -241,6 +246,8 @@ class RegenerateRun:
     generated_tokens: int
     seconds: float
     batch_rates: list[float]
+    threads: dict | None = None
+    """The in-process generators' thread budget (dflashpipe.threads); None when none ran here."""
 
 
 def regenerate_metrics(run: RegenerateRun) -> dict:
@@ -255,6 +262,7 @@ def regenerate_metrics(run: RegenerateRun) -> dict:
         **counts,
         "generated_tokens_this_run": run.generated_tokens,
         "seconds": round(run.seconds, 3),
+        "threads": run.threads,
         **(Spread.of(run.batch_rates).record("tokens_per_s", digits=1) if run.batch_rates else {"tokens_per_s": 0.0}),
     }
 
@@ -336,13 +344,21 @@ def regenerate_manifest(
     ]
     total = output.total(RegenerateCounts(), lambda record: record["counts"])
     summary = {"enabled": True, "settings": settings, "counts": asdict(total), "shards": shards}
-    return _finish(output, summary, generated, began, replier.batch_rates if replier is not None else [])
+    threads = replier.threads.to_json() if isinstance(replier, InProcessReplier) else None
+    return _finish(output, summary, generated, began, replier.batch_rates if replier is not None else [], threads)
 
 
-def _finish(output: ShardedOutput, summary: dict, generated: int, began: float, rates: list[float]) -> RegenerateRun:
+def _finish(
+    output: ShardedOutput,
+    summary: dict,
+    generated: int,
+    began: float,
+    rates: list[float],
+    threads: dict | None = None,
+) -> RegenerateRun:
     output.finish(summary)
     shards = output.run
-    run = RegenerateRun(summary, shards.written, shards.reused, generated, time.perf_counter() - began, rates)
+    run = RegenerateRun(summary, shards.written, shards.reused, generated, time.perf_counter() - began, rates, threads)
     what = (
         "linked the manifest's"
         if not summary["enabled"]

@@ -37,6 +37,7 @@ from dflashpipe.params import TokenizeParams
 from dflashpipe.pipeline import StageKey
 from dflashpipe.regenerate.shards import ConversationShard, read_conversation_shards
 from dflashpipe.spread import Spread
+from dflashpipe.threads import thread_budget
 from dflashpipe.tokens.chat import ChatTokenizer, load_chat_tokenizer
 from dflashpipe.tokens.encode import EncodedRows, SampleEncoder, TokenStats, concat_rows, length_edges
 from dflashpipe.tokens.shards import shard_name, stored_shard, write_shard
@@ -105,10 +106,6 @@ def _results(tasks: list, chat: ChatTokenizer, params: TokenizeParams, num_proc:
             os.environ["TOKENIZERS_PARALLELISM"] = saved
 
 
-def available_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 # --- the stage -----------------------------------------------------------------------------
 
 
@@ -125,6 +122,8 @@ class TokenizeRun:
     seconds: float
     chunk_rates: list[float] = field(default_factory=list)
     """Tokens/s of each encoded chunk x the processes encoding side by side: the repeats of the rate."""
+    threads: dict = field(default_factory=dict)
+    """The thread budget (dflashpipe.threads): the cores, and the processes that shared them."""
 
 
 def tokenize_metrics(run: TokenizeRun) -> dict:
@@ -142,6 +141,7 @@ def tokenize_metrics(run: TokenizeRun) -> dict:
         "reused_shards": len(run.reused_shards),
         "encoded_samples": run.encoded_samples,
         "seconds": round(run.seconds, 3),
+        "threads": run.threads,
         # The median over encoded chunks with its range (see spread.py), so a move within the
         # machine's noise is not blamed on an input; 0.0 and no spread when nothing was encoded.
         **(
@@ -197,8 +197,10 @@ def tokenize_manifest(
         )
         output.wrote(name, stats)
 
-    num_proc = params.num_proc or available_cores()
+    num_proc = params.num_proc or thread_budget({}).cores  # 0: a process per core this process may use
     tasks = _tasks(todo)
+    # each process encodes in one thread (TOKENIZERS_PARALLELISM=false): the budget records the split
+    budget = thread_budget({"process": min(num_proc, len(tasks)) if len(tasks) > 1 else 1})
     tasks_left = {s.index: sum(1 for t in tasks if t[0] == s.index) for s in todo}
     for s in todo:
         if tasks_left[s.index] == 0:  # an empty manifest shard still gets its (empty) tokens shard
@@ -231,6 +233,7 @@ def tokenize_manifest(
         num_proc,
         time.perf_counter() - began,
         chunk_rates,
+        budget.to_json(),
     )
     print(
         f"tokenize: encoded {len(run.encoded_shards)} shard(s), reused {len(run.reused_shards)}; "

@@ -50,10 +50,11 @@ from dflashpipe.model.features import target_features_and_predictions, target_la
 from dflashpipe.model.loss import prediction_positions
 from dflashpipe.params import ModelParams, TrainParams
 from dflashpipe.target import load_materialised_target
+from dflashpipe.threads import ThreadBudget
 from dflashpipe.train.checkpoint import Checkpoint
 from dflashpipe.train.data import Batch, BatchPlan, collate, held_out, pack_rows, without
 from dflashpipe.train.state import StepRecord, TrainInputs, TrainState, simulated_tau
-from dflashpipe.train.topology import Topology
+from dflashpipe.train.topology import Topology, train_threads
 
 if TYPE_CHECKING:  # only an annotation: training imports no pyarrow (the GPU check's machine has none)
     from dflashpipe.tokens.shards import TokenData
@@ -279,6 +280,11 @@ class Trainer:
             p.train.seed,
         )
 
+    @functools.cached_property
+    def threads(self) -> ThreadBudget:
+        """Each worker thread's intra-op threads, which it sets for itself (dflashpipe.threads)."""
+        return train_threads(self.topology)
+
     def global_replica(self, r: int) -> int:
         return self.topology.rank * self.topology.replicas + r
 
@@ -387,6 +393,7 @@ class Trainer:
     def target_worker(self, run: RunState, t: int) -> None:
         """Target t's thread: the frozen forward (offline: the stored features) and the anchors for its (step,
         replica) items, into the mailboxes."""
+        self.threads.apply("target", self.targets[t].device)
         p = self.inputs
         n_targets, n_replicas = len(self.targets), len(self.replicas)
         layer_ids = self.replicas[0].drafter.config.target_layer_ids
@@ -423,6 +430,7 @@ class Trainer:
     def drafter_worker(self, run: RunState, r: int) -> None:
         """Replica r's thread: each step's forward and backward on its features, then wait for the others."""
         replica = self.replicas[r]
+        self.threads.apply("drafter", replica.device)
         for step in range(run.first_step, self.inputs.train.max_steps):
             item = run.mailboxes[r].get(step)
             item.release()

@@ -19,7 +19,7 @@ from dflashpipe.train.features import FeatureLayout, FeatureStore, refuse_distil
 from dflashpipe.train.loop import Trainer
 from dflashpipe.train.metrics import train_metrics, write_plots
 from dflashpipe.train.state import TrainInputs
-from dflashpipe.train.topology import check_topology
+from dflashpipe.train.topology import check_topology, train_threads
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,9 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
     from transformers import AutoTokenizer
 
     topology = check_topology(inputs.topology)  # before anything loads
+    # The main thread loads (or compiles) and warms up the drafter step at the drafter threads' count: the
+    # compiled step is bound to the count it was compiled at (dflashpipe.threads), warmup's too.
+    train_threads(topology).apply("drafter", topology.drafters[0])
     key = checkpoint_key(key, topology.world_size)
     paths.state.mkdir(parents=True, exist_ok=True)  # a declared output, even when no checkpoint is due
     if topology.world_size > 1:
@@ -126,6 +129,7 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
         replicas_identical=not mismatches,
         busy=window.busy,
     )
+    metrics["threads"] = trainer.threads.to_json()
     if mismatches:  # before any output: a drafter from diverged replicas is no result
         shown = ", ".join(mismatches[:3]) + (f" and {len(mismatches) - 3} more" if len(mismatches) > 3 else "")
         raise DflashpipeError(

@@ -9,6 +9,7 @@ import torch
 
 from dflashpipe.errors import ParamsError
 from dflashpipe.params import TopologyParams
+from dflashpipe.threads import ThreadBudget, training_budget
 
 
 @dataclass(frozen=True)
@@ -40,3 +41,8 @@ def check_topology(params: TopologyParams) -> Topology:
         rank,
         world_size,
     )
+
+
+def train_threads(topology: Topology) -> ThreadBudget:
+    """The process's cores shared by the target and drafter threads that compute on the CPU (dflashpipe.threads)."""
+    return training_budget([d.type for d in topology.targets], [d.type for d in topology.drafters])
