@@ -147,7 +147,9 @@ def compute_features(
     rates: list[float] = []
     if todo:
         from dflashpipe.target import load_materialised_target
+        from dflashpipe.threads import thread_budget
 
+        thread_budget({"target": 1}).apply("target", device)  # one computing thread: every core it may use
         target = load_materialised_target(target_dir, device)
         with tqdm(total=todo_tokens, desc="features", unit="tok", unit_scale=True, mininterval=1.0) as bar:
             for i in todo:
