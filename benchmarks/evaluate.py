@@ -9,6 +9,12 @@ that gets busier slows all three alike): the target alone, the speculative loop 
 (src/dflashpipe/evaluate/speculative.py read through git) and this tree's. A step's cost is seconds per
 verify step over seconds per plain decode token of the same prompt and round; speedup at a tau is
 tau / that ratio. Needs a trained drafter, the target and the manifest under `--data` (`dvc repro train`).
+
+`--threads budget,1,2` instead compares intra-op thread counts for this tree's loop, side by side in the
+same rounds (`budget`: what dflashpipe.threads gives evaluate's one decoding thread, the process's
+cores; a number: that many threads, torch's default being this machine's cores): each count's step cost
+and speedup, and each count's step cost over the first's, per prompt and round. `--neighbour` runs a busy
+process beside it (a matmul loop with torch's default threads).
 """
 
 from __future__ import annotations
@@ -44,8 +50,96 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--data", type=Path, default=ROOT / "data")
+    parser.add_argument("--threads", help="e.g. budget,1,2: compare intra-op thread counts instead")
+    parser.add_argument("--neighbour", action="store_true", help="a busy process beside the run")
     args = parser.parse_args()
+    neighbour = None
+    if args.neighbour:
+        loop = "import torch\na = torch.randn(1024, 1024)\nwhile True:\n    a @ a\n"
+        neighbour = subprocess.Popen([sys.executable, "-c", loop])
+    try:
+        if args.threads:
+            compare_threads(args)
+        else:
+            compare_revisions(args)
+    finally:
+        if neighbour is not None:
+            neighbour.kill()
+            neighbour.wait()
 
+
+def load(args):
+    import torch
+
+    from dflashpipe.evaluate.prompts import eval_prompts
+    from dflashpipe.model import DFlashDrafter, TargetHead
+    from dflashpipe.regenerate.generate import stop_token_ids
+    from dflashpipe.target import load_materialised_target
+    from dflashpipe.tokens.chat import load_chat_tokenizer
+
+    target = load_materialised_target(args.data / "target", "cpu")
+    chat = load_chat_tokenizer(args.data / "target")
+    drafter = DFlashDrafter.from_pretrained(
+        args.data / "drafter", TargetHead.of(target), dtype=torch.float32, attention="sdpa"
+    ).eval()
+    prompts, _ = eval_prompts(args.data / "manifest", chat, args.prompts, 512)
+    return target, drafter, prompts, stop_token_ids(target, chat.tokenizer)
+
+
+def compare_threads(args) -> None:
+    import torch
+
+    from dflashpipe.evaluate import speculative as loop
+    from dflashpipe.threads import thread_budget
+
+    budget = thread_budget({"decode": 1})
+    counts = [budget.threads["decode"] if c == "budget" else int(c) for c in args.threads.split(",")]
+    names = [
+        f"{c}={n}" if c == "budget" else f"{n} threads" for c, n in zip(args.threads.split(","), counts, strict=True)
+    ]
+    target, drafter, prompts, stop = load(args)
+    layers = drafter.config.target_layer_ids
+
+    def plain(ids):
+        return loop.target_generate(target, loop.prefill(target, ids), args.max_new_tokens, stop)
+
+    def spec(ids):
+        start = loop.prefill(target, ids, layers)
+        return loop.speculative_generate(target, loop.DFlashProposer(drafter), start, args.max_new_tokens, stop)
+
+    torch.get_num_threads()
+    for n in counts:  # first calls at every count in no measurement
+        torch.set_num_threads(n)
+        plain(prompts[0].prompt_ids), spec(prompts[0].prompt_ids)
+    cost = {name: [] for name in names}
+    speedup = {name: [] for name in names}
+    per_token = {name: [] for name in names}
+    for round_ in range(args.rounds):
+        for i, prompt in enumerate(prompts):
+            shift = (round_ + i) % len(names)  # rotating order: a drift in load favours no count
+            for k in list(range(shift, len(names))) + list(range(shift)):
+                torch.set_num_threads(counts[k])
+                base, fast = plain(prompt.prompt_ids), spec(prompt.prompt_ids)
+                assert fast.tokens == base.tokens, prompt.sample_id  # lossless
+                if base.decode_tokens == 0:
+                    continue
+                token_s = base.decode_s / base.decode_tokens
+                per_token[names[k]].append(token_s * 1000)
+                cost[names[k]].append(fast.decode_s / len(fast.produced) / token_s)
+                speedup[names[k]].append(base.decode_s / fast.decode_s)
+    print(f"{len(prompts)} prompts x {args.rounds} rounds, {args.max_new_tokens} new tokens; budget {budget.to_json()}")
+    for name in names:
+        print(
+            f"{name:14s} plain decode ms/token {spread(per_token[name])}; step / decode step {spread(cost[name])}; "
+            f"speedup {spread(speedup[name])}"
+        )
+    first = names[0]
+    for name in names[1:]:
+        ratio = [a / b for a, b in zip(per_token[name], per_token[first], strict=True)]
+        print(f"{name} / {first}: plain decode time per token {spread(ratio)}")
+
+
+def compare_revisions(args) -> None:
     import torch
 
     from dflashpipe.evaluate import speculative as after
