@@ -457,6 +457,7 @@ class SyntheticTokens:
         self.lengths = rng.integers(seq_len // 4, seq_len // 2 + 1, size=count)
         self._ids = [rng.integers(0, mask_token_id, size=n).astype(np.int32) for n in self.lengths]
         self._masks = [(np.arange(n) >= n // 2).astype(np.uint8) for n in self.lengths]
+        self.starts = np.array([0, count], dtype=np.int64)  # one shard (where train.heldout_sequences would come from)
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -510,6 +511,8 @@ def section_train(dry: bool, target_name: str, work: Path) -> dict:
         data = SyntheticTokens(64, inputs.model.seq_len, tokenizer.mask_token_id)
         COUNTER.install()
         trainer = Trainer(inputs, data, check_topology(inputs.topology), Path(tmp), pad_id=0)
+        # compiled in the main thread at the drafter threads' count, as the train stage does (dflashpipe.threads)
+        trainer.threads.apply("drafter", device)
         trainer.build(tokenizer)
     warm_s = trainer.warm_up_compiled()
     replica = trainer.replicas[0]

@@ -64,6 +64,7 @@ def test_growing_the_data_hits_manifest_only_and_costs_are_attributed(committed)
         "manifest": DIRECT,
         "regenerate": DOWNSTREAM,
         "tokenize": DOWNSTREAM,
+        "features": DOWNSTREAM,  # it reads the token shards (online it writes an empty listing, but reruns)
         "train": DOWNSTREAM,
         "evaluate": DOWNSTREAM,
     }
@@ -347,13 +348,14 @@ def test_compare_growing_the_data_invalidates_its_chain_and_never_warmup(dag):
         "manifest": DIRECT,
         "regenerate": DOWNSTREAM,
         "tokenize": DOWNSTREAM,
+        "features": DOWNSTREAM,  # it reads the token shards (online it writes an empty listing, but reruns)
         "train": DOWNSTREAM,
         "evaluate": DOWNSTREAM,
     }
     assert cause_tuples(found) == [("param", "params.yaml:data.num_samples", 2000, 2400, ("manifest",))]
     by_stage = {v.stage: v for v in found}
     assert by_stage["regenerate"].upstream == ["manifest"] and by_stage["tokenize"].upstream == ["regenerate"]
-    assert by_stage["train"].upstream == ["tokenize"]
+    assert by_stage["train"].upstream == ["features", "tokenize"]
     assert by_stage["evaluate"].upstream == ["manifest", "train"]  # the eval split lives in data/manifest
     assert root_causes(found)[0].evidence == (
         "dvc.lock@HEAD stages.manifest.params['params.yaml']['data.num_samples'] vs "
@@ -393,6 +395,7 @@ def test_compare_a_dep_inside_an_upstream_output_is_that_upstream_not_a_root_cau
         **quiet(),
         "regenerate": DOWNSTREAM,
         "tokenize": DOWNSTREAM,
+        "features": DOWNSTREAM,
         "evaluate": DOWNSTREAM,
         "train": DOWNSTREAM,
     }
@@ -400,7 +403,8 @@ def test_compare_a_dep_inside_an_upstream_output_is_that_upstream_not_a_root_cau
     assert {v.stage: v.upstream for v in found if v.upstream} == {
         "regenerate": ["manifest"],
         "tokenize": ["regenerate"],
-        "train": ["tokenize"],
+        "features": ["tokenize"],
+        "train": ["features", "tokenize"],
         "evaluate": ["manifest", "train"],
     }
 
@@ -424,8 +428,9 @@ def test_compare_a_library_version_key_hits_the_stages_naming_it_and_their_downs
         "target": DIRECT,
         "regenerate": DIRECT,
         "tokenize": DIRECT,
+        "features": DIRECT,  # the target's forward is transformers' code
     }
-    assert cause_tuples(found) == [("param", key, "5.24.0", "5.25.0", ("target", "regenerate", "tokenize"))]
+    assert cause_tuples(found) == [("param", key, "5.24.0", "5.25.0", ("target", "regenerate", "tokenize", "features"))]
 
 
 def test_compare_the_always_changed_fingerprint_invalidates_nothing_by_itself(dag):
