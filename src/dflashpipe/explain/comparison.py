@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from dflashpipe import spread
+from dflashpipe import pipeline, spread
 from dflashpipe.compile.artifact import BUILT_FOR, REPORT
 from dflashpipe.explain.report import (
     ALWAYS,
@@ -28,8 +28,9 @@ from dflashpipe.explain.report import (
     StageState,
     Verdict,
 )
-from dflashpipe.explain.state import State, cached_json, dir_listing, in_cache, read_metrics, read_revision_state
+from dflashpipe.explain.state import State, cached_json, dir_listing, in_cache, read_revision_state
 from dflashpipe.pipeline import COMPILE, FINGERPRINT
+from dflashpipe.revision import read_metrics
 
 LISTED_FILES = 5
 """How many changed files of one directory a path names before it says how many more there are."""
@@ -38,32 +39,12 @@ LISTED_FILES = 5
 def upstream_of(stages: dict[str, StageState]) -> dict[str, list[str]]:
     """For each stage, the stages whose outputs it takes as file deps (params files excluded:
     a stage that reads keys of another's output depends on those keys, compared one by one)."""
-    producers = {out: s.name for s in stages.values() for out in s.outs}
-    result = {}
-    for s in stages.values():
-        ups = []
-        for dep in s.deps:
-            for out, producer in producers.items():
-                if producer != s.name and (dep == out or dep.startswith(out.rstrip("/") + "/")):
-                    ups.append(producer)
-        result[s.name] = sorted(set(ups))
-    return result
+    return pipeline.upstream_of({n: s.deps for n, s in stages.items()}, {n: s.outs for n, s in stages.items()})
 
 
 def topological(stages: dict[str, StageState], ups: dict[str, list[str]]) -> list[str]:
-    order, seen = [], set()
-
-    def visit(name: str) -> None:
-        if name in seen:
-            return
-        seen.add(name)
-        for u in ups.get(name, []):
-            visit(u)
-        order.append(name)
-
-    for name in stages:
-        visit(name)
-    return order
+    """The stages, each after those it reads outputs of (`ups`), in the given order otherwise."""
+    return pipeline.upstream_first(stages, ups)
 
 
 def compare(
