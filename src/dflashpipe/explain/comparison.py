@@ -27,6 +27,7 @@ from dflashpipe.explain.report import (
     MetricDelta,
     StageState,
     Verdict,
+    display_names,
 )
 from dflashpipe.explain.state import State, cached_json, dir_listing, in_cache, read_revision_state
 from dflashpipe.pipeline import COMPILE, FINGERPRINT
@@ -282,13 +283,14 @@ def metric_deltas(sa: State, sb: State, new: dict[str, StageState], verdicts: li
             recorded.extend((_lock_state(sa), _lock_state(sb)))
         return recorded
 
-    deltas = []
+    deltas, keys_recorded = [], []
     for st in new.values():
         for path in st.metrics:
             old, cur = read_metrics(sa, path), read_metrics(sb, path)
+            keys_recorded += [(path, key) for key in {**old, **cur} if not _is_spread(key)]
             for key in sorted(set(old) | set(cur)):
                 o, n = old.get(key), cur.get(key)
-                if o == n or any(part.endswith(spread.SUFFIX) for part in key.split(".")):
+                if o == n or _is_spread(key):
                     continue  # a `<key>_spread` is read with its figure, below
                 change = None
                 if isinstance(o, (int, float)) and isinstance(n, (int, float)) and not isinstance(o, bool) and o != 0:
@@ -304,7 +306,15 @@ def metric_deltas(sa: State, sb: State, new: dict[str, StageState], verdicts: li
                     if not delta.causes:
                         delta.machine = _machine_facts(st.name, key, old, cur, ran_with())
                 deltas.append(delta)
+    names = display_names(keys_recorded)
+    for delta in deltas:
+        delta.name = names[delta.file, delta.key]
     return deltas
+
+
+def _is_spread(key: str) -> bool:
+    """A `<key>_spread` part of a flattened metrics file: read with its figure, never a figure of its own."""
+    return any(part.endswith(spread.SUFFIX) for part in key.split("."))
 
 
 TIMED_NAMES = ("seconds", "speedup", "mfu", "compiled_over_eager", "bound_by")

@@ -30,6 +30,7 @@ from dflashpipe.explain.report import (
     MetricDelta,
     StageState,
     Verdict,
+    display_names,
 )
 from dflashpipe.explain.state import LocalCache, read_revision_state
 from dflashpipe.headlines import HEADLINES
@@ -89,6 +90,12 @@ class History:
     since: str | None
     metrics: list[str]
     steps: list[Step]
+    names: dict[str, str] = field(default_factory=dict)
+    """How each selected metric (`file:key`) is printed: its key, or `file:key` where another metrics file of
+    the range records the same key."""
+
+    def name(self, metric: str) -> str:
+        return self.names.get(metric, metric.split(":", 1)[1])
 
 
 def _resolve(root: Path, name: str, experiments: dict[str, str]) -> str:
@@ -196,6 +203,7 @@ def history(since: str | None = None, metrics: list[str] | None = None, root: st
         every += [e for es in exp_states.values() for e in es]
         known = _recorded(every)
         keys = _selected(known, metrics)
+        names = display_names(tuple(k.split(":", 1)) for k in known)
         changed = _changed_paths(root, commits)
         steps = []
         previous = Revision(objects, parent_sha, parent_sha[:8]) if parent_sha else None
@@ -205,7 +213,7 @@ def history(since: str | None = None, metrics: list[str] | None = None, root: st
                 exp_changed = git(root, "diff", "--name-only", commit.rev, exp.rev).split()
                 steps.append(_step(exp, f"experiment on {commit.label}", commit, keys, cache, exp_changed))
             previous = commit
-    return History(since, keys, steps)
+    return History(since, keys, steps, {k: names[tuple(k.split(":", 1))] for k in keys})
 
 
 def _step(commit: Revision, subject: str, parent: Revision | None, keys: list[str], cache, changed: list[str]) -> Step:
@@ -260,7 +268,7 @@ def history_lines(h: History) -> list[str]:
     lines = []
     for s in h.steps:
         lines.append(f"{s.label}  {s.subject}" + (f"  (vs {s.parent})" if s.parent else "  (first record)"))
-        shown = ", ".join(f"{k.split(':', 1)[1]}={_value(v)}" for k, v in s.metrics.items() if v is not None)
+        shown = ", ".join(f"{h.name(k)}={_value(v)}" for k, v in s.metrics.items() if v is not None)
         lines.append(f"    metrics: {shown or 'none committed'}")
         for u in s.unrecorded:
             lines.append(f"    unrecorded: {u.line()} (its committed dvc.lock and metrics describe the older inputs)")
@@ -271,7 +279,7 @@ def history_lines(h: History) -> list[str]:
             mark = "  << moved" if name in s.moved else ""
             call = f" [{d.call}: {d.spread}]" if d.call in (NOISE, CHANGE, UNMEASURED) else ""
             why = f"; inputs changed on its path: {', '.join(d.causes)}" if d.causes else ""
-            lines.append(f"    {d.key}: {_value(d.old)} -> {_value(d.new)}{call}{why}{mark}")
+            lines.append(f"    {h.name(name)}: {_value(d.old)} -> {_value(d.new)}{call}{why}{mark}")
         for c in s.root_causes:
             lines.append(
                 f"    cause: {c.kind} {c.what}: {_value(c.old)} -> {_value(c.new)} (hits {', '.join(c.stages)})"
@@ -280,7 +288,7 @@ def history_lines(h: History) -> list[str]:
 
 
 def history_markdown(h: History) -> str:
-    head = ["rev", "subject", *[k.split(":", 1)[1] for k in h.metrics], "root causes"]
+    head = ["rev", "subject", *[h.name(k) for k in h.metrics], "root causes"]
     lines = ["## History", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in h.steps:
         cells = [f"`{s.label}`", s.subject.replace("|", "\\|")]
