@@ -121,10 +121,6 @@ class Pipeline:
         """For each stage, the stages whose outputs it takes as file deps, sorted."""
         return upstream_of({n: s.deps for n, s in self.specs.items()}, {n: s.outs for n, s in self.specs.items()})
 
-    def in_order(self) -> list[str]:
-        """Every stage, each after the stages it reads outputs of, in dvc.yaml's order otherwise."""
-        return upstream_first(self.names, self.upstream())
-
 
 def dag(deps: Mapping[str, Iterable[str]], outs: Mapping[str, Iterable[str]]):
     """The stage graph (networkx.DiGraph, an edge producer -> consumer) from each stage's dep and out paths."""
