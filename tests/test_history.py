@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from dflashpipe.errors import DflashpipeError
-from dflashpipe.explain import CHANGE, DOWNSTREAM, NOISE, UNMEASURED, explain
+from dflashpipe.explain import CHANGE, DOWNSTREAM, NOISE, UNMEASURED, explain, to_markdown
 from dflashpipe.explain.history import history, history_lines, history_markdown
 from tests.conftest import run
 
@@ -206,6 +206,50 @@ def test_experiments_appear_after_their_baseline(toy_history, tmp_path):
     # an experiment name works as --since too
     with pytest.raises(DflashpipeError, match="no commits in bigger..HEAD"):
         history(since="bigger", root=project)
+
+
+BENCH_PY = """
+import json, pathlib, yaml
+speed = yaml.safe_load(open("params.yaml"))["bench_speed"]
+pathlib.Path("metrics/bench.json").write_text(json.dumps({"tokens_per_s": speed}))
+"""
+
+
+def test_a_key_two_metrics_files_record_is_printed_with_its_file(toy_history, tmp_path):
+    # bench records tokens_per_s as train does: a bare `tokens_per_s` would not say which of the two moved
+    project = Path(run(["git", "clone", "-q", str(toy_history), str(tmp_path / "c")], tmp_path).args[-1])
+    run(["dvc", "cache", "dir", str(toy_history / ".dvc/cache")], project)
+    run(["dvc", "checkout", "-q"], project, check=False)
+    (project / "bench.py").write_text(BENCH_PY)
+    pipeline = yaml.safe_load((project / "dvc.yaml").read_text())
+    pipeline["stages"]["bench"] = {
+        "cmd": "python bench.py",
+        "deps": ["bench.py"],
+        "params": ["bench_speed"],
+        "metrics": [{"metrics/bench.json": {"cache": False}}],
+    }
+    (project / "dvc.yaml").write_text(yaml.safe_dump(pipeline, sort_keys=False))
+    (project / "params.yaml").write_text(yaml.safe_dump({"n": 30, "bench_speed": 50.0}))
+    commit_run(project, "add bench at 50")
+    (project / "params.yaml").write_text(yaml.safe_dump({"n": 30, "bench_speed": 60.0}))
+    commit_run(project, "bench 60")
+
+    h = history(since="HEAD~1", root=project)
+    assert h.names == {
+        "metrics/eval.json:tau": "tau",
+        f"{TRAIN}:tokens_per_s": f"{TRAIN}:tokens_per_s",
+        "metrics/bench.json:tokens_per_s": "metrics/bench.json:tokens_per_s",
+        f"{TRAIN}:final_loss": "final_loss",
+    }
+    text = "\n".join(history_lines(h))
+    assert "metrics: tau=" in text and f"{TRAIN}:tokens_per_s=70.0" in text and "final_loss=" in text
+    assert "    metrics/bench.json:tokens_per_s: 50.0 -> 60.0 [unmeasured" in text
+    assert "| metrics/bench.json:tokens_per_s |" in history_markdown(h)
+
+    # explain names the figure the same way, though train's tokens_per_s did not change
+    report = explain("HEAD~1", "HEAD", project)
+    assert [(m.file, m.name) for m in report.metrics] == [("metrics/bench.json", "metrics/bench.json:tokens_per_s")]
+    assert "- `metrics/bench.json:tokens_per_s` 50.0 -> 60.0" in to_markdown(report)
 
 
 def _disk(project: Path) -> tuple[str, bytes]:

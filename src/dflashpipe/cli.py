@@ -32,6 +32,21 @@ def params(stage: str = typer.Option(None, help="Show only what this dvc.yaml st
 
 
 @app.command()
+def profile(
+    file: str = typer.Argument(..., help="A profile: params.yaml's shape, only the keys it changes (profiles/)."),
+    name: str = typer.Option(None, help="The experiment's name (default: the file's name)."),
+) -> None:
+    """Check a profile over params.yaml and print the `dvc exp run` line that applies it."""
+    from dflashpipe.params.profile import experiment_command
+
+    try:
+        typer.echo(experiment_command(file, name))
+    except DflashpipeError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command()
 def explain(
     a: str = typer.Argument("HEAD", help="The earlier state: a git revision, a DVC experiment, or 'workspace'."),
     b: str = typer.Argument(explaining.WORKSPACE, help="The later state (default: the workspace)."),

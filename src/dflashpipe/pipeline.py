@@ -63,12 +63,104 @@ class PipelineError(DflashpipeError):
 
 @dataclass(frozen=True)
 class StageSpec:
-    """One stage of dvc.yaml: its deps, and its params as (params file, key) pairs."""
+    """One stage of dvc.yaml: its deps, its params as (params file, key) pairs, and its outputs (`outs`: every
+    kind; `metrics` and `plots` those declared as such, `plots` with their options)."""
 
     name: str
     deps: tuple[str, ...]
     params: tuple[tuple[str, str], ...]
     outs: tuple[str, ...]
+    metrics: tuple[str, ...] = ()
+    plots: tuple[tuple[str, dict], ...] = ()
+    cmd: str | None = None
+    frozen: bool = False
+    always_changed: bool = False
+
+    @property
+    def plain_outs(self) -> tuple[str, ...]:
+        """The outs declared under `outs:` (neither metrics nor plots)."""
+        declared = {*self.metrics, *(path for path, _ in self.plots)}
+        return tuple(o for o in self.outs if o not in declared)
+
+    @property
+    def params_by_file(self) -> dict[str, list[str]]:
+        found: dict[str, list[str]] = {}
+        for file, key in self.params:
+            found.setdefault(file, []).append(key)
+        return found
+
+
+class Pipeline:
+    """The stages of one dvc.yaml (the workspace's, or any revision's), in its order, and the DAG they draw:
+    a stage reads another's output when one of its deps is that output or lies under it."""
+
+    def __init__(self, stages: Mapping[str, Any], where: str = DVC_FILE) -> None:
+        self.where = where
+        self.specs = {name: spec_of(name, entry or {}) for name, entry in (stages or {}).items()}
+
+    @classmethod
+    def of(cls, doc: Any, where: str = DVC_FILE) -> Pipeline:
+        """The pipeline of a parsed dvc.yaml document (None: an empty one)."""
+        return cls((doc or {}).get("stages", {}) or {}, where)
+
+    @classmethod
+    def read(cls, root: Path | str = ".") -> Pipeline:
+        """The workspace's pipeline: dvc.yaml under `root`."""
+        return cls.of(read_dvc_yaml(root), str(Path(root) / DVC_FILE))
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.specs)
+
+    def spec(self, name: str) -> StageSpec:
+        if name not in self.specs:
+            raise PipelineError(f"{self.where}: no stage {name!r}; stages: {sorted(self.specs)}")
+        return self.specs[name]
+
+    def upstream(self) -> dict[str, list[str]]:
+        """For each stage, the stages whose outputs it takes as file deps, sorted."""
+        return upstream_of({n: s.deps for n, s in self.specs.items()}, {n: s.outs for n, s in self.specs.items()})
+
+    def in_order(self) -> list[str]:
+        """Every stage, each after the stages it reads outputs of, in dvc.yaml's order otherwise."""
+        return upstream_first(self.names, self.upstream())
+
+
+def dag(deps: Mapping[str, Iterable[str]], outs: Mapping[str, Iterable[str]]):
+    """The stage graph (networkx.DiGraph, an edge producer -> consumer) from each stage's dep and out paths."""
+    import networkx as nx
+
+    graph = nx.DiGraph()
+    graph.add_nodes_from(deps)
+    producers = {out: name for name, paths in outs.items() for out in paths}
+    for name, paths in deps.items():
+        for dep in paths:
+            for out, producer in producers.items():
+                if producer != name and (dep == out or dep.startswith(out.rstrip("/") + "/")):
+                    graph.add_edge(producer, name)
+    return graph
+
+
+def upstream_of(deps: Mapping[str, Iterable[str]], outs: Mapping[str, Iterable[str]]) -> dict[str, list[str]]:
+    """For each stage (named in `deps`), the stages whose outputs it takes as file deps, sorted."""
+    graph = dag(deps, outs)
+    return {name: sorted(graph.predecessors(name)) for name in deps}
+
+
+def upstream_first(names: Iterable[str], ups: Mapping[str, list[str]]) -> list[str]:
+    """`names` ordered so that each comes after its `ups` (depth first, in the given order otherwise)."""
+    import networkx as nx
+
+    names = list(names)
+    graph = nx.DiGraph()
+    for name in names:
+        graph.add_node(name)
+        graph.add_edges_from((name, u) for u in ups.get(name, []))
+    order: dict[str, None] = {}
+    for name in names:
+        if name not in order:
+            order.update((n, None) for n in nx.dfs_postorder_nodes(graph, name) if n not in order)
+    return list(order)
 
 
 def read_dvc_yaml(root: Path | str = ".") -> dict[str, Any]:
@@ -83,14 +175,11 @@ def read_dvc_yaml(root: Path | str = ".") -> dict[str, Any]:
 
 def stage_names(root: Path | str = ".") -> list[str]:
     """The stages in dvc.yaml's order."""
-    return list(read_dvc_yaml(root).get("stages", {}))
+    return Pipeline.read(root).names
 
 
 def stage_spec(name: str, root: Path | str = ".") -> StageSpec:
-    stages = read_dvc_yaml(root).get("stages", {})
-    if name not in stages:
-        raise PipelineError(f"{Path(root) / DVC_FILE}: no stage {name!r}; stages: {sorted(stages)}")
-    return spec_of(name, stages[name])
+    return Pipeline.read(root).spec(name)
 
 
 def spec_of(name: str, entry: dict[str, Any]) -> StageSpec:
@@ -101,13 +190,28 @@ def spec_of(name: str, entry: dict[str, Any]) -> StageSpec:
             params.append((PARAMS_FILE, item))
         else:
             params += [(file, key) for file, keys in item.items() for key in keys or []]
-    outs = [
-        next(iter(o)) if isinstance(o, dict) else o
-        for kind in ("outs", "metrics", "plots")
-        for o in entry.get(kind, []) or []
-    ]
+    kinds = ("outs", "metrics", "plots")
+    declared = {kind: [_path_and_options(o) for o in entry.get(kind, []) or []] for kind in kinds}
     deps = [next(iter(d)) if isinstance(d, dict) else d for d in entry.get("deps", []) or []]
-    return StageSpec(name, tuple(deps), tuple(params), tuple(outs))
+    return StageSpec(
+        name,
+        tuple(deps),
+        tuple(params),
+        tuple(path for kind in kinds for path, _ in declared[kind]),
+        metrics=tuple(path for path, _ in declared["metrics"]),
+        plots=tuple(declared["plots"]),
+        cmd=entry.get("cmd"),
+        frozen=bool(entry.get("frozen")),
+        always_changed=bool(entry.get("always_changed")),
+    )
+
+
+def _path_and_options(item: str | dict) -> tuple[str, dict]:
+    """An output as dvc.yaml writes it (`path` or `{path: {options}}`) as (path, options)."""
+    if isinstance(item, dict):
+        path = next(iter(item))
+        return path, item[path] or {}
+    return item, {}
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ import csv
 import io
 import json
 import statistics
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +25,11 @@ from dflashpipe.artifacts import write_bytes_atomic
 from dflashpipe.errors import DflashpipeError
 from dflashpipe.explain import WORKSPACE, Report, explain, to_markdown
 from dflashpipe.explain.render import verdict_reason
-from dflashpipe.pipeline import METRICS, read_dvc_yaml, stage_names
+from dflashpipe.headlines import HEADLINES, SLOT_ACCURACY
+from dflashpipe.pipeline import METRICS, Pipeline
 from dflashpipe.report_page import to_html, to_markdown_page
-from dflashpipe.run_report import HEADLINES, SLOT_ACCURACY, Chart, Headline, RunReport
+from dflashpipe.revision import commit_of
+from dflashpipe.run_report import Chart, Headline, RunReport
 
 SINGLE = "single measurement"
 
@@ -56,24 +57,21 @@ def build(root: str | Path = ".") -> RunReport:
 
 
 def _revision(root: Path) -> str:
-    proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
-    return proc.stdout.strip() if proc.returncode == 0 else "no git revision (not a git repository, or no commit)"
+    return commit_of(root, "HEAD") or "no git revision (not a git repository, or no commit)"
 
 
 def _stage_rows(root: Path, explained: Report | None, error: str) -> list[tuple[str, str, str, str]]:
     verdicts = {v.stage: v for v in explained.stages} if explained else {}
-    specs = read_dvc_yaml(root).get("stages", {})
     rows = []
-    for name in stage_names(root):
+    for name, spec in Pipeline.read(root).specs.items():
         v = verdicts.get(name)
         verdict, why = (v.verdict, verdict_reason(v)) if v else ("unknown", error or "explain gave no verdict")
-        rows.append((name, verdict, why, _outputs(root, specs.get(name) or {})))
+        rows.append((name, verdict, why, _outputs(root, spec.plain_outs)))
     return rows
 
 
-def _outputs(root: Path, spec: dict[str, Any]) -> str:
+def _outputs(root: Path, outs: tuple[str, ...]) -> str:
     """Whether the stage's outs (not metrics/plots) exist in the workspace: a report after a fresh clone says so."""
-    outs = [o if isinstance(o, str) else next(iter(o)) for o in spec.get("outs", []) or []]
     if not outs:
         return "none declared"
     missing = [o for o in outs if not (root / o).exists()]
@@ -96,7 +94,7 @@ def _lookup(data: Any, dotted: str) -> Any:
 
 
 def _headlines(root: Path, explained: Report | None) -> list[Headline]:
-    specs = list(HEADLINES)
+    specs = [(h.label, h.file, h.key, h.spread) for h in HEADLINES]
     slots = _lookup(_read_json(root / SLOT_ACCURACY[0]), SLOT_ACCURACY[1])
     for slot in sorted(slots or {}, key=lambda s: (len(s), s)):
         specs.append((f"per-slot accuracy, slot {slot}", SLOT_ACCURACY[0], f"{SLOT_ACCURACY[1]}.{slot}", None))
@@ -163,14 +161,7 @@ def _series(rows: list[dict[str, Any]], x: str | None, y: str) -> list[tuple[Any
 
 def _plot_specs(root: Path) -> list[tuple[str, dict[str, Any]]]:
     """(path, its dvc.yaml plot options) for every plot of every stage, in dvc.yaml order."""
-    specs: list[tuple[str, dict[str, Any]]] = []
-    for stage in read_dvc_yaml(root).get("stages", {}).values():
-        for entry in (stage or {}).get("plots", []) or []:
-            if isinstance(entry, str):
-                specs.append((entry, {}))
-            elif isinstance(entry, dict):
-                specs.extend((path, opts or {}) for path, opts in entry.items())
-    return specs
+    return [plot for spec in Pipeline.read(root).specs.values() for plot in spec.plots]
 
 
 TABLES = (".tsv", ".csv", ".json")

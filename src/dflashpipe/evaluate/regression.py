@@ -7,59 +7,34 @@ drop within noise is reported as such and never fails the stage. When a side has
 recorded before spreads, or a single measurement) the two cannot be told apart: the figure is "unmeasured"
 and today's threshold rule alone decides, which the report and the printed line say.
 
-The baseline is read through git (`git show <commit>:<file>`), never by checking anything out, so the
-workspace that DVC is running the stage in stays untouched.
+The baseline is read through git (dflashpipe.revision, the one reader of revisions), never by checking
+anything out, so the workspace that DVC is running the stage in stays untouched. The figures compared are
+the headlines the one list (dflashpipe.headlines) marks as checked.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import types
 from pathlib import Path
 
-from dflashpipe import spread
+from dflashpipe import headlines, spread
 from dflashpipe.errors import DflashpipeError, SourceError
+from dflashpipe.revision import Revisions, no_commit_reason, read_json
 
 EVAL_METRICS = "metrics/eval.json"
 BENCH_METRICS = "metrics/bench.json"
 BASELINE_FILES = (EVAL_METRICS, BENCH_METRICS)
 
-HEADLINE = {
-    "tau": (EVAL_METRICS, ("tau",), False),
-    "speedup": (EVAL_METRICS, ("speedup",), True),
-    "decode_tokens_per_s": (EVAL_METRICS, ("decode_tokens_per_s", "speculative"), True),
-    "train_tokens_per_s": (EVAL_METRICS, ("train", "tokens_per_s"), True),
-    "train_step_tokens_per_s": (BENCH_METRICS, ("tokens_per_s",), True),
-}
-"""name -> (metrics file, path in it, is a throughput). Only a throughput drop can fail the stage:
-tau is the drafter's quality, which a retrained drafter may trade."""
+HEADLINE = headlines.checked()
+"""name -> (metrics file, path in it, is a throughput), from the one headline list. Only a throughput drop can
+fail the stage: tau is the drafter's quality, which a retrained drafter may trade."""
 MOVED = {"train_step_tokens_per_s": (EVAL_METRICS, ("train_step", "tokens_per_s"))}
 """Where a baseline recorded before the bench stage keeps a figure (evaluate timed the step then)."""
 UNMEASURED_RULE = "threshold rule only: a side has no spread of 2+ repeats, so noise cannot be told from change"
 
 
-def resolve_revision(repo, name: str) -> str:
-    """A git revision, or a DVC experiment's name, to a commit sha."""
-    from dvc.repo.experiments.utils import resolve_name
-    from scmrepo.exceptions import RevError
-
-    try:
-        return repo.scm.resolve_rev(name)
-    except RevError:
-        pass
-    ref = resolve_name(repo.scm, name).get(name)
-    if ref is not None:
-        return repo.scm.get_ref(str(ref))
-    raise DflashpipeError(f"{name!r} is neither a git revision nor a DVC experiment (see `dvc exp list`)")
-
-
 class RegressionError(DflashpipeError):
     """A throughput metric fell further below the baseline than evaluate.max_regression allows."""
-
-
-def _git(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
 
 
 def read_current(path: Path | str) -> dict | None:
@@ -80,30 +55,25 @@ def read_baseline(revision: str, root: Path | str = ".") -> tuple[dict | None, s
     root = Path(root)
     if not revision.strip() or revision.strip().lower() == "none":
         return None, None, "no baseline: evaluate.baseline is empty"
-    if _git(root, "rev-parse", "--git-dir").returncode != 0:
-        return None, None, f"no baseline: {root.resolve()} is not a git repository"
-    if _git(root, "rev-parse", "--verify", "-q", "HEAD").returncode != 0:
-        return None, None, "no baseline: the repository has no commit yet"
-    from scmrepo.git import Git
-
-    scm = Git(str(root))
-    try:
-        # resolve_revision reads only `.scm`: git revisions and DVC experiment names alike.
-        commit = resolve_revision(types.SimpleNamespace(scm=scm), revision)
-    except DflashpipeError as exc:
-        raise DflashpipeError(f"params.yaml: evaluate.baseline = {revision!r}: {exc}") from None
-    finally:
-        scm.close()
-    at = f"{revision} ({commit[:12]})"
-    found = {}
-    for file in BASELINE_FILES:
-        shown = _git(root, "show", f"{commit}:{file}")
-        if shown.returncode != 0:
-            continue
+    reason = no_commit_reason(root)
+    if reason is not None:
+        where = f"{root.resolve()} is not a git repository" if reason == "not a git repository" else reason
+        return None, None, f"no baseline: {where}"
+    with Revisions(root) as revisions:
         try:
-            found[file] = json.loads(shown.stdout)
-        except ValueError:
-            return None, commit, f"no baseline: {file} at {at} is not JSON"
+            at_baseline = revisions.at(revision)
+        except DflashpipeError as exc:
+            raise DflashpipeError(f"params.yaml: evaluate.baseline = {revision!r}: {exc}") from None
+        commit = at_baseline.rev
+        at = f"{revision} ({commit[:12]})"
+        found = {}
+        for file in BASELINE_FILES:
+            try:
+                content = read_json(at_baseline, file)
+            except DflashpipeError:
+                return None, commit, f"no baseline: {file} at {at} is not JSON"
+            if content is not None:
+                found[file] = content
     if EVAL_METRICS not in found:
         return None, commit, f"no baseline: {at} has no {EVAL_METRICS}"
     return found, commit, f"{' and '.join(sorted(found))} at {at}"

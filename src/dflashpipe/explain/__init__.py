@@ -41,18 +41,9 @@ from dflashpipe.explain.report import (
     StageState,
     Verdict,
 )
-from dflashpipe.explain.state import (
-    WORKSPACE,
-    Commit,
-    GitObjects,
-    LocalCache,
-    State,
-    parse_yaml,
-    read_revision_state,
-    read_workspace_state,
-    resolve,
-)
-from dflashpipe.pipeline import FINGERPRINT, PARAMS_FILE, read_dvc_yaml, spec_of
+from dflashpipe.explain.state import LocalCache, State, read_revision_state, read_workspace_state
+from dflashpipe.pipeline import FINGERPRINT, PARAMS_FILE, Pipeline
+from dflashpipe.revision import WORKSPACE, Revision, Revisions, Workspace, parse_yaml
 
 __all__ = [
     "ALWAYS",
@@ -108,8 +99,8 @@ def explain(a: str = "HEAD", b: str = WORKSPACE, root: str | Path = ".", machine
         lock = root / "dvc.lock"
         if lock.is_file():
             parse_yaml(lock.read_text(encoding="utf-8"), f"{lock} (workspace)")
-    with GitObjects(root) as objects:
-        sa, sb = (None if name == WORKSPACE else Commit(objects, resolve(root, name), name) for name in (a, b))
+    with Revisions(root) as revisions:
+        sa, sb = (None if name == WORKSPACE else revisions.at(name) for name in (a, b))
         if sa is not None and sb is not None:
             old, new = read_revision_state(sa), read_revision_state(sb)
             verdicts = compare(old, new, {}, LocalCache(root), a, b)
@@ -121,10 +112,10 @@ def explain(a: str = "HEAD", b: str = WORKSPACE, root: str | Path = ".", machine
             live = observe_machine(root) if machine else None
             if live is not None:
                 workspace = with_live_fingerprint(workspace, live, _fingerprint_keys(root))
-            sa, sb = sa or State(repo, WORKSPACE), sb or State(repo, WORKSPACE)
-            old = read_revision_state(sa) if isinstance(sa, Commit) else workspace
-            new = read_revision_state(sb) if isinstance(sb, Commit) else workspace
-            recorded = recorded if isinstance(sb, State) else {}
+            sa, sb = sa or Workspace(root), sb or Workspace(root)
+            old = read_revision_state(sa) if isinstance(sa, Revision) else workspace
+            new = read_revision_state(sb) if isinstance(sb, Revision) else workspace
+            recorded = recorded if isinstance(sb, Workspace) else {}
             verdicts = compare(old, new, recorded, repo.cache.local, a, b)
             if live is not None:
                 attribute_to_machine(verdicts, live)
@@ -134,8 +125,5 @@ def explain(a: str = "HEAD", b: str = WORKSPACE, root: str | Path = ".", machine
 
 def _fingerprint_keys(root: Path) -> dict[str, list[str]]:
     """Each stage's fingerprint keys as the workspace's dvc.yaml declares them."""
-    stages = read_dvc_yaml(root).get("stages", {}) or {}
-    return {
-        name: [key for file, key in spec_of(name, entry).params if file == str(FINGERPRINT)]
-        for name, entry in stages.items()
-    }
+    specs = Pipeline.read(root).specs
+    return {name: [key for file, key in spec.params if file == str(FINGERPRINT)] for name, spec in specs.items()}

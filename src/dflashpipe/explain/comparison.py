@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from dflashpipe import spread
+from dflashpipe import pipeline, spread
 from dflashpipe.compile.artifact import BUILT_FOR, REPORT
 from dflashpipe.explain.report import (
     ALWAYS,
@@ -27,9 +27,11 @@ from dflashpipe.explain.report import (
     MetricDelta,
     StageState,
     Verdict,
+    display_names,
 )
-from dflashpipe.explain.state import State, cached_json, dir_listing, in_cache, read_metrics, read_revision_state
+from dflashpipe.explain.state import State, cached_json, dir_listing, in_cache, read_revision_state
 from dflashpipe.pipeline import COMPILE, FINGERPRINT
+from dflashpipe.revision import read_metrics
 
 LISTED_FILES = 5
 """How many changed files of one directory a path names before it says how many more there are."""
@@ -38,32 +40,12 @@ LISTED_FILES = 5
 def upstream_of(stages: dict[str, StageState]) -> dict[str, list[str]]:
     """For each stage, the stages whose outputs it takes as file deps (params files excluded:
     a stage that reads keys of another's output depends on those keys, compared one by one)."""
-    producers = {out: s.name for s in stages.values() for out in s.outs}
-    result = {}
-    for s in stages.values():
-        ups = []
-        for dep in s.deps:
-            for out, producer in producers.items():
-                if producer != s.name and (dep == out or dep.startswith(out.rstrip("/") + "/")):
-                    ups.append(producer)
-        result[s.name] = sorted(set(ups))
-    return result
+    return pipeline.upstream_of({n: s.deps for n, s in stages.items()}, {n: s.outs for n, s in stages.items()})
 
 
 def topological(stages: dict[str, StageState], ups: dict[str, list[str]]) -> list[str]:
-    order, seen = [], set()
-
-    def visit(name: str) -> None:
-        if name in seen:
-            return
-        seen.add(name)
-        for u in ups.get(name, []):
-            visit(u)
-        order.append(name)
-
-    for name in stages:
-        visit(name)
-    return order
+    """The stages, each after those it reads outputs of (`ups`), in the given order otherwise."""
+    return pipeline.upstream_first(stages, ups)
 
 
 def compare(
@@ -301,13 +283,14 @@ def metric_deltas(sa: State, sb: State, new: dict[str, StageState], verdicts: li
             recorded.extend((_lock_state(sa), _lock_state(sb)))
         return recorded
 
-    deltas = []
+    deltas, keys_recorded = [], []
     for st in new.values():
         for path in st.metrics:
             old, cur = read_metrics(sa, path), read_metrics(sb, path)
+            keys_recorded += [(path, key) for key in {**old, **cur} if not _is_spread(key)]
             for key in sorted(set(old) | set(cur)):
                 o, n = old.get(key), cur.get(key)
-                if o == n or any(part.endswith(spread.SUFFIX) for part in key.split(".")):
+                if o == n or _is_spread(key):
                     continue  # a `<key>_spread` is read with its figure, below
                 change = None
                 if isinstance(o, (int, float)) and isinstance(n, (int, float)) and not isinstance(o, bool) and o != 0:
@@ -323,7 +306,15 @@ def metric_deltas(sa: State, sb: State, new: dict[str, StageState], verdicts: li
                     if not delta.causes:
                         delta.machine = _machine_facts(st.name, key, old, cur, ran_with())
                 deltas.append(delta)
+    names = display_names(keys_recorded)
+    for delta in deltas:
+        delta.name = names[delta.file, delta.key]
     return deltas
+
+
+def _is_spread(key: str) -> bool:
+    """A `<key>_spread` part of a flattened metrics file: read with its figure, never a figure of its own."""
+    return any(part.endswith(spread.SUFFIX) for part in key.split("."))
 
 
 TIMED_NAMES = ("seconds", "speedup", "mfu", "compiled_over_eager", "bound_by")

@@ -16,25 +16,36 @@ dvc.lock records the same hash (or value) for it as the parent's.
 from __future__ import annotations
 
 import difflib
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dflashpipe.errors import DflashpipeError
 from dflashpipe.explain.comparison import compare, metric_deltas, root_causes
-from dflashpipe.explain.report import CHANGE, NOISE, UNMEASURED, Cause, MetricDelta, StageState, Verdict
-from dflashpipe.explain.state import (
-    EXPS_NAMESPACE,
-    Commit,
-    GitObjects,
-    LocalCache,
+from dflashpipe.explain.report import (
+    CHANGE,
+    NOISE,
+    UNMEASURED,
+    Cause,
+    MetricDelta,
+    StageState,
+    Verdict,
+    display_names,
+)
+from dflashpipe.explain.state import LocalCache, read_revision_state
+from dflashpipe.headlines import HEADLINES
+from dflashpipe.pipeline import Pipeline
+from dflashpipe.pipeline import _param_value as param_value  # the value as the stage keys read it
+from dflashpipe.revision import (
+    Revision,
+    Revisions,
+    commit_of,
+    experiment_refs,
+    git,
+    no_commit_reason,
     read_metrics,
-    read_revision_state,
     unknown_revision,
 )
-from dflashpipe.pipeline import _param_value as param_value  # the value as the stage keys read it
-from dflashpipe.pipeline import spec_of
 
 LOCK = "dvc.lock"
 
@@ -79,22 +90,16 @@ class History:
     since: str | None
     metrics: list[str]
     steps: list[Step]
+    names: dict[str, str] = field(default_factory=dict)
+    """How each selected metric (`file:key`) is printed: its key, or `file:key` where another metrics file of
+    the range records the same key."""
 
-
-def git(root: Path, *args: str) -> str:
-    proc = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise DflashpipeError(f"git {' '.join(args)}: {proc.stderr.strip().splitlines()[-1] if proc.stderr else ''}")
-    return proc.stdout
-
-
-def _commit_of(root: Path, rev: str) -> str | None:
-    proc = subprocess.run(["git", "rev-parse", "--verify", "-q", f"{rev}^{{commit}}"], cwd=root, capture_output=True)
-    return proc.stdout.decode().strip() if proc.returncode == 0 else None
+    def name(self, metric: str) -> str:
+        return self.names.get(metric, metric.split(":", 1)[1])
 
 
 def _resolve(root: Path, name: str, experiments: dict[str, str]) -> str:
-    found = _commit_of(root, name) or experiments.get(name)
+    found = commit_of(root, name) or experiments.get(name)
     if found is None:
         raise unknown_revision(name, root)
     return found
@@ -102,8 +107,7 @@ def _resolve(root: Path, name: str, experiments: dict[str, str]) -> str:
 
 def _experiments(root: Path) -> dict[str, list[tuple[str, str]]]:
     """baseline sha -> [(experiment name, its commit)], as `dvc exp list` reads them: refs parsed by DVC."""
-    lines = git(root, "for-each-ref", "--format=%(objectname) %(refname)", EXPS_NAMESPACE).split("\n")
-    refs = [line.split(" ", 1) for line in lines if line]
+    refs = experiment_refs(root)
     if not refs:
         return {}
     from dvc.repo.experiments.refs import ExpRefInfo  # imported only when there are experiments (~0.5 s)
@@ -129,7 +133,7 @@ def _commits(root: Path, since: str | None, experiments: dict[str, list[tuple[st
         added = git(root, "log", "--first-parent", "--reverse", "--format=%H", "HEAD", "--", LOCK).split()
         if not added:
             raise DflashpipeError(f"{root}: no commit on HEAD's first-parent line has a {LOCK}")
-        spec = f"{added[0]}^..HEAD" if _commit_of(root, f"{added[0]}^") else "HEAD"
+        spec = f"{added[0]}^..HEAD" if commit_of(root, f"{added[0]}^") else "HEAD"
     out = git(root, "log", "--first-parent", "--reverse", "--format=%H%x00%s", spec)
     commits = [tuple(line.split("\0", 1)) for line in out.splitlines() if line]
     if not commits:
@@ -139,7 +143,7 @@ def _commits(root: Path, since: str | None, experiments: dict[str, list[tuple[st
 
 def _changed_paths(root: Path, commits: list[tuple[str, str]]) -> dict[str, list[str]]:
     """sha -> the paths it changed against its first parent, for every commit of the range: one `git log`."""
-    spec = f"{commits[0][0]}^..{commits[-1][0]}" if _commit_of(root, f"{commits[0][0]}^") else commits[-1][0]
+    spec = f"{commits[0][0]}^..{commits[-1][0]}" if commit_of(root, f"{commits[0][0]}^") else commits[-1][0]
     out = git(root, "log", "--first-parent", "--diff-merges=first-parent", "--name-only", "--format=%x00%H", spec)
     changed: dict[str, list[str]] = {}
     for block in out.split("\0")[1:]:
@@ -148,22 +152,25 @@ def _changed_paths(root: Path, commits: list[tuple[str, str]]) -> dict[str, list
     return changed
 
 
-def _metric_files(commit: Commit) -> list[str]:
+def _metric_files(commit: Revision) -> list[str]:
     stages = read_revision_state(commit)
     return [path for st in stages.values() for path in st.metrics]
 
 
-def _selected(commits: list[Commit], wanted: list[str] | None) -> list[str]:
-    """`file:key` names of the metrics to show: `wanted` (bare keys or file:key), else report's headlines."""
+def _recorded(commits: list[Revision]) -> dict[str, str]:
+    """`file:key` -> file, for every key of every metrics file any of `commits` records."""
     known: dict[str, str] = {}
     for commit in commits:
         for path in _metric_files(commit):
             for key in read_metrics(commit, path):
                 known.setdefault(f"{path}:{key}", path)
-    if not wanted:
-        from dflashpipe.run_report import HEADLINES  # the one list of headline figures
+    return known
 
-        return [f"{file}:{key}" for _, file, key, _ in HEADLINES if f"{file}:{key}" in known]
+
+def _selected(known: dict[str, str], wanted: list[str] | None) -> list[str]:
+    """`file:key` names of the metrics to show: `wanted` (bare keys or file:key), else the headlines."""
+    if not wanted:
+        return [f"{h.file}:{h.key}" for h in HEADLINES if f"{h.file}:{h.key}" in known]
     chosen = []
     for name in wanted:
         matches = [k for k in known if k == name or k.split(":", 1)[1] == name]
@@ -180,34 +187,36 @@ def _selected(commits: list[Commit], wanted: list[str] | None) -> list[str]:
 
 def history(since: str | None = None, metrics: list[str] | None = None, root: str | Path = ".") -> History:
     root = Path(root)
-    if _commit_of(root, "HEAD") is None:
-        repo = subprocess.run(["git", "rev-parse", "--git-dir"], cwd=root, capture_output=True).returncode == 0
-        raise DflashpipeError(f"{root}: {'the repository has no commit yet' if repo else 'not a git repository'}")
+    reason = no_commit_reason(root)
+    if reason is not None:
+        raise DflashpipeError(f"{root}: {reason}")
     experiments = _experiments(root)
     commits = _commits(root, since, experiments)
     cache = LocalCache(root)
-    with GitObjects(root) as objects:
-        parent_sha = None if since is None else _commit_of(root, f"{commits[0][0]}^")
-        states = [Commit(objects, sha, sha[:8]) for sha, _ in commits]
+    with Revisions(root) as objects:
+        parent_sha = None if since is None else commit_of(root, f"{commits[0][0]}^")
+        states = [Revision(objects, sha, sha[:8]) for sha, _ in commits]
         exp_states = {
-            sha: [Commit(objects, exp, f"exp {name}") for name, exp in experiments.get(sha, [])] for sha, _ in commits
+            sha: [Revision(objects, exp, f"exp {name}") for name, exp in experiments.get(sha, [])] for sha, _ in commits
         }
         every = [c for c in states if c.read_text(LOCK) is not None]
         every += [e for es in exp_states.values() for e in es]
-        keys = _selected(every, metrics)
+        known = _recorded(every)
+        keys = _selected(known, metrics)
+        names = display_names(tuple(k.split(":", 1)) for k in known)
         changed = _changed_paths(root, commits)
         steps = []
-        previous = Commit(objects, parent_sha, parent_sha[:8]) if parent_sha else None
+        previous = Revision(objects, parent_sha, parent_sha[:8]) if parent_sha else None
         for commit, (_, subject) in zip(states, commits, strict=True):
             steps.append(_step(commit, subject, previous, keys, cache, changed.get(commit.rev, [])))
             for exp in exp_states[commit.rev]:
                 exp_changed = git(root, "diff", "--name-only", commit.rev, exp.rev).split()
                 steps.append(_step(exp, f"experiment on {commit.label}", commit, keys, cache, exp_changed))
             previous = commit
-    return History(since, keys, steps)
+    return History(since, keys, steps, {k: names[tuple(k.split(":", 1))] for k in keys})
 
 
-def _step(commit: Commit, subject: str, parent: Commit | None, keys: list[str], cache, changed: list[str]) -> Step:
+def _step(commit: Revision, subject: str, parent: Revision | None, keys: list[str], cache, changed: list[str]) -> Step:
     values = {k: read_metrics(commit, k.split(":", 1)[0]).get(k.split(":", 1)[1]) for k in keys}
     step = Step(commit.rev, commit.label, subject, parent.label if parent else None, values)
     if parent is None or parent.read_text(LOCK) is None or commit.read_text(LOCK) is None:
@@ -226,18 +235,17 @@ def _step(commit: Commit, subject: str, parent: Commit | None, keys: list[str], 
 
 
 def unrecorded(
-    commit: Commit, parent: Commit, old: dict[str, StageState], new: dict[str, StageState], changed: list[str]
+    commit: Revision, parent: Revision, old: dict[str, StageState], new: dict[str, StageState], changed: list[str]
 ) -> list[Unrecorded]:
     """Stages with an input that changed in `commit` (a file under a dep of its dvc.yaml entry there, the deps and
     params the stage keys read, or a params key it names) while the commit's dvc.lock records that input as
     the parent's did. Inputs git does not hold (DVC outputs under data/) change only by a run: never listed."""
-    stages = (commit.read_yaml("dvc.yaml") or {}).get("stages", {}) or {}
     found = []
-    for name, entry in stages.items():
+    for name, spec in Pipeline.of(commit.read_yaml("dvc.yaml"), f"dvc.yaml@{commit.label}").specs.items():
         now, before = new.get(name), old.get(name)
         if now is None or before is None or not now.locked or not before.locked:
             continue  # no record on one side: compare() already says the stage is unknowable there
-        spec, inputs = spec_of(name, entry), []
+        inputs = []
         for dep in spec.deps:
             files = [p for p in changed if p == dep or p.startswith(dep.rstrip("/") + "/")]
             if files and now.deps.get(dep) == before.deps.get(dep):
@@ -260,7 +268,7 @@ def history_lines(h: History) -> list[str]:
     lines = []
     for s in h.steps:
         lines.append(f"{s.label}  {s.subject}" + (f"  (vs {s.parent})" if s.parent else "  (first record)"))
-        shown = ", ".join(f"{k.split(':', 1)[1]}={_value(v)}" for k, v in s.metrics.items() if v is not None)
+        shown = ", ".join(f"{h.name(k)}={_value(v)}" for k, v in s.metrics.items() if v is not None)
         lines.append(f"    metrics: {shown or 'none committed'}")
         for u in s.unrecorded:
             lines.append(f"    unrecorded: {u.line()} (its committed dvc.lock and metrics describe the older inputs)")
@@ -271,7 +279,7 @@ def history_lines(h: History) -> list[str]:
             mark = "  << moved" if name in s.moved else ""
             call = f" [{d.call}: {d.spread}]" if d.call in (NOISE, CHANGE, UNMEASURED) else ""
             why = f"; inputs changed on its path: {', '.join(d.causes)}" if d.causes else ""
-            lines.append(f"    {d.key}: {_value(d.old)} -> {_value(d.new)}{call}{why}{mark}")
+            lines.append(f"    {h.name(name)}: {_value(d.old)} -> {_value(d.new)}{call}{why}{mark}")
         for c in s.root_causes:
             lines.append(
                 f"    cause: {c.kind} {c.what}: {_value(c.old)} -> {_value(c.new)} (hits {', '.join(c.stages)})"
@@ -280,7 +288,7 @@ def history_lines(h: History) -> list[str]:
 
 
 def history_markdown(h: History) -> str:
-    head = ["rev", "subject", *[k.split(":", 1)[1] for k in h.metrics], "root causes"]
+    head = ["rev", "subject", *[h.name(k) for k in h.metrics], "root causes"]
     lines = ["## History", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in h.steps:
         cells = [f"`{s.label}`", s.subject.replace("|", "\\|")]

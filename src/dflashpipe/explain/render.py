@@ -80,7 +80,7 @@ def to_markdown(report: Report) -> str:
         lines.append("- no metric differs")
     for m in report.metrics:
         change, source = metric_line(m)
-        lines.append(f"- `{m.key}` {change} ({source})")
+        lines.append(f"- `{m.name or m.key}` {change} ({source})")
     return "\n".join(lines) + "\n"
 
 
@@ -140,4 +140,4 @@ def print_text(report: Report) -> None:
         console.print("  no metric differs")
     for m in report.metrics:
         change, source = metric_line(m)
-        console.print(f"  • {escape(m.key)} {change}  [dim]{escape(source)}[/dim]")
+        console.print(f"  • {escape(m.name or m.key)} {change}  [dim]{escape(source)}[/dim]")

@@ -6,6 +6,8 @@ module of the package speaks in these types, and a Report turns into JSON with `
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +82,16 @@ class MetricDelta:
     """For a timed figure no changed input reaches: what was recorded about the machine of each measurement (the
     fingerprint keys each side's dvc.lock ran the stage with, where they differ; the CPU time over wall time and
     the load average its spread recorded), so a move with no cause still says what the facts say."""
+    name: str = ""
+    """How it is printed: its key, or `file:key` where another metrics file records the same key."""
+
+
+def display_names(recorded: Iterable[tuple[str, str]]) -> dict[tuple[str, str], str]:
+    """How to print each recorded (metrics file, key): the key alone, or `file:key` where another metrics
+    file records the same key (train's and bench's `tokens_per_s`), so that a printed name is one figure."""
+    recorded = list(dict.fromkeys(recorded))
+    files = Counter(key for _, key in recorded)
+    return {(file, key): key if files[key] == 1 else f"{file}:{key}" for file, key in recorded}
 
 
 NOISE = "noise"

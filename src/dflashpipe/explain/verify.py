@@ -21,7 +21,6 @@ import difflib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,9 +33,9 @@ from dflashpipe import spread
 from dflashpipe.errors import DflashpipeError
 from dflashpipe.explain import DIRECT, OUTPUTS, RESTORABLE, WORKSPACE, Cause, Report, cause_line, explain
 from dflashpipe.explain.comparison import figure, topological, upstream_of
-from dflashpipe.explain.history import git
-from dflashpipe.explain.state import State, read_metrics, read_revision_state
+from dflashpipe.explain.state import State, read_revision_state
 from dflashpipe.pipeline import FINGERPRINT
+from dflashpipe.revision import Revisions, Workspace, commit_of, git, has_file, read_metrics, run_git
 
 MEASURED, FIXED, OVER_BUDGET, FAILED = "measured", "cannot revert here", "over budget", "failed"
 
@@ -97,12 +96,12 @@ def verify(
     if a == WORKSPACE:
         raise DflashpipeError("--verify reverts causes to A, which must be a recorded state (a revision or experiment)")
     report = explain(a, b, root, machine=(root / FINGERPRINT).is_file())  # no fingerprint file: nothing to check
-    with Repo(str(root)) as repo:
-        sa, sb = State(repo, a), State(repo, b)
+    with Revisions(root) as revisions, Repo(str(root)) as repo:
+        sa, sb = revisions.at(a), Workspace(root) if b == WORKSPACE else revisions.at(b)
         stages = read_revision_state(sb)
         file, key, stage = _locate(metric, sa, sb, stages)
         recorded_a, recorded_b = read_metrics(sa, file).get(key), read_metrics(sb, file).get(key)
-        base_rev = sb.rev or repo.scm.get_rev()
+        base_rev = sb.rev or commit_of(root, "HEAD")
         cache_dir = repo.cache.local_cache_dir
     found = Verification(metric, file, key, stage, report.a, report.b, runs, recorded_a, recorded_b, None, None)
     found.report = report
@@ -181,14 +180,10 @@ def _plan(cause: Cause, a_rev: str, root: Path, producers: dict[str, str]) -> tu
         if cause.evidence.endswith(RESTORABLE):
             return f"restore output {cause.what} from the DVC cache", True
         return f"output {cause.what}: {cause.evidence.split('; ')[-1]}", False
-    tracked = cause.old is None or _in_commit(root, a_rev, cause.what) or _in_commit(root, a_rev, cause.what + ".dvc")
+    tracked = cause.old is None or has_file(root, a_rev, cause.what) or has_file(root, a_rev, cause.what + ".dvc")
     if not tracked:
         return f"{cause.what} is in neither git nor a .dvc file at A: nothing to restore it from", False
     return f"restore {cause.what} from A ({a_rev[:8]})", True
-
-
-def _in_commit(root: Path, rev: str, path: str) -> bool:
-    return subprocess.run(["git", "cat-file", "-e", f"{rev}:{path}"], cwd=root, capture_output=True).returncode == 0
 
 
 @dataclass
@@ -338,9 +333,13 @@ class _ArmFiles:
 
 def _replay_workspace(root: Path, dest: Path) -> None:
     """The workspace's uncommitted edits of tracked files, and its untracked (not ignored) files."""
-    diff = subprocess.run(["git", "diff", "--binary", "HEAD"], cwd=root, capture_output=True, check=True).stdout
-    if diff:
-        subprocess.run(["git", "apply", "--whitespace=nowarn"], cwd=dest, input=diff, capture_output=True, check=True)
+    diff = run_git(root, "diff", "--binary", "HEAD")
+    if diff.returncode != 0:
+        raise DflashpipeError(f"git diff --binary HEAD in {root}: {diff.stderr.decode(errors='replace').strip()}")
+    if diff.stdout:
+        applied = run_git(dest, "apply", "--whitespace=nowarn", input=diff.stdout)
+        if applied.returncode != 0:
+            raise DflashpipeError(f"git apply in {dest}: {applied.stderr.decode(errors='replace').strip()}")
     untracked = git(root, "ls-files", "-z", "--others", "--exclude-standard").split("\0")
     for rel in filter(None, untracked):
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -381,14 +380,14 @@ def _revert(dest: Path, cause: Cause, a_rev: str) -> None:
             data["stages"][cause.what]["cmd"] = cause.old
     else:  # a dep: git's copy at A, or its .dvc file at A (the data then comes from the cache at checkout)
         path = cause.what
-        tracked_by_dvc = _in_commit(dest, a_rev, path + ".dvc")
+        tracked_by_dvc = has_file(dest, a_rev, path + ".dvc")
         restored = path + ".dvc" if tracked_by_dvc else path
         target = dest / path
         if not tracked_by_dvc and target.is_dir():
             shutil.rmtree(target)
         elif not tracked_by_dvc and target.exists():
             target.unlink()
-        if _in_commit(dest, a_rev, restored):
+        if has_file(dest, a_rev, restored):
             git(dest, "checkout", "-q", a_rev, "--", restored)
 
 

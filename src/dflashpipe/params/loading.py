@@ -19,6 +19,7 @@ import yaml
 
 from dflashpipe.errors import ParamsError
 from dflashpipe.params.sections import SECTIONS
+from dflashpipe.pipeline import Pipeline, PipelineError
 
 PARAMS_FILE = "params.yaml"
 DVC_FILE = "dvc.yaml"
@@ -61,18 +62,13 @@ def load_params(root: Path | str = ".") -> dict[str, Any]:
 def declared_keys(stage: str, root: Path | str = ".") -> list[str]:
     """The params.yaml keys that dvc.yaml declares for `stage` (other params files left out)."""
     path = Path(root) / DVC_FILE
-    stages = (_read_yaml(path) or {}).get("stages", {})
-    if stage not in stages:
-        raise ParamsError(f"{path}: no stage {stage!r}; stages: {sorted(stages)}")
-    keys: list[str] = []
-    for entry in stages[stage].get("params", []) or []:
-        if isinstance(entry, str):
-            keys.append(entry)
-        elif isinstance(entry, dict):
-            for file, file_keys in entry.items():
-                if file == PARAMS_FILE:
-                    keys.extend(file_keys or [])
-    return keys
+    try:
+        specs = Pipeline.read(root).specs
+    except PipelineError as exc:  # the same one line, as the params error a stage's caller expects
+        raise ParamsError(str(exc)) from None
+    if stage not in specs:
+        raise ParamsError(f"{path}: no stage {stage!r}; stages: {sorted(specs)}")
+    return [key for file, key in specs[stage].params if file == PARAMS_FILE]
 
 
 def load_stage_params(stage: str, root: Path | str = ".") -> StageParams:

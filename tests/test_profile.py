@@ -1,0 +1,63 @@
+"""Profiles: every shipped profile is valid over params.yaml, and its `dvc exp run` line means the profile.
+
+The line is parsed back by DVC's own override parser (the one `dvc exp run -S` uses) on a copy of
+params.yaml; the result must be params.yaml with exactly the profile's keys replaced.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from dvc.utils.hydra import apply_overrides
+from typer.testing import CliRunner
+
+from dflashpipe.cli import app
+from dflashpipe.errors import ParamsError
+from dflashpipe.params import load_params
+from dflashpipe.params.profile import experiment_command, profile_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILES = sorted((ROOT / "profiles").glob("*.yaml"))
+
+
+def test_the_shipped_profiles_are_the_two_the_docs_name():
+    assert {p.stem for p in PROFILES} == {"gpu8", "cpu-quality"}
+
+
+@pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.stem)
+def test_a_profile_line_sets_exactly_its_keys(profile, tmp_path):
+    line = experiment_command(profile, root=ROOT)
+    words = shlex.split(line)
+    assert words[:5] == ["dvc", "exp", "run", "-n", profile.stem]
+    sets = [words[i + 1] for i, w in enumerate(words) if w == "-S"]
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    apply_overrides(str(tmp_path / "params.yaml"), sets)
+
+    before = yaml.safe_load((ROOT / "params.yaml").read_text())
+    after = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    wanted = yaml.safe_load(profile.read_text())
+    for section, keys in before.items():
+        assert after[section] == {**keys, **wanted.get(section, {})}, section
+    load_params(tmp_path)  # and the result is a valid params.yaml
+
+
+def test_a_profile_with_a_value_out_of_range_names_the_profile_and_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  lr: -1.0\n")
+    with pytest.raises(ParamsError, match=r"bad\.yaml \(over params\.yaml\): .*train\.lr"):
+        profile_overrides(bad, ROOT)
+
+
+def test_a_profile_with_an_unknown_key_or_section_is_refused(tmp_path):
+    for text, needle in (("train:\n  steps: 3\n", r"unknown key\(s\) \['steps'\]"), ("trian:\n  lr: 1\n", "trian")):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        result = CliRunner().invoke(app, ["profile", str(bad)])
+        assert result.exit_code == 2
+        assert "bad.yaml" in result.output
+        with pytest.raises(ParamsError, match=needle):
+            profile_overrides(bad, ROOT)
