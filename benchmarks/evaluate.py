@@ -73,8 +73,7 @@ def load(args):
 
     from dflashpipe.evaluate.prompts import eval_prompts
     from dflashpipe.model import DFlashDrafter, TargetHead
-    from dflashpipe.regenerate.generate import stop_token_ids
-    from dflashpipe.target import load_materialised_target
+    from dflashpipe.target import load_materialised_target, stop_token_ids
     from dflashpipe.tokens.chat import load_chat_tokenizer
 
     target = load_materialised_target(args.data / "target", "cpu")
@@ -145,8 +144,7 @@ def compare_revisions(args) -> None:
     from dflashpipe.evaluate import speculative as after
     from dflashpipe.evaluate.prompts import eval_prompts
     from dflashpipe.model import DFlashDrafter, TargetHead
-    from dflashpipe.regenerate.generate import stop_token_ids
-    from dflashpipe.target import load_materialised_target
+    from dflashpipe.target import load_materialised_target, stop_token_ids
     from dflashpipe.tokens.chat import load_chat_tokenizer
 
     before = module_at(args.before, "src/dflashpipe/evaluate/speculative.py", "speculative_before")

@@ -538,7 +538,7 @@ def section_train(dry: bool, target_name: str, work: Path) -> dict:
         inputs,
         trainer.topology,
         replica.drafter,
-        trainer.targets[0],
+        trainer.targets[0].model,
         before,
         after,
         warm_s,

@@ -138,16 +138,16 @@ def _context_mask_sees_anchor():
 
 
 def _layer_one_early():
-    from dflashpipe.train import loop
+    from dflashpipe.target import Target
 
-    original = loop.target_layer_features
+    original = Target.layer_features
 
-    def target_layer_features(target, input_ids, attention_mask, layer_ids, *rest):
+    def layer_features(self, input_ids, attention_mask, layer_ids, *rest):
         if min(layer_ids) < 1:
             raise ValueError(f"layer ids {list(layer_ids)}: the misalignment needs every id >= 1")
-        return original(target, input_ids, attention_mask, [i - 1 for i in layer_ids], *rest)
+        return original(self, input_ids, attention_mask, [i - 1 for i in layer_ids], *rest)
 
-    return _patched(loop, "target_layer_features", target_layer_features)
+    return _patched(Target, "layer_features", layer_features)
 
 
 def _other_mask_token():
@@ -308,16 +308,15 @@ def decode(run: OverfitRun, target_dir: Path, drafter_dir: Path, prompts_dir: Pa
     from dflashpipe.evaluate.metrics import eval_metrics
     from dflashpipe.evaluate.prompts import HELD_OUT, TRAIN, eval_prompts
     from dflashpipe.model import DFlashDrafter, TargetHead
-    from dflashpipe.regenerate.generate import stop_token_ids
-    from dflashpipe.target import load_materialised_target
+    from dflashpipe.target import Target
     from dflashpipe.tokens.chat import load_chat_tokenizer
     from dflashpipe.tokens.shards import load_tokens
 
-    target = load_materialised_target(target_dir, "cpu")
+    target = Target.load(target_dir, "cpu")
     chat = load_chat_tokenizer(target_dir)
-    stop = frozenset(stop_token_ids(target, chat.tokenizer))
-    dtype = next(target.parameters()).dtype
-    drafter = DFlashDrafter.from_pretrained(drafter_dir, TargetHead.of(target), dtype=dtype, attention="sdpa").eval()
+    stop = frozenset(target.stop_token_ids(chat.tokenizer))
+    head = TargetHead.of(target.model)
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, head, dtype=target.dtype, attention="sdpa").eval()
     prompts, _ = eval_prompts(prompts_dir, chat, run.samples, 1024, TRAIN)
     # eval_metrics' headline figures are the held-out split's: here the memorised prompts stand in that place.
     prompts = [replace(p, split=HELD_OUT) for p in prompts]

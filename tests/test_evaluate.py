@@ -22,8 +22,8 @@ from dflashpipe.evaluate.speculative import (
 )
 from dflashpipe.model import DFlashDrafter, TargetHead, sample_anchor_positions, target_features
 from dflashpipe.pipeline import METRICS
-from dflashpipe.regenerate.generate import stop_token_ids
 from dflashpipe.spread import Spread
+from dflashpipe.target import stop_token_ids
 from tests.conftest import copy_project, run, set_params
 from tests.tiny import manifest_params, source, tiny_model_params
 

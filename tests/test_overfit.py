@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from dflashpipe.evaluate.speculative import prefill
+from dflashpipe.target import Target
 from dflashpipe.train import loop
 from dflashpipe.train.data import collate
 from tests.conftest import ROOT
@@ -113,7 +114,7 @@ def features_against_decoding_error(target, sequences: list[list[int]], layer_id
     packed row of `sequences` and the features decoding captures for each sequence on its own."""
     batch = collate(Documents(sequences), [list(range(len(sequences)))], seq_len=64, pad_id=0)
     anchors = torch.zeros(1, 1, dtype=torch.long)
-    trained, _ = loop.target_inputs(target, batch, anchors, layer_ids, tiny_model_params())
+    trained, _ = loop.target_inputs(Target.of(target), batch, anchors, layer_ids, tiny_model_params())
     errors = []
     for d, ids in enumerate(sequences):
         decoded = prefill(target, ids, layer_ids).features[0]

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from dflashpipe.model.features import target_features, target_features_and_predictions, target_layer_features
+from dflashpipe.model.features import target_features
+from dflashpipe.target import target_features_and_predictions, target_layer_features
 from dflashpipe.tokens.shards import TokenData, TokenShard, load_tokens
 from dflashpipe.train.data import collate
 

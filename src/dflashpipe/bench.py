@@ -25,6 +25,7 @@ from dflashpipe.model import DFlashDrafter
 from dflashpipe.params import CompileParams, ModelParams
 from dflashpipe.pipeline import StageKey
 from dflashpipe.spread import Measuring, Spread, clock
+from dflashpipe.target import compute_dtype
 from dflashpipe.threads import ThreadBudget, thread_budget
 
 REPEATS = 5
@@ -48,9 +49,8 @@ def synthetic_target(target_dir: Path | str, device: torch.device):
     if not (target_dir / "config.json").is_file():
         raise SourceError(f"{target_dir}: no materialised target: run `dvc repro target`")
     config = AutoConfig.from_pretrained(target_dir, local_files_only=True)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as load_materialised_target
     torch.manual_seed(SEED)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval().requires_grad_(False)
+    return AutoModelForCausalLM.from_config(config, dtype=compute_dtype(device)).to(device).eval().requires_grad_(False)
 
 
 def synthetic_inputs(drafter: DFlashDrafter, model: ModelParams, micro_batch: int, device: torch.device) -> tuple:

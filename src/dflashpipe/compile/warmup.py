@@ -14,6 +14,7 @@ from dflashpipe.model import DFlashDrafter, DraftLoss, sample_anchor_positions
 from dflashpipe.model.attention import resolve_backend
 from dflashpipe.params import CompileParams, ModelParams
 from dflashpipe.pipeline import StageKey
+from dflashpipe.target import Target, compute_dtype
 from dflashpipe.threads import ThreadBudget
 
 
@@ -34,7 +35,8 @@ def compiled_step(drafter: DFlashDrafter):
 
 
 def feature_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    """The features' dtype on a drafter's device: what the target computes in there (target.compute_dtype)."""
+    return compute_dtype(device)
 
 
 def autocast(device: torch.device):
@@ -111,7 +113,6 @@ def build_warmup_artifact(
     from dflashpipe.artifacts import atomic_directory
     from dflashpipe.compile.artifact import BUILT_FOR, INTRA_OP_THREADS, built_for, point_inductor_at, write_artifact
     from dflashpipe.compile.guard import dynamo_counters
-    from dflashpipe.target import load_materialised_target
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if threads is not None:
@@ -121,9 +122,12 @@ def build_warmup_artifact(
         # run's atomic_directory removes them (a system temp directory would leak on every kill).
         cache = point_inductor_at(tmp.with_name(tmp.name + "-inductor"))
         try:
-            target = load_materialised_target(target_dir, device)
+            target = Target.load(target_dir, device)
             drafter = DFlashDrafter.for_target(
-                target, AutoTokenizer.from_pretrained(target_dir), model, generator=torch.Generator().manual_seed(0)
+                target.model,
+                AutoTokenizer.from_pretrained(target_dir),
+                model,
+                generator=torch.Generator().manual_seed(0),
             ).to(device)
             graphs = []
             if compile.enabled:

@@ -27,6 +27,7 @@ from dflashpipe.evaluate.speculative import (
 from dflashpipe.model import DFlashDrafter, TargetHead
 from dflashpipe.params import EvaluateParams
 from dflashpipe.spread import SUFFIX
+from dflashpipe.target import Target
 from dflashpipe.threads import thread_budget
 
 
@@ -36,7 +37,7 @@ class EvaluateInputs:
 
 
 def decode_prompts(
-    target,
+    target: Target | torch.nn.Module,
     drafter: DFlashDrafter,
     prompts: list[EvalPrompt],
     max_new_tokens: int,
@@ -47,7 +48,7 @@ def decode_prompts(
 
     The speculative run is profiled (STEP_PARTS) in the same run on the CPU, where reading the clock costs
     nothing; on CUDA the profile's syncs would slow the timed run, so an extra run is profiled instead."""
-    proposer = DFlashProposer(drafter)
+    proposer, target = DFlashProposer(drafter), Target.of(target)
     layers, inline = proposer.target_layer_ids, target.device.type != "cuda"
     if prompts:  # one untimed run, so that first-call costs (allocator, kernels) land in no measurement
         warm = prefill(target, prompts[0].prompt_ids, layers)
@@ -108,8 +109,6 @@ def evaluate_drafter(
 
     `bench_metrics` (metrics/bench.json) is read for the regression check only; missing, its figure is
     reported as not measured."""
-    from dflashpipe.regenerate.generate import stop_token_ids  # the same end of turn as regeneration
-    from dflashpipe.target import load_materialised_target
     from dflashpipe.tokens.chat import load_chat_tokenizer
 
     p = inputs.evaluate
@@ -119,13 +118,12 @@ def evaluate_drafter(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     threads = thread_budget({"decode": 1})  # one decoding thread: every core this process may use
     threads.apply("decode", device)
-    target = load_materialised_target(target_dir, device)
+    target = Target.load(target_dir, device)
     chat = load_chat_tokenizer(target_dir)
     # sdpa for decoding: every step has a new context length, which a compiled flex kernel would recompile for.
     # Drafts in the target's dtype, as engines serve it: bf16 on CUDA; on the CPU the bf16 weights in float32.
-    target_dtype = next(target.parameters()).dtype
     drafter = DFlashDrafter.from_pretrained(
-        drafter_dir, TargetHead.of(target), dtype=target_dtype, attention="sdpa"
+        drafter_dir, TargetHead.of(target.model), dtype=target.dtype, attention="sdpa"
     ).eval()
     prompts, skipped = eval_prompts(manifest_dir, chat, p.num_prompts, p.max_prompt_tokens)
     train_prompts, _ = eval_prompts(manifest_dir, chat, p.num_prompts, p.max_prompt_tokens, TRAIN)
@@ -141,7 +139,7 @@ def evaluate_drafter(
             f"{block_size - 1} tokens a step; set at most that (0: all of them)"
         )
     verified = p.draft_tokens + 1 if p.draft_tokens else block_size  # positions of a verify forward
-    stop = stop_token_ids(target, chat.tokenizer)
+    stop = target.stop_token_ids(chat.tokenizer)  # the same end of turn as regeneration
     results = decode_prompts(target, drafter, prompts + train_prompts, p.max_new_tokens, stop, p.draft_tokens)
     decoding, tables = eval_metrics(results, verified)
     metrics_dir.mkdir(parents=True, exist_ok=True)
@@ -156,7 +154,7 @@ def evaluate_drafter(
             "max_new_tokens": p.max_new_tokens,
             "num_prompts_per_source": p.num_prompts,
             "device": device.type,
-            "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+            "target_dtype": str(target.dtype).removeprefix("torch."),
             "temperature": 0,
         },
     }

@@ -23,7 +23,6 @@ CPU thread), and hidden states of layers the drafter does not read (forward hook
 from __future__ import annotations
 
 import copy
-import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ import torch
 
 from dflashpipe.model import DFlashDrafter, DraftContext
 from dflashpipe.spread import clock
+from dflashpipe.target import Target
 
 
 class Drafter(Protocol):
@@ -71,12 +71,6 @@ class DFlashProposer:
 
     def extend(self, features: torch.Tensor) -> None:
         self.context = self.drafter.encode_context(features, self.context)
-
-
-def cache_keyword(model) -> str:
-    """The name under which `model.forward` takes its KV cache: transformers 5.24 renamed `past_key_values`
-    to `cache` (the old name warns, and goes in 5.40); the earlier 5.x releases know only the old one."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 @contextmanager
@@ -164,17 +158,17 @@ class Decoded:
 
 
 @torch.no_grad()
-def prefill(target, prompt_ids: Sequence[int], layer_ids: Sequence[int] = ()) -> Prefill:
-    """Read the prompt into a fresh cache: the first greedy token, and the features of `layer_ids`."""
-    from transformers import DynamicCache
-
+def prefill(target: Target | torch.nn.Module, prompt_ids: Sequence[int], layer_ids: Sequence[int] = ()) -> Prefill:
+    """Read the prompt into a fresh cache: the first greedy token, and the features of `layer_ids`.
+    `target`: a Target, or a Hugging Face model to run as one (here and in the decoders below)."""
+    target = Target.of(target)
     device, layer_ids = target.device, list(layer_ids)
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     began = clock(device)
-    cache, decoder = DynamicCache(config=target.config), target.get_decoder()
-    with layer_capture(target, layer_ids) as captured:
-        normed = decoder(ids, **{cache_keyword(decoder): cache}, use_cache=True).last_hidden_state
-    first = target.get_output_embeddings()(normed[:, -1]).argmax(-1)[0]
+    cache = target.new_cache()
+    with layer_capture(target.model, layer_ids) as captured:
+        normed = target.decoder_forward(ids, cache)
+    first = target.head(normed[:, -1]).argmax(-1)[0]
     features = captured_features(captured, layer_ids, normed, ids.shape[1]) if layer_ids else normed[:, :0]
     return Prefill(ids.shape[1], cache, first, features, clock(device) - began)
 
@@ -184,22 +178,24 @@ def _first_stop(tokens: list[int], stop: frozenset[int]) -> int | None:
 
 
 @torch.no_grad()
-def target_generate(target, start: Prefill, max_new_tokens: int, stop_token_ids: Sequence[int]) -> Decoded:
+def target_generate(
+    target: Target | torch.nn.Module, start: Prefill, max_new_tokens: int, stop_token_ids: Sequence[int]
+) -> Decoded:
     """Target-only greedy decoding, one token per forward: the reference output and the speedup's baseline."""
-    stop, device, cache_kw = frozenset(stop_token_ids), target.device, cache_keyword(target)
+    target = Target.of(target)
+    stop, device = frozenset(stop_token_ids), target.device
     token = start.first_token.view(1, 1)
     tokens = [int(token)]
     began = clock(device)
     while len(tokens) < max_new_tokens and tokens[-1] not in stop:
-        out = target(token, **{cache_kw: start.cache}, use_cache=True)
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        token = target.decode_step(token, start.cache)[:, -1].argmax(-1, keepdim=True)
         tokens.append(int(token))
     return Decoded(tokens, clock(device) - began, start.seconds)
 
 
 @torch.no_grad()
 def speculative_generate(
-    target,
+    target: Target | torch.nn.Module,
     drafter: Drafter,
     start: Prefill,
     max_new_tokens: int,
@@ -210,10 +206,10 @@ def speculative_generate(
     """Greedy DFlash decoding from a prefill (of the drafter's layers); `profile` times each of STEP_PARTS
     (with a device sync around each, so on CUDA it slows the run it measures). `draft_tokens`: proposals
     verified per step (0: all block_size - 1)."""
+    target = Target.of(target)
     stop, device = frozenset(stop_token_ids), target.device
     bs = min(drafter.block_size, draft_tokens + 1) if draft_tokens else drafter.block_size
-    decoder, head = target.get_decoder(), target.get_output_embeddings()
-    layer_ids, cache, cache_kw = list(drafter.target_layer_ids), start.cache, cache_keyword(decoder)
+    head, layer_ids, cache = target.head, list(drafter.target_layer_ids), start.cache
     if start.features.shape[1] != start.prompt_len:
         raise ValueError("speculative_generate needs a prefill of the drafter's layers: prefill(..., layer_ids)")
     drafter.begin(start.features)
@@ -227,7 +223,7 @@ def speculative_generate(
             marks.append(clock(device))
 
     began = clock(device)
-    with layer_capture(target, layer_ids) as captured:
+    with layer_capture(target.model, layer_ids) as captured:
         while len(result.tokens) < max_new_tokens and result.tokens[-1] not in stop:
             marks.clear()
             mark()
@@ -235,7 +231,7 @@ def speculative_generate(
             proposals = drafter.draft(anchor, size - 1)
             block = torch.cat([anchor.view(1), proposals]).view(1, size)
             mark()
-            normed = decoder(block, **{cache_kw: cache}, use_cache=True).last_hidden_state
+            normed = target.decoder_forward(block, cache)
             mark()
             # The target's token after each block position, only as far as the proposals hold: the first
             # position whose argmax differs from the proposal after it ends the step (that argmax is the bonus).

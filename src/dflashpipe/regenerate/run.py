@@ -114,8 +114,7 @@ class InProcessReplier(Replier):
     def __init__(self, target_dir: Path, devices: Sequence[str], chat: ChatTokenizer, params: RegenerateParams) -> None:
         import torch
 
-        from dflashpipe.regenerate.generate import stop_token_ids
-        from dflashpipe.target import load_materialised_target
+        from dflashpipe.target import Target
 
         super().__init__(params.batch_size)
         for device in devices:
@@ -124,11 +123,11 @@ class InProcessReplier(Replier):
                     f"params.yaml: topology.target_devices names {device!r}, but this machine has "
                     f"{torch.cuda.device_count()} CUDA device(s)"
                 )
-        self.targets = [load_materialised_target(target_dir, device) for device in dict.fromkeys(devices)]
+        self.targets = [Target.load(target_dir, device) for device in dict.fromkeys(devices)]
         # one worker thread per target copy, sharing the cores with the others on the CPU (dflashpipe.threads)
         self.threads: ThreadBudget = thread_budget({"target": sum(t.device.type == "cpu" for t in self.targets)})
         self.chat, self.max_new_tokens = chat, params.max_new_tokens
-        self.stop = stop_token_ids(self.targets[0], chat.tokenizer)
+        self.stop = self.targets[0].stop_token_ids(chat.tokenizer)
 
     def each(self, batches, run) -> None:
         def worker(w: int) -> None:
@@ -144,9 +143,7 @@ class InProcessReplier(Replier):
                 job.result()
 
     def batch(self, prompts, worker, progress) -> list[Answer]:
-        from dflashpipe.regenerate.generate import greedy_replies
-
-        replies = greedy_replies(self.targets[worker], prompts, self.max_new_tokens, self.stop, progress)
+        replies = self.targets[worker].greedy_replies(prompts, self.max_new_tokens, self.stop, progress)
         decode = self.chat.tokenizer.decode
         return [
             Answer(decode(r.tokens, skip_special_tokens=True), r.stopped, len(r.tokens) + r.stopped) for r in replies

@@ -46,10 +46,9 @@ import torch
 from dflashpipe.compile.guard import CompileGuard
 from dflashpipe.compile.warmup import autocast, compiled_step, feature_dtype, run_step_once
 from dflashpipe.model import DFlashDrafter, DraftLoss, TargetHead, sample_anchor_positions
-from dflashpipe.model.features import target_features_and_predictions, target_layer_features
 from dflashpipe.model.loss import prediction_positions
 from dflashpipe.params import ModelParams, TrainParams
-from dflashpipe.target import load_materialised_target
+from dflashpipe.target import Target
 from dflashpipe.threads import ThreadBudget
 from dflashpipe.train.checkpoint import Checkpoint
 from dflashpipe.train.data import Batch, BatchPlan, collate, held_out, pack_rows, without
@@ -76,9 +75,9 @@ def anchor_generator(seed: int, step: int, replica: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + step) * 4099 + replica)
 
 
-def head_on(target, device: torch.device) -> TargetHead:
+def head_on(target: Target, device: torch.device) -> TargetHead:
     """The target's embedding, final norm and LM head on `device` (shared when it is the target's device)."""
-    head = TargetHead.of(target)
+    head = TargetHead.of(target.model)
     if target.device == device:
         return head
     return TargetHead(*(copy.deepcopy(m).to(device) for m in (head.embed_tokens, head.final_norm, head.lm_head)))
@@ -212,7 +211,7 @@ class RunState:
 
 
 def target_inputs(
-    target, batch: Batch, anchors: torch.Tensor, layer_ids: Sequence[int], model: ModelParams
+    target: Target, batch: Batch, anchors: torch.Tensor, layer_ids: Sequence[int], model: ModelParams
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The target's side of one training item, on its device: the drafter's layers' hidden states of every
     row [B, S, n*H] (each packed document attending only within itself, as if alone: what decoding captures
@@ -224,9 +223,9 @@ def target_inputs(
     documents, positions = batch.document_ids.to(device), batch.position_ids.to(device)
     with torch.no_grad():
         if model.distill == "none":
-            return target_layer_features(target, ids, attention, layer_ids, documents, positions), None
+            return target.layer_features(ids, attention, layer_ids, documents, positions), None
         at = prediction_positions(anchors, model.block_size, model.seq_len).to(device)
-        return target_features_and_predictions(target, ids, attention, layer_ids, at, documents, positions)
+        return target.features_and_predictions(ids, attention, layer_ids, at, documents, positions)
 
 
 @dataclass(frozen=True)
@@ -292,11 +291,11 @@ class Trainer:
 
     def build(self, tokenizer) -> None:
         p = self.inputs
-        self.targets = [load_materialised_target(self.target_dir, d) for d in self.topology.targets]
+        self.targets = [Target.load(self.target_dir, d) for d in self.topology.targets]
         for device in self.topology.drafters:
             g = torch.Generator().manual_seed(p.train.seed)
             target = self.targets[0]
-            drafter = DFlashDrafter.for_target(target, tokenizer, p.model, generator=g)
+            drafter = DFlashDrafter.for_target(target.model, tokenizer, p.model, generator=g)
             drafter.target = head_on(target, device)
             drafter = drafter.to(device)
             step_fn = compiled_step(drafter) if p.compile.enabled else drafter
