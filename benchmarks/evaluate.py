@@ -73,10 +73,10 @@ def load(args):
 
     from dflashpipe.evaluate.prompts import eval_prompts
     from dflashpipe.model import DFlashDrafter, TargetHead
-    from dflashpipe.target import load_materialised_target, stop_token_ids
+    from dflashpipe.target import compute_dtype, load_materialised_target, stop_token_ids
     from dflashpipe.tokens.chat import load_chat_tokenizer
 
-    target = load_materialised_target(args.data / "target", "cpu")
+    target = load_materialised_target(args.data / "target", "cpu", compute_dtype("cpu", "auto"))
     chat = load_chat_tokenizer(args.data / "target")
     drafter = DFlashDrafter.from_pretrained(
         args.data / "drafter", TargetHead.of(target), dtype=torch.float32, attention="sdpa"
@@ -144,11 +144,11 @@ def compare_revisions(args) -> None:
     from dflashpipe.evaluate import speculative as after
     from dflashpipe.evaluate.prompts import eval_prompts
     from dflashpipe.model import DFlashDrafter, TargetHead
-    from dflashpipe.target import load_materialised_target, stop_token_ids
+    from dflashpipe.target import compute_dtype, load_materialised_target, stop_token_ids
     from dflashpipe.tokens.chat import load_chat_tokenizer
 
     before = module_at(args.before, "src/dflashpipe/evaluate/speculative.py", "speculative_before")
-    target = load_materialised_target(args.data / "target", "cpu")
+    target = load_materialised_target(args.data / "target", "cpu", compute_dtype("cpu", "auto"))
     chat = load_chat_tokenizer(args.data / "target")
     drafter = DFlashDrafter.from_pretrained(
         args.data / "drafter", TargetHead.of(target), dtype=torch.float32, attention="sdpa"

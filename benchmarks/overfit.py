@@ -312,7 +312,7 @@ def decode(run: OverfitRun, target_dir: Path, drafter_dir: Path, prompts_dir: Pa
     from dflashpipe.tokens.chat import load_chat_tokenizer
     from dflashpipe.tokens.shards import load_tokens
 
-    target = Target.load(target_dir, "cpu")
+    target = Target.load(target_dir, "cpu", "auto")
     chat = load_chat_tokenizer(target_dir)
     stop = frozenset(target.stop_token_ids(chat.tokenizer))
     head = TargetHead.of(target.model)

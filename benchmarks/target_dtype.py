@@ -81,7 +81,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     p = load_params(ROOT)
-    targets = {d: Target.load(args.data / "target", "cpu", getattr(torch, d)) for d in DTYPES}
+    targets = {d: Target.load(args.data / "target", "cpu", d) for d in DTYPES}
     chat = load_chat_tokenizer(args.data / "target")
     found, _ = eval_prompts(args.data / "manifest", chat, 16, 256)
     prompts = [list(e.prompt_ids) for e in found][:16]

@@ -81,7 +81,15 @@ def build_artifact(data: Path, variant: str, out: Path) -> None:
         no_budget()
     p = load_params(ROOT)
     budget = training_budget(p["topology"].target_devices, p["topology"].drafter_devices)
-    build_warmup_artifact(p["model"], p["compile"], data / "target", out, reuse_key("warmup", ROOT), threads=budget)
+    build_warmup_artifact(
+        p["model"],
+        p["compile"],
+        data / "target",
+        out,
+        reuse_key("warmup", ROOT),
+        p["compute"].target_dtype,
+        threads=budget,
+    )
 
 
 def train_once(

@@ -29,7 +29,7 @@ def measure(mode: str, steps: int) -> dict:
     from dflashpipe.model import DFlashDrafter
     from dflashpipe.params import load_params
     from dflashpipe.pipeline import COMPILE, TARGET, reuse_key
-    from dflashpipe.target import load_materialised_target
+    from dflashpipe.target import compute_dtype, load_materialised_target
 
     p = load_params(ROOT)
     with tempfile.TemporaryDirectory() as tmp:
@@ -38,7 +38,7 @@ def measure(mode: str, steps: int) -> dict:
             load_artifact(ROOT / COMPILE, Path(tmp) / "cache", reuse_key("warmup", ROOT))
         else:
             point_inductor_at(tmp)
-        target = load_materialised_target(ROOT / TARGET, "cpu")
+        target = load_materialised_target(ROOT / TARGET, "cpu", compute_dtype("cpu", "auto"))
         drafter = DFlashDrafter.for_target(
             target, AutoTokenizer.from_pretrained(ROOT / TARGET), p["model"], generator=torch.Generator().manual_seed(0)
         )

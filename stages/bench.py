@@ -19,7 +19,16 @@ def bench(p) -> None:
     compile_key = reuse_key("warmup") if p.compile.enabled else None
     # the step as train's drafter threads run it: at their intra-op count, which warmup compiled it at
     threads = training_budget(p.topology.target_devices, p.topology.drafter_devices)
-    run_bench(p.model, p.compile, TARGET, COMPILE, BENCH_METRICS, compile_key, threads=threads)
+    run_bench(
+        p.model,
+        p.compile,
+        TARGET,
+        COMPILE,
+        BENCH_METRICS,
+        compile_key,
+        threads=threads,
+        target_dtype=p.compute.target_dtype,
+    )
 
 
 if __name__ == "__main__":

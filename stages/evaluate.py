@@ -15,7 +15,13 @@ from dflashpipe.stage import run_stage  # noqa: E402
 
 def evaluate(p) -> None:
     evaluate_drafter(
-        EvaluateInputs(evaluate=p.evaluate), DRAFTER, TARGET, MANIFEST, TRAIN_METRICS, BENCH_METRICS, METRICS
+        EvaluateInputs(evaluate=p.evaluate, compute=p.compute),
+        DRAFTER,
+        TARGET,
+        MANIFEST,
+        TRAIN_METRICS,
+        BENCH_METRICS,
+        METRICS,
     )
 
 

@@ -16,7 +16,9 @@ def features(params) -> None:
     # shard) and the model keys that never reach a hidden state (pipeline.REUSE, with the reasons).
     device = params.topology.target_devices[0]  # the first target device computes them all
     key = reuse_key("features")
-    run = compute_features(params.features.mode, params.model, device, TOKENS, TARGET, FEATURES, key)
+    run = compute_features(
+        params.features.mode, params.model, device, TOKENS, TARGET, FEATURES, key, params.compute.target_dtype
+    )
     write_json_atomic(FEATURES_METRICS, features_metrics(run))
 
 

@@ -18,7 +18,15 @@ def regenerate(params) -> None:
     # nothing is generated and nothing needs a key.
     p = params.regenerate
     key = reuse_key("regenerate") if p.enabled else None
-    run = regenerate_manifest(p, params.topology.target_devices, MANIFEST, TARGET, REGENERATED, key=key)
+    run = regenerate_manifest(
+        p,
+        params.topology.target_devices,
+        MANIFEST,
+        TARGET,
+        REGENERATED,
+        key=key,
+        target_dtype=params.compute.target_dtype,
+    )
     write_json_atomic(REGENERATE_METRICS, regenerate_metrics(run))
 
 

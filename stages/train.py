@@ -18,7 +18,14 @@ from dflashpipe.train.state import TrainInputs  # noqa: E402
 
 
 def train(p) -> None:
-    inputs = TrainInputs(model=p.model, compile=p.compile, topology=p.topology, train=p.train, features=p.features)
+    inputs = TrainInputs(
+        model=p.model,
+        compile=p.compile,
+        topology=p.topology,
+        train=p.train,
+        features=p.features,
+        compute=p.compute,
+    )
     # Resume a checkpoint only if everything dvc.yaml lists for train is as it was when it was saved;
     # use the compile artifact only if it was built for warmup's inputs as they are now (each key hashes
     # every file of its deps, data/target included: the warmup one only when it is used).

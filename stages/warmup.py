@@ -16,7 +16,9 @@ def warmup(p) -> None:
     # train and evaluate take the same reuse_key("warmup") and load the artifact only if they are equal.
     # compiled at the intra-op count train's drafter threads will run it at (dflashpipe.threads)
     threads = training_budget(p.topology.target_devices, p.topology.drafter_devices)
-    build_warmup_artifact(p.model, p.compile, TARGET, COMPILE, reuse_key("warmup"), threads=threads)
+    build_warmup_artifact(
+        p.model, p.compile, TARGET, COMPILE, reuse_key("warmup"), p.compute.target_dtype, threads=threads
+    )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,9 @@ def test_no_data_tokens_or_train_input_reaches_bench_in_dvc_yaml():
     assert {d for d in bench["deps"] if d.startswith("data/")} == {"data/compile", "data/target"}
     assert upstream("bench", stages) == {"target", "warmup"}  # never manifest, tokenize, train
     keys = [k for k in bench["params"] if isinstance(k, str)]
-    # topology: with the cores, the drafter threads' intra-op count the step is compiled and timed at; no data
-    assert keys and all(k.split(".")[0] in ("model", "compile", "topology") for k in keys), keys
+    # topology: with the cores, the drafter threads' intra-op count the step is compiled and timed at;
+    # compute: the dtype of the borrowed embedding, norm and head; no data
+    assert keys and all(k.split(".")[0] in ("model", "compile", "topology", "compute") for k in keys), keys
     # the same shapes and kernel environment as the compile it times
     assert keys == [k for k in stages["warmup"]["params"] if isinstance(k, str)]
     fingerprint = "data/env/fingerprint.json"

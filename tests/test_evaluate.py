@@ -66,7 +66,7 @@ def tiny(tmp_path_factory, tiny_target_dir):
     build_manifest(
         manifest_params(8, 8, source("chitchat", eval=6), source("humaneval", weight=0.0, eval=3)), work / "manifest"
     )
-    target = load_materialised_target(work / "target", "cpu")
+    target = load_materialised_target(work / "target", "cpu", torch.float32)
     chat = load_chat_tokenizer(work / "target")
     prompts, _ = eval_prompts(work / "manifest", chat, num_prompts=2, max_prompt_tokens=400)
     assert {p.source for p in prompts} == {"chitchat", "humaneval"} and len(prompts) >= 3

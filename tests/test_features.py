@@ -47,7 +47,7 @@ def test_stored_features_are_what_the_online_trainer_computes_for_the_same_rows(
     data = load_tokens(train_inputs / "tokens")
     layout = layout_for(train_inputs)
     store = FeatureStore.load(out, train_inputs / "tokens", data, layout)
-    target = Target.load(train_inputs / "target", "cpu")
+    target = Target.load(train_inputs / "target", "cpu", "auto")
     # training's own packing (another one than the stage's): each document attends only within itself
     plan = BatchPlan(data.lengths, MODEL.seq_len, 1, 2, 2, seed=5)
     for step in range(3):

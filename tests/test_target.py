@@ -72,3 +72,37 @@ def test_the_embedded_smollm2_gguf_becomes_a_deterministic_reloadable_model(tmp_
     )
     out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, prompt["input_ids"].shape[1] :])
+
+
+@pytest.mark.parametrize(
+    ("choice", "device", "expected"),
+    [
+        ("auto", "cpu", torch.float32),
+        ("auto", "cuda:3", torch.bfloat16),
+        ("bfloat16", "cpu", torch.bfloat16),
+        ("float32", "cuda", torch.float32),
+    ],
+)
+def test_compute_target_dtype_decides_the_dtype_on_each_device(choice, device, expected):
+    from dflashpipe.target import compute_dtype
+
+    assert compute_dtype(device, choice) == expected
+
+
+def test_the_drafter_takes_its_feature_dtype_from_the_target_it_borrows_from(tiny_target_dir):
+    """compute.target_dtype reaches the drafter's features (and so warmup's compiled graph) through the
+    target's loaded weights, not through a second rule."""
+    from transformers import AutoTokenizer
+
+    from dflashpipe.compile.warmup import feature_dtype, step_inputs
+    from dflashpipe.model import DFlashDrafter
+    from dflashpipe.target import Target
+    from tests.tiny import tiny_model_params
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    for choice, dtype in (("bfloat16", torch.bfloat16), ("auto", torch.float32)):
+        target = Target.load(tiny_target_dir, "cpu", choice)
+        assert next(target.model.parameters()).dtype == dtype
+        drafter = DFlashDrafter.for_target(target.model, tokenizer, tiny_model_params())
+        assert feature_dtype(drafter) == dtype
+        assert step_inputs(drafter, tiny_model_params(), 1, torch.device("cpu"))[0].dtype == dtype

@@ -39,7 +39,7 @@ NOTE = (
 )
 
 
-def synthetic_target(target_dir: Path | str, device: torch.device):
+def synthetic_target(target_dir: Path | str, device: torch.device, target_dtype: str):
     """A model of data/target's config.json with seeded random weights, in the dtype train loads the
     target in: the drafter borrows its embedding, norm and head (shapes and tying matter, values do not),
     so the step compiles to warmup's graph without reading the target's weights."""
@@ -50,7 +50,12 @@ def synthetic_target(target_dir: Path | str, device: torch.device):
         raise SourceError(f"{target_dir}: no materialised target: run `dvc repro target`")
     config = AutoConfig.from_pretrained(target_dir, local_files_only=True)
     torch.manual_seed(SEED)
-    return AutoModelForCausalLM.from_config(config, dtype=compute_dtype(device)).to(device).eval().requires_grad_(False)
+    return (
+        AutoModelForCausalLM.from_config(config, dtype=compute_dtype(device, target_dtype))
+        .to(device)
+        .eval()
+        .requires_grad_(False)
+    )
 
 
 def synthetic_inputs(drafter: DFlashDrafter, model: ModelParams, micro_batch: int, device: torch.device) -> tuple:
@@ -85,6 +90,7 @@ def bench_step(
     compile_key: StageKey | None,
     device: str | None = None,
     threads: ThreadBudget | None = None,
+    target_dtype: str = "auto",
 ) -> dict:
     """metrics/bench.json's content. The compiled step loads the artifact in `compile_dir` (copied into
     `scratch`) if it was built for `compile_key` (warmup's key now), else compiles cold in its untimed
@@ -99,7 +105,7 @@ def bench_step(
     # without a topology, the one step thread gets every core this process may use
     threads = threads or thread_budget({"drafter": 1})
     threads.apply("drafter", device)
-    target = synthetic_target(target_dir, device)
+    target = synthetic_target(target_dir, device, target_dtype)
     tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
     drafter = DFlashDrafter.for_target(target, tokenizer, model, generator=torch.Generator().manual_seed(0)).to(device)
     drafter.train()
@@ -161,13 +167,16 @@ def run_bench(
     compile_key: StageKey | None,
     device: str | None = None,
     threads: ThreadBudget | None = None,
+    target_dtype: str = "auto",
 ) -> dict:
     """Write metrics/bench.json (atomically) and return it."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # the inductor scratch is a partial sibling of bench.json: a killed run's is removed by the next write
     with tempfile.TemporaryDirectory(prefix=f".{out.name}{PARTIAL}inductor-", dir=out.parent) as scratch:
-        metrics = bench_step(model, compile, target_dir, compile_dir, scratch, compile_key, device, threads)
+        metrics = bench_step(
+            model, compile, target_dir, compile_dir, scratch, compile_key, device, threads, target_dtype
+        )
     write_json_atomic(out, metrics)
     ratio = f", compiled/eager {metrics['compiled_over_eager']:.2f}x" if "compiled_over_eager" in metrics else ""
     print(

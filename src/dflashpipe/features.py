@@ -110,9 +110,11 @@ def compute_features(
     target_dir: Path | str,
     out_dir: Path | str,
     key: StageKey | None = None,
+    target_dtype: str = "auto",
 ) -> FeaturesRun:
     """Bring `out_dir` to one features shard per token shard (none when `mode` is online), then summary.json,
-    then files.json. `key`: the stage's reuse key (pipeline.reuse_key("features")); None reuses nothing."""
+    then files.json. `key`: the stage's reuse key (pipeline.reuse_key("features")); None reuses nothing.
+    `target_dtype`: compute.target_dtype, what the target computes the features in (stored bf16 either way)."""
     from dflashpipe.tokens.shards import load_tokens
 
     began = time.perf_counter()
@@ -148,7 +150,7 @@ def compute_features(
         from dflashpipe.threads import thread_budget
 
         thread_budget({"target": 1}).apply("target", device)  # one computing thread: every core it may use
-        target = Target.load(target_dir, device)
+        target = Target.load(target_dir, device, target_dtype)
         with tqdm(total=todo_tokens, desc="features", unit="tok", unit_scale=True, mininterval=1.0) as bar:
             for i in todo:
                 features, offsets, shard_rates = shard_features(target, data, i, layout, bar)

@@ -144,12 +144,19 @@ def materialise_target(params: TargetParams, out: Path | str, root: Path | str =
     return summary
 
 
-def compute_dtype(device: Any) -> torch.dtype:
-    """The dtype the target computes in on `device`: bfloat16 on CUDA, float32 elsewhere.
+def compute_dtype(device: Any, choice: str) -> torch.dtype:
+    """The dtype the target computes in on `device` for `compute.target_dtype` = `choice`: `auto` is
+    bfloat16 on CUDA and float32 elsewhere; `float32`/`bfloat16` are that dtype everywhere.
 
     Written once, here: the loaded target, the features it hands the drafter, and bench's synthetic
-    target all follow it, so they agree by construction."""
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    target all follow it, so they agree by construction. `auto` keeps float32 on a CPU even where it
+    computes bfloat16 natively: there bfloat16 is faster but changes about half the greedy replies
+    (docs/pipeline.md), and a newcomer's first run should not depend on which CPU it met."""
+    if choice == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if choice not in ("float32", "bfloat16"):
+        raise ValueError(f"compute.target_dtype = {choice!r}: expected auto, float32 or bfloat16")
+    return getattr(torch, choice)
 
 
 def cache_keyword(module: Any) -> str:
@@ -165,9 +172,8 @@ def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
     return sorted({i for i in [*ids, tokenizer.eos_token_id] if i is not None})
 
 
-def load_materialised_target(target_dir: Path | str, device: Any, dtype: torch.dtype | None = None):
-    """The frozen Hugging Face model from data/target/ (safetensors only), computing in `dtype`
-    (default: `compute_dtype(device)`)."""
+def load_materialised_target(target_dir: Path | str, device: Any, dtype: torch.dtype):
+    """The frozen Hugging Face model from data/target/ (safetensors only), computing in `dtype`."""
     from transformers import AutoModelForCausalLM
 
     target_dir = Path(target_dir)
@@ -175,7 +181,6 @@ def load_materialised_target(target_dir: Path | str, device: Any, dtype: torch.d
         raise SourceError(
             f"{target_dir}: no materialised target: run `dvc repro target` (or `dvc checkout {target_dir}`)"
         )
-    dtype = dtype or compute_dtype(device)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, use_safetensors=True).to(device)
     return model.eval().requires_grad_(False)
 
@@ -201,9 +206,9 @@ class Target:
         self._model_cache, self._decoder_cache = cache_keyword(model), cache_keyword(self.decoder)
 
     @classmethod
-    def load(cls, target_dir: Path | str, device: Any, dtype: torch.dtype | None = None) -> Target:
-        """data/target/ on `device`, computing in `dtype` (default: `compute_dtype(device)`)."""
-        return cls(load_materialised_target(target_dir, device, dtype))
+    def load(cls, target_dir: Path | str, device: Any, target_dtype: str) -> Target:
+        """data/target/ on `device`, computing as `compute.target_dtype` = `target_dtype` says there."""
+        return cls(load_materialised_target(target_dir, device, compute_dtype(device, target_dtype)))
 
     @classmethod
     def of(cls, target: Any) -> Target:

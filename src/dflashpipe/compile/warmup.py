@@ -14,7 +14,7 @@ from dflashpipe.model import DFlashDrafter, DraftLoss, sample_anchor_positions
 from dflashpipe.model.attention import resolve_backend
 from dflashpipe.params import CompileParams, ModelParams
 from dflashpipe.pipeline import StageKey
-from dflashpipe.target import Target, compute_dtype
+from dflashpipe.target import Target
 from dflashpipe.threads import ThreadBudget
 
 
@@ -34,9 +34,10 @@ def compiled_step(drafter: DFlashDrafter):
     return lambda *inputs: DraftLoss(*compiled(*inputs))
 
 
-def feature_dtype(device: torch.device) -> torch.dtype:
-    """The features' dtype on a drafter's device: what the target computes in there (target.compute_dtype)."""
-    return compute_dtype(device)
+def feature_dtype(drafter: DFlashDrafter) -> torch.dtype:
+    """The features' dtype for `drafter`: what the target it borrows from computes in (compute.target_dtype,
+    decided once by `target.compute_dtype` when the target was loaded), read off the borrowed embedding."""
+    return drafter.target.embed_tokens.weight.dtype
 
 
 def autocast(device: torch.device):
@@ -55,12 +56,12 @@ def step_inputs(drafter: DFlashDrafter, model: ModelParams, micro_batch: int, de
     documents = torch.zeros(shape, dtype=torch.long, device=device)
     positions = torch.arange(model.seq_len, device=device).expand(shape).contiguous()
     anchors, valid = sample_anchor_positions(mask, model.num_anchors, torch.Generator().manual_seed(0))
-    features = torch.zeros((*shape, drafter.config.feature_size), device=device, dtype=feature_dtype(device))
+    features = torch.zeros((*shape, drafter.config.feature_size), device=device, dtype=feature_dtype(drafter))
     inputs = (features, ids, mask, anchors.to(device), valid.to(device), documents, positions)
     if drafter.distill == "none":
         return inputs
     slots = (micro_batch, model.num_anchors, model.block_size - 1, drafter.config.hidden_size)
-    return (*inputs, torch.zeros(slots, device=device, dtype=feature_dtype(device)))
+    return (*inputs, torch.zeros(slots, device=device, dtype=feature_dtype(drafter)))
 
 
 def run_step_once(
@@ -94,13 +95,15 @@ def build_warmup_artifact(
     target_dir: Path | str,
     out: Path | str,
     key: StageKey | None,
+    target_dtype: str,
     device: str | None = None,
     threads: ThreadBudget | None = None,
 ) -> dict:
     """Compile the training step in this (main) thread only, cold, and write data/compile/.
 
-    `threads`: train's budget (threads.training_budget); the step is compiled at its drafter count, the
-    count train's drafter threads run it at (None: this thread's count as it is).
+    `target_dtype`: compute.target_dtype; the drafter borrows the target's embedding, norm and head in it,
+    so it decides the compiled graph's dtypes. `threads`: train's budget (threads.training_budget); the step
+    is compiled at its drafter count, the count train's drafter threads run it at (None: this thread's count).
 
     `key` is warmup's stage key, taken before anything is built: the artifact records it, and
     train and evaluate load the artifact only under the same key (None: an artifact they refuse).
@@ -122,7 +125,7 @@ def build_warmup_artifact(
         # run's atomic_directory removes them (a system temp directory would leak on every kill).
         cache = point_inductor_at(tmp.with_name(tmp.name + "-inductor"))
         try:
-            target = Target.load(target_dir, device)
+            target = Target.load(target_dir, device, target_dtype)
             drafter = DFlashDrafter.for_target(
                 target.model,
                 AutoTokenizer.from_pretrained(target_dir),

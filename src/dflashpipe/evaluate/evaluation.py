@@ -25,7 +25,7 @@ from dflashpipe.evaluate.speculative import (
     target_generate,
 )
 from dflashpipe.model import DFlashDrafter, TargetHead
-from dflashpipe.params import EvaluateParams
+from dflashpipe.params import ComputeParams, EvaluateParams
 from dflashpipe.spread import SUFFIX
 from dflashpipe.target import Target
 from dflashpipe.threads import thread_budget
@@ -34,6 +34,7 @@ from dflashpipe.threads import thread_budget
 @dataclass(frozen=True)
 class EvaluateInputs:
     evaluate: EvaluateParams
+    compute: ComputeParams
 
 
 def decode_prompts(
@@ -118,7 +119,7 @@ def evaluate_drafter(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     threads = thread_budget({"decode": 1})  # one decoding thread: every core this process may use
     threads.apply("decode", device)
-    target = Target.load(target_dir, device)
+    target = Target.load(target_dir, device, inputs.compute.target_dtype)
     chat = load_chat_tokenizer(target_dir)
     # sdpa for decoding: every step has a new context length, which a compiled flex kernel would recompile for.
     # Drafts in the target's dtype, as engines serve it: bf16 on CUDA; on the CPU the bf16 weights in float32.

@@ -37,6 +37,18 @@ USER_SOURCE_KINDS = ("jsonl", "json", "parquet", "hf_disk")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
+class ComputeParams:
+    """How the target computes wherever a stage runs it (regenerate, features, warmup, train, bench, evaluate).
+
+    One key for all of them, so the replies, the features and the lossless check all see the same target."""
+
+    target_dtype: Literal["auto", "float32", "bfloat16"]
+    """auto: bfloat16 on CUDA, float32 on the CPU | float32 | bfloat16 (also on a CPU: faster where it has
+    avx512_bf16 or AMX, and its greedy replies differ from float32's; docs/pipeline.md has the figures).
+    Independent of target.dtype, which is what data/target/ stores."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
 class SourceSpec:
     """One data source of the manifest."""
 
@@ -416,6 +428,7 @@ class RegenerateParams:
 
 SECTIONS: dict[str, type] = {
     "target": TargetParams,
+    "compute": ComputeParams,
     "data": DataParams,
     "model": ModelParams,
     "regenerate": RegenerateParams,

@@ -111,7 +111,9 @@ class InProcessReplier(Replier):
     """The materialised target, one copy per device of topology.target_devices, one thread each; batch j runs
     on device j mod n, so what each batch holds, and so its output, does not depend on thread timing."""
 
-    def __init__(self, target_dir: Path, devices: Sequence[str], chat: ChatTokenizer, params: RegenerateParams) -> None:
+    def __init__(
+        self, target_dir: Path, devices: Sequence[str], chat: ChatTokenizer, params: RegenerateParams, target_dtype: str
+    ) -> None:
         import torch
 
         from dflashpipe.target import Target
@@ -123,7 +125,7 @@ class InProcessReplier(Replier):
                     f"params.yaml: topology.target_devices names {device!r}, but this machine has "
                     f"{torch.cuda.device_count()} CUDA device(s)"
                 )
-        self.targets = [Target.load(target_dir, device) for device in dict.fromkeys(devices)]
+        self.targets = [Target.load(target_dir, device, target_dtype) for device in dict.fromkeys(devices)]
         # one worker thread per target copy, sharing the cores with the others on the CPU (dflashpipe.threads)
         self.threads: ThreadBudget = thread_budget({"target": sum(t.device.type == "cpu" for t in self.targets)})
         self.chat, self.max_new_tokens = chat, params.max_new_tokens
@@ -280,11 +282,12 @@ def regenerate_manifest(
     out_dir: Path | str,
     key: StageKey | None = None,
     endpoint: Endpoint | None = None,
+    target_dtype: str = "auto",
 ) -> RegenerateRun:
     """Bring `out_dir` to one shard per manifest training shard, then summary.json, then files.json.
 
     `key`: the stage's reuse key (stages/regenerate.py); None reuses nothing. `endpoint`: overrides the
-    one params name (tests pass a short backoff)."""
+    one params name (tests pass a short backoff). `target_dtype`: compute.target_dtype, for replies made here."""
     began = time.perf_counter()
     manifest_dir, target_dir, out_dir = Path(manifest_dir), Path(target_dir), Path(out_dir)
     entries = verify_manifest(manifest_dir)["shards"]
@@ -316,7 +319,7 @@ def regenerate_manifest(
     for name in output.todo:
         if replier is None:  # loading the target (or asking the endpoint) only when there is work
             replier = (
-                InProcessReplier(target_dir, devices, chat, params)
+                InProcessReplier(target_dir, devices, chat, params, target_dtype)
                 if endpoint is None
                 else EndpointReplier(endpoint, chat, params)
             )

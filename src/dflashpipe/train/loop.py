@@ -291,7 +291,7 @@ class Trainer:
 
     def build(self, tokenizer) -> None:
         p = self.inputs
-        self.targets = [Target.load(self.target_dir, d) for d in self.topology.targets]
+        self.targets = [Target.load(self.target_dir, d, p.compute.target_dtype) for d in self.topology.targets]
         for device in self.topology.drafters:
             g = torch.Generator().manual_seed(p.train.seed)
             target = self.targets[0]
@@ -332,7 +332,7 @@ class Trainer:
                 batch.loss_mask, p.model.num_anchors, generator, batch.document_ids
             )
             if self.features is not None:
-                features, target_hidden = self.features.rows(part, feature_dtype(device)), None
+                features, target_hidden = self.features.rows(part, feature_dtype(self.replicas[0].drafter)), None
             else:
                 features, target_hidden = target_inputs(self.targets[0], batch, anchors, layer_ids, p.model)
             inputs = (
@@ -346,7 +346,10 @@ class Trainer:
             )
             inputs += (target_hidden,) if target_hidden is not None else ()
             chunks.append(
-                tuple(t.to(device, feature_dtype(device)) if t.is_floating_point() else t.to(device) for t in inputs)
+                tuple(
+                    t.to(device, feature_dtype(self.replicas[0].drafter)) if t.is_floating_point() else t.to(device)
+                    for t in inputs
+                )
             )
         return HeldOut(chunks, len(ids))
 
@@ -417,9 +420,9 @@ class Trainer:
             if self.features is None:
                 features, target_hidden = target_inputs(target, batch, anchors, layer_ids, p.model)
             else:  # offline: what the features stage stored for these rows' sequences
-                features, target_hidden = self.features.rows(rows, feature_dtype(self.replicas[r].device)), None
+                features, target_hidden = self.features.rows(rows, feature_dtype(self.replicas[r].drafter)), None
             drafter_device = self.replicas[r].device
-            dtype = feature_dtype(drafter_device)
+            dtype = feature_dtype(self.replicas[r].drafter)
             features = features.to(drafter_device, dtype)
             if target_hidden is not None:
                 target_hidden = target_hidden.to(drafter_device, dtype)

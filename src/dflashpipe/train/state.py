@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dflashpipe.model import DraftLoss
-from dflashpipe.params import CompileParams, FeaturesParams, ModelParams, TopologyParams, TrainParams
+from dflashpipe.params import CompileParams, ComputeParams, FeaturesParams, ModelParams, TopologyParams, TrainParams
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class TrainInputs:
     topology: TopologyParams
     train: TrainParams
     features: FeaturesParams = FeaturesParams(mode="online")
+    compute: ComputeParams = ComputeParams(target_dtype="auto")
 
 
 @dataclass
