@@ -1,26 +1,51 @@
 """An endpoint that needs a key: the key comes from OPENAI_API_KEY, goes out as a bearer token, and shows up in
-no error or record; a refusal is one line naming the variable. The server is a stdlib HTTP server in a thread."""
+no error or record; a refusal is one line naming the variable. The server is a stdlib HTTP server in a thread.
+
+What the endpoint serves (`/models` and the canary) is recorded with every shard it answered; a shard is reused
+only while the server answers the canary as it did. The server's "model" is a reply table: changing its reply
+to the canary prompt is serving another model."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
-from dflashpipe.regenerate.endpoint import API_KEY_ENV, Endpoint, EndpointError
+from dflashpipe.artifacts import write_json_atomic
+from dflashpipe.regenerate.endpoint import (
+    API_KEY_ENV,
+    CANARY_MAX_TOKENS,
+    CANARY_PROMPT,
+    Endpoint,
+    EndpointError,
+    ServedModel,
+)
+from dflashpipe.regenerate.run import regenerate_manifest, regenerate_metrics
+from dflashpipe.regenerate.shards import stored_shard
+from tests.test_regenerate import REGENERATE, STAGE_KEY
+from tests.test_tokenize import chat_jsonl, files, manifest
 
 KEY = "sk-test-7f3a9c-never-printed"
+CARD = {"id": "tiny", "object": "model", "root": "/srv/models/tiny-v1", "max_model_len": 2048}
+"""A model card as vLLM's /models gives it (less the fields nothing reads)."""
 
 
 class KeyedServer:
     """/v1/models and /v1/completions behind `Authorization: Bearer KEY`; a refusal echoes the header it got
     (as some servers do), so an error that passed the server's text on would show the key."""
 
-    def __init__(self, status: int = 401) -> None:
+    def __init__(self, status: int = 401, card: dict | None = None, replies: dict[str, str] | None = None) -> None:
         self.seen: list[str | None] = []
         self.status = status
+        self.card = card or {"id": "tiny"}
+        self.replies = dict(replies or {})
+        """Text prompt -> its greedy reply: the model the server runs. Token-id prompts are answered "ok"."""
+        self.bodies: list[dict] = []
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -45,12 +70,18 @@ class KeyedServer:
 
             def do_GET(self) -> None:
                 if self.authorised():
-                    self.answer(200, {"data": [{"id": "tiny"}]})
+                    self.answer(200, {"data": [server.card]})
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if self.authorised():
-                    choices = [{"index": i, "text": "ok", "finish_reason": "stop"} for i in range(len(body["prompt"]))]
+                    server.bodies.append(body)
+                    if isinstance(body["prompt"], str):
+                        choices = [{"index": 0, "text": server.replies[body["prompt"]], "finish_reason": "length"}]
+                    else:
+                        choices = [
+                            {"index": i, "text": "ok", "finish_reason": "stop"} for i in range(len(body["prompt"]))
+                        ]
                     self.answer(200, {"choices": choices})
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -122,3 +153,92 @@ def test_text_a_server_echoes_is_scrubbed_of_the_key(monkeypatch):
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+# --- what the endpoint serves, recorded with every shard -------------------------------------------------------
+
+FIRST, SECOND = "2, 3, 5, 7, 11. Jupiter.", "2 3 5 7 11 and Saturn"
+"""Two "models": their greedy replies to the canary prompt."""
+
+
+def sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@pytest.fixture
+def served_server(monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    s = KeyedServer(card=CARD, replies={CANARY_PROMPT: FIRST})
+    yield s
+    s.close()
+
+
+def test_served_is_what_models_says_and_the_canary_reply_hashed(served_server):
+    assert Endpoint(served_server.url, retries=0).served() == ServedModel(
+        "tiny", "/srv/models/tiny-v1", 2048, sha256(FIRST)
+    )
+    canary = served_server.bodies[-1]
+    assert (canary["model"], canary["prompt"], canary["temperature"]) == ("tiny", CANARY_PROMPT, 0)
+    assert canary["max_tokens"] == CANARY_MAX_TOKENS
+    assert set(served_server.seen) == {f"Bearer {KEY}"}
+    # what /models leaves out is recorded as absent, never guessed; a model it does not list, by its name alone
+    served_server.card = {"id": "tiny"}
+    assert Endpoint(served_server.url, retries=0).served() == ServedModel("tiny", None, None, sha256(FIRST))
+    other = Endpoint(served_server.url, "tiny-alias", retries=0).served()
+    assert (other.id, other.root, other.max_model_len) == ("tiny-alias", None, None)
+    assert served_server.bodies[-1]["model"] == "tiny-alias"
+
+
+def canaries_asked(server: KeyedServer) -> int:
+    return sum(isinstance(b["prompt"], str) for b in server.bodies)
+
+
+def test_shards_record_the_served_model_and_are_answered_again_when_it_changes(
+    served_server, tmp_path, smollm2_tokenizer_dir, capsys
+):
+    chat_jsonl(tmp_path / "chats.jsonl", 20)
+    m, out = manifest(tmp_path, 20), tmp_path / "regenerated"
+    params = dataclasses.replace(REGENERATE, endpoint=served_server.url)
+
+    def regenerate():
+        run = regenerate_manifest(
+            params, ["cpu"], m, smollm2_tokenizer_dir, out, STAGE_KEY, Endpoint(served_server.url, retries=0)
+        )
+        write_json_atomic(tmp_path / "metrics.json", regenerate_metrics(run))
+        return run
+
+    # (a) every shard records what served it: /models' description and the canary
+    first = regenerate()
+    shards = sorted(p for p in out.glob("train-*.parquet"))
+    assert len(shards) == 2 and first.regenerated_shards == [p.name for p in shards]
+    served = {"id": "tiny", "root": "/srv/models/tiny-v1", "max_model_len": 2048, "canary_sha256": sha256(FIRST)}
+    assert all(stored_shard(p).record["settings"]["served"] == served for p in shards)
+    assert first.summary["settings"]["served"] == served
+    assert json.loads((tmp_path / "metrics.json").read_text())["served"] == served
+    assert canaries_asked(served_server) == 1
+    capsys.readouterr()
+
+    # (b) the same server: every shard reused, untouched; the canary asked once for the run
+    before = files(out)
+    again = regenerate()
+    assert (again.regenerated_shards, again.reused_shards) == ([], first.regenerated_shards)
+    assert all(files(out)[p.name] == before[p.name] for p in shards)
+    assert canaries_asked(served_server) == 2
+    assert "model changed" not in capsys.readouterr().out
+
+    # (c) another model behind the same URL and name: the key holds, but every shard is answered again
+    served_server.replies[CANARY_PROMPT] = SECOND
+    changed = regenerate()
+    assert changed.regenerated_shards == first.regenerated_shards and changed.reused_shards == []
+    printed = capsys.readouterr().out
+    line = f"endpoint's model changed: canary {sha256(FIRST)[:12]} -> {sha256(SECOND)[:12]}"
+    assert printed.count(line) == 1, printed
+    assert all(stored_shard(p).record["settings"]["served"]["canary_sha256"] == sha256(SECOND) for p in shards)
+    assert json.loads((tmp_path / "metrics.json").read_text())["served"]["canary_sha256"] == sha256(SECOND)
+
+    # (d) the key went out with every request and is in no file written, nor in what was printed
+    assert set(served_server.seen) == {f"Bearer {KEY}"}
+    written = [p for p in Path(tmp_path).rglob("*") if p.is_file() and p.name != "chats.jsonl"]
+    assert out / "summary.json" in written and tmp_path / "metrics.json" in written
+    assert not [p for p in written if KEY.encode() in p.read_bytes()]
+    assert KEY not in printed

@@ -71,10 +71,12 @@ class CompletionsServer:
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 assert self.path == "/v1/completions" and body["temperature"] == 0 and body["model"] == "tiny"
-                server.requests.append(len(body["prompt"]))
-                self.reply(
-                    {"choices": [server.complete(i, p, body["max_tokens"]) for i, p in enumerate(body["prompt"])]}
-                )
+                prompts = body["prompt"]
+                if isinstance(prompts, str):  # the canary (endpoint.CANARY_PROMPT): text, as the server encodes it
+                    prompts = [server.tokenizer.encode(prompts)]
+                else:
+                    server.requests.append(len(prompts))
+                self.reply({"choices": [server.complete(i, p, body["max_tokens"]) for i, p in enumerate(prompts)]})
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
@@ -136,6 +138,8 @@ def test_the_target_answers_every_turn_in_process_and_from_an_endpoint_alike(tmp
     settings = here.summary["settings"]
     assert (settings["temperature"], settings["max_new_tokens"], len(settings["target_sha256"])) == (0, 6, 64)
     assert settings["chat_template_sha256"] == there.summary["settings"]["chat_template_sha256"]
+    # what the endpoint served is recorded only where an endpoint answered
+    assert "served" not in settings and there.summary["settings"]["served"]["id"] == "tiny"
 
     # A prompt longer than max_prompt_tokens is skipped, and its conversation ends before it.
     short = regenerate_manifest(
@@ -151,7 +155,8 @@ def test_an_unreachable_endpoint_is_one_error_naming_the_url(tmp_path, talking_t
         s.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
     endpoint = Endpoint(url, "tiny", retries=2, backoff_s=0.01)
-    with pytest.raises(EndpointError, match=rf"^regenerate.endpoint {url}/completions unreachable after 3 attempts"):
+    # the first request: /models, for what the server serves (endpoint.served)
+    with pytest.raises(EndpointError, match=rf"^regenerate.endpoint {url}/models unreachable after 3 attempts"):
         regenerate_manifest(
             REGENERATE, ["cpu"], manifest(tmp_path, 10), talking_target, tmp_path / "out", endpoint=endpoint
         )

@@ -9,10 +9,15 @@ A server that needs a key gets it from the environment, never from params.yaml (
 keeps): `OPENAI_API_KEY`, sent as `Authorization: Bearer`. The key is read at each request and held by no
 object, so it appears in no settings record, metric, lock or log; any text the server sends back is
 scrubbed of it before it reaches an error. A 401 or 403 is one line naming the variable to set.
+
+The replies depend on whatever model the server runs, which no hash of data/target covers: `served` records
+what the server says it serves (`/models`) and a canary, the sha256 of its greedy reply to a fixed prompt, so
+that a shard answered by another model is told apart from one the current model would write (regenerate.run).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -27,6 +32,14 @@ API_KEY_ENV = "OPENAI_API_KEY"
 """The environment variable that holds the endpoint's API key (unset: no Authorization header is sent)."""
 
 
+CANARY_PROMPT = "List the first five prime numbers, then name the largest planet of the solar system."
+"""Sent as text, so the server's own tokenizer is part of what the canary covers. Short and with a definite
+answer: any change of weights, tokenizer or dtype large enough to move a greedy reply is likely to show."""
+CANARY_MAX_TOKENS = 24
+"""Few tokens: long enough to tell models apart, short enough that a server's run-to-run numerical noise
+(batching, kernels) rarely reaches a greedy tie."""
+
+
 class EndpointError(DflashpipeError):
     """The endpoint is unreachable, refuses the request, or answers something that is not a completion."""
 
@@ -36,6 +49,28 @@ class Completion:
     text: str
     stopped: bool
     """It ended on its own (finish_reason `stop`), not at max_tokens (`length`)."""
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the endpoint serves: as `/models` describes it (a field it leaves out is None, never guessed), and
+    the canary that tells whether it still answers as it did."""
+
+    id: str
+    """The model name every completion request asks for."""
+    root: str | None
+    """vLLM: the weights it loaded (a path or hub name)."""
+    max_model_len: int | None
+    canary_sha256: str
+    """The sha256 of the greedy reply (UTF-8 text) to CANARY_PROMPT, at most CANARY_MAX_TOKENS tokens."""
+
+    def to_json(self) -> dict:
+        return {
+            "id": self.id,
+            "root": self.root,
+            "max_model_len": self.max_model_len,
+            "canary_sha256": self.canary_sha256,
+        }
 
 
 @dataclass(frozen=True)
@@ -97,6 +132,42 @@ class Endpoint:
             return str(answer["data"][0]["id"])
         except (KeyError, IndexError, TypeError):
             raise EndpointError(f"regenerate.endpoint {self.base_url}/models lists no model: {answer!r:.200}") from None
+
+    def served(self) -> ServedModel:
+        """The model `model` names (or the first listed) as `/models` describes it, and its canary: two requests,
+        made once per stage run. A `model` the list leaves out is recorded by its name alone."""
+        answer = self._request("/models")
+        try:
+            cards = [card for card in answer["data"] if isinstance(card, dict) and "id" in card]
+        except (KeyError, TypeError):
+            cards = []
+        if self.model is None and not cards:
+            raise EndpointError(f"regenerate.endpoint {self.base_url}/models lists no model: {answer!r:.200}")
+        name = self.model if self.model is not None else str(cards[0]["id"])
+        card = next((c for c in cards if str(c["id"]) == name), {})
+        root, length = card.get("root"), card.get("max_model_len")
+        body = {
+            "model": name,
+            "prompt": CANARY_PROMPT,
+            "max_tokens": CANARY_MAX_TOKENS,
+            "temperature": 0,
+            "n": 1,
+        }
+        reply = self._request("/completions", body)
+        try:
+            text = reply["choices"][0]["text"]
+            if not isinstance(text, str):
+                raise TypeError(f"text is {type(text).__name__}")
+        except (KeyError, IndexError, TypeError) as exc:
+            raise EndpointError(
+                f"regenerate.endpoint {self.base_url}/completions: not a completions answer to the canary ({exc!r})"
+            ) from None
+        return ServedModel(
+            id=name,
+            root=None if root is None else str(root),
+            max_model_len=length if isinstance(length, int) and not isinstance(length, bool) else None,
+            canary_sha256=hashlib.sha256(text.encode()).hexdigest(),
+        )
 
     def complete(self, model: str, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Completion]:
         """One greedy completion per prompt, in the prompts' order."""

@@ -17,6 +17,10 @@ Reuse is the incremental shards protocol (dflashpipe.incremental), tokenize's to
 from dvc.yaml less data/manifest, plus each input shard's sha256 (pipeline.REUSE), so growing the data
 answers only the new shards. Disabled, the output is the
 manifest's shards, hard-linked: tokenize's input bytes are exactly what they were without this stage.
+
+With an endpoint, the key cannot cover the model the server runs: each shard also records what the server
+served (endpoint.ServedModel, its canary included), and a shard is reused only if the live canary, asked once
+per run, equals the one it recorded; else it is answered again, and the stage says so in one line.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from dflashpipe.errors import SourceError
 from dflashpipe.incremental import InputShard, ShardedOutput
 from dflashpipe.params.sections import RegenerateParams
 from dflashpipe.pipeline import StageKey
-from dflashpipe.regenerate.endpoint import Endpoint
+from dflashpipe.regenerate.endpoint import Endpoint, ServedModel
 from dflashpipe.regenerate.shards import stored_shard, write_shard
 from dflashpipe.spread import Spread
 from dflashpipe.threads import ThreadBudget, thread_budget
@@ -155,10 +159,11 @@ class InProcessReplier(Replier):
 class EndpointReplier(Replier):
     """An OpenAI-compatible server; tokens are counted by encoding each reply again."""
 
-    def __init__(self, endpoint: Endpoint, chat: ChatTokenizer, params: RegenerateParams) -> None:
+    def __init__(self, endpoint: Endpoint, model: str, chat: ChatTokenizer, params: RegenerateParams) -> None:
         super().__init__(params.batch_size)
         self.endpoint, self.chat, self.max_new_tokens = endpoint, chat, params.max_new_tokens
-        self.model = endpoint.model_name()
+        self.model = model
+        """The model the canary was asked of (ServedModel.id): the one whose replies the shards record."""
 
     def batch(self, prompts, worker, progress) -> list[Answer]:
         done = self.endpoint.complete(self.model, prompts, self.max_new_tokens)
@@ -262,6 +267,8 @@ def regenerate_metrics(run: RegenerateRun) -> dict:
         "generated_tokens_this_run": run.generated_tokens,
         "seconds": round(run.seconds, 3),
         "threads": run.threads,
+        # what the endpoint served (None in process): explain and `dvc metrics diff` show a change of model
+        "served": (s.get("settings") or {}).get("served"),
         **(Spread.of(run.batch_rates).record("tokens_per_s", digits=1) if run.batch_rates else {"tokens_per_s": 0.0}),
     }
 
@@ -272,6 +279,28 @@ def _target_sha256(target_dir: Path) -> str:
         if f.is_file() and (f.name == "config.json" or f.suffix == ".safetensors"):
             h.update(f.name.encode() + b"\0" + file_sha256(f).encode())
     return h.hexdigest()
+
+
+class SameModel:
+    """The reuse check's last condition with an endpoint (a `parse` for ShardedOutput.open): a shard whose
+    recorded canary is not the live one was answered by another model, so it is not reusable (None)."""
+
+    def __init__(self, live: ServedModel) -> None:
+        self.live = live.canary_sha256
+        self.changed: set[str] = set()
+        """The recorded canaries that differ ("none": a shard that recorded no served model)."""
+
+    def __call__(self, record: dict) -> dict | None:
+        recorded = (record["settings"].get("served") or {}).get("canary_sha256")
+        if recorded == self.live:
+            return record
+        self.changed.add(str(recorded)[:12] if recorded else "none")
+        return None
+
+    def report(self) -> None:
+        """One line per recorded canary that differs: why shards the key would keep are answered again."""
+        for old in sorted(self.changed):
+            print(f"regenerate: endpoint's model changed: canary {old} -> {self.live[:12]}; answering its shards again")
 
 
 def regenerate_manifest(
@@ -293,8 +322,19 @@ def regenerate_manifest(
     entries = verify_manifest(manifest_dir)["shards"]
     # an output shard bears its manifest shard's name: growing the manifest appends shards here too
     inputs = {e["file"]: InputShard(e["file"], e["sha256"]) for e in entries}
+    if endpoint is None and params.endpoint is not None:
+        endpoint = Endpoint(params.endpoint, params.endpoint_model)
+    # asked even when every shard's key holds: only the server can say whether it still runs the same model
+    served = endpoint.served() if endpoint is not None and params.enabled else None
+    same_model = SameModel(served) if served is not None else None
     # disabled, nothing is generated and nothing reused: the links replace whatever is there
-    output: ShardedOutput[dict] = ShardedOutput.open(out_dir, inputs, key if params.enabled else None, stored_shard)
+    output: ShardedOutput[dict] = (
+        ShardedOutput.open(out_dir, inputs, key if params.enabled else None, stored_shard)
+        if same_model is None
+        else ShardedOutput.open(out_dir, inputs, key, stored_shard, same_model)
+    )
+    if same_model is not None:
+        same_model.report()
     if not params.enabled:
         for e in entries:
             link_or_copy(manifest_dir / e["file"], out_dir / e["file"])
@@ -302,9 +342,7 @@ def regenerate_manifest(
         return _finish(output, {"enabled": False, "shards": shards}, 0, began, [])
 
     chat = load_chat_tokenizer(target_dir)
-    if endpoint is None and params.endpoint is not None:
-        endpoint = Endpoint(params.endpoint, params.endpoint_model)
-    settings = {
+    settings: dict = {
         "temperature": 0,
         "max_new_tokens": params.max_new_tokens,
         "max_prompt_tokens": params.max_prompt_tokens,
@@ -313,6 +351,8 @@ def regenerate_manifest(
         "target_sha256": _target_sha256(target_dir),
         "generator": "in_process" if endpoint is None else {"endpoint": endpoint.base_url, "model": endpoint.model},
     }
+    if served is not None:
+        settings["served"] = served.to_json()
     by_name = {e["file"]: e for e in entries}
     replier: Replier | None = None
     generated = 0
@@ -320,8 +360,8 @@ def regenerate_manifest(
         if replier is None:  # loading the target (or asking the endpoint) only when there is work
             replier = (
                 InProcessReplier(target_dir, devices, chat, params, target_dtype)
-                if endpoint is None
-                else EndpointReplier(endpoint, chat, params)
+                if endpoint is None or served is None
+                else EndpointReplier(endpoint, served.id, chat, params)
             )
         rows = read_manifest_shard(manifest_dir, by_name[name]).to_pylist()
         with tqdm(desc=f"regenerate {name}", unit="tok", unit_scale=True, mininterval=1.0) as bar:
