@@ -78,7 +78,7 @@ def test_the_eager_step_is_timed_in_rounds_with_its_spread(tiny_target_dir, tmp_
     assert not list(tmp_path.glob("metrics/.bench.json*"))  # the inductor scratch is gone
     # what the machine gave the rounds rides with each figure: CPU time over wall time, CPUs, load
     machine = metrics["tokens_per_s_spread"]["machine"]
-    assert set(machine) == {"cpu_s", "wall_s", "cpu_over_wall", "cpus", "load_1m"}
+    assert set(machine) == {"cpu_s", "wall_s", "cpu_over_wall", "cpus", "load_1m", "control_ms"}
     assert machine["cpu_s"] > 0 and machine["wall_s"] > 0 and machine["cpus"] == len(os.sched_getaffinity(0))
     assert machine["cpu_over_wall"] == pytest.approx(machine["cpu_s"] / machine["wall_s"], abs=0.01)
     assert metrics["paths"]["eager"]["tokens_per_s_spread"]["machine"] == machine

@@ -773,7 +773,9 @@ def test_a_timed_figure_that_moved_with_no_input_changed_says_what_the_machine_f
     assert m.machine == (
         "while measuring: before CPU time/wall 1.95 on 2 CPUs, load 0.4; after CPU time/wall 0.9 on 2 CPUs, load 3.8"
     )
-    assert metric_line(m)[1].endswith(f"changed inputs: none recorded; {m.spread}; recorded machine facts: {m.machine}")
+    assert m.control == "no control recorded at HEAD and new"  # records older than the control
+    line = f"changed inputs: none recorded; {m.spread}; {m.control}; recorded machine facts: {m.machine}"
+    assert metric_line(m)[1].endswith(line)
     # an input that reaches the figure is its cause: no machine story then
     found = deltas_between(
         dag,
@@ -781,6 +783,55 @@ def test_a_timed_figure_that_moved_with_no_input_changed_says_what_the_machine_f
         (lock_of(dag, values={"train.lr": 2e-3}), train_metrics(31.0, busy_run)),
     )
     assert (found["tokens_per_s"].causes, found["tokens_per_s"].machine) == (["params.yaml:train.lr"], "")
+
+
+def controlled(cpu_over_wall: float, load: float, before_ms: float, after_ms: float) -> dict:
+    """`busy` with the control timed before and after the measurement (spread.Measuring)."""
+    return busy(cpu_over_wall, load) | {"control_ms": {"before": before_ms, "after": after_ms}}
+
+
+def test_a_rate_that_moved_as_much_as_its_control_is_the_machine_not_an_input(dag):
+    from dflashpipe.explain import MACHINE
+
+    quiet = {"low": 50.0, "high": 53.0, "repeats": 5, "machine": controlled(1.95, 0.4, 3.0, 3.2)}
+    loaded = {"low": 15.0, "high": 17.0, "repeats": 5, "machine": controlled(0.7, 3.9, 9.5, 10.1)}
+    grew = lock_of(dag, values={"train.lr": 1e-3}), lock_of(dag, values={"train.lr": 2e-3})
+    # an input reaches the figure, yet the control moved as much (about 3.1x): the machine, no input blamed
+    found = deltas_between(dag, (grew[0], train_metrics(52.0, quiet)), (grew[1], train_metrics(16.0, loaded)))
+    m = found["tokens_per_s"]
+    assert (m.call, m.causes) == (MACHINE, [])
+    assert m.control == "the machine was 3.16x slower at new: control 9.8 ms at new vs 3.1 ms at HEAD"
+    assert "the machine's move, as the control measured it: not attributed" in metric_line(m)[1]
+    assert m.control in metric_line(m)[1]
+    # the same drop with a control that did not move: a change, and the input on its path is blamed
+    steady = {**loaded, "machine": controlled(0.7, 3.9, 3.0, 3.3)}
+    found = deltas_between(dag, (grew[0], train_metrics(52.0, quiet)), (grew[1], train_metrics(16.0, steady)))
+    assert (found["tokens_per_s"].call, found["tokens_per_s"].causes) == (CHANGE, ["params.yaml:train.lr"])
+    # a control that explains only part of the drop (1.5x of 3.2x): what is left is a change
+    half = {**loaded, "machine": controlled(0.7, 3.9, 4.6, 4.8)}
+    found = deltas_between(dag, (grew[0], train_metrics(52.0, quiet)), (grew[1], train_metrics(16.0, half)))
+    assert found["tokens_per_s"].call == CHANGE
+    # a side without a control: compared as before, and said so
+    bare = {**loaded, "machine": busy(0.7, 3.9)}
+    found = deltas_between(dag, (grew[0], train_metrics(52.0, quiet)), (grew[1], train_metrics(16.0, bare)))
+    assert (found["tokens_per_s"].call, found["tokens_per_s"].control) == (CHANGE, "no control recorded at new")
+    # a ratio of two paths timed side by side is not scaled by the control: the machine cancels out in it
+    assert (
+        deltas_between(
+            dag,
+            (grew[0], {"metrics/train/metrics.json": {"speedup": 2.0, "speedup_spread": quiet}}),
+            (
+                grew[1],
+                {
+                    "metrics/train/metrics.json": {
+                        "speedup": 1.0,
+                        "speedup_spread": {**quiet, "low": 0.9, "high": 1.1, "machine": loaded["machine"]},
+                    }
+                },
+            ),
+        )["speedup"].call
+        == CHANGE
+    )
 
 
 def test_a_figure_measured_under_other_threads_than_the_machine_now_names_them(dag):

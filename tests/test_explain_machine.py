@@ -147,7 +147,7 @@ def test_bench_re_measured_with_one_thread_names_the_thread_change(committed, mo
     # every timed figure carries what the machine gave the process while it measured
     for file in ("metrics/bench.json", "metrics/train/metrics.json"):
         facts = json.loads((committed / file).read_text())["tokens_per_s_spread"]["machine"]
-        assert set(facts) == {"cpu_s", "wall_s", "cpu_over_wall", "cpus", "load_1m"}, file
+        assert set(facts) == {"cpu_s", "wall_s", "cpu_over_wall", "cpus", "load_1m", "control_ms"}, file
     run(["dvc", "repro", "bench"], committed, env={"OMP_NUM_THREADS": "1"})
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # explained in the shell that re-measured: the file is current
     report = explain("HEAD", "workspace", committed)

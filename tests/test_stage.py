@@ -165,7 +165,7 @@ def test_a_file_is_hashed_once_unless_its_stat_moved(tmp_path, monkeypatch):
 
 
 def test_a_measurement_window_records_cpu_time_against_wall_time():
-    from dflashpipe.spread import Measuring, Spread
+    from dflashpipe.spread import Control, Measuring, Spread
 
     with Measuring() as idle:
         time.sleep(0.2)
@@ -178,3 +178,17 @@ def test_a_measurement_window_records_cpu_time_against_wall_time():
     recorded = Spread.of([1.0, 2.0, 3.0]).record("tokens_per_s", busy=spinning.busy)
     assert recorded["tokens_per_s_spread"]["machine"] == spinning.busy.to_json()
     assert Spread.read(recorded, "tokens_per_s") == Spread(2.0, 1.0, 3.0, 3)  # readers see the figure as before
+    # the control, timed before and after the window on the same device, rides with the machine facts
+    before, after = spinning.busy.control_ms
+    assert before > 0 and after > 0
+    assert recorded["tokens_per_s_spread"]["machine"]["control_ms"] == {"before": before, "after": after}
+    assert Control.read(recorded["tokens_per_s_spread"]["machine"]) == Control(before, after)
+
+
+def test_a_control_that_cannot_run_is_recorded_as_absent_never_as_zero():
+    from dflashpipe.spread import Busy, Control, control_ms
+
+    assert control_ms("cuda:99") is None  # no such device here: absent
+    assert "control_ms" not in Busy(1.0, 1.0, 2, 0.5, None).to_json()
+    assert Control.read({"control_ms": {"before": 0.0, "after": 3.0}}) is None
+    assert Control.read({"control_ms.before": 3.0, "control_ms.after": 6.0}) == Control(3.0, 6.0)  # flattened

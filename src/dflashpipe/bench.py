@@ -123,7 +123,7 @@ def bench_step(
     # what the machine gave the rounds, recorded with each figure; progress on stderr, as regenerate and train
     # show theirs: one tick per timed round of one path
     with (
-        Measuring() as window,
+        Measuring(device) as window,
         tqdm(total=REPEATS * len(paths), desc="bench", unit="round", mininterval=1.0) as bar,
     ):
         for round_ in range(REPEATS):

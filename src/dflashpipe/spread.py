@@ -5,6 +5,12 @@ A throughput figure is recorded as its median under its own key, with a sibling
 `dvc metrics diff` shows both. Two figures differ by *change* only when their ranges do
 not overlap; overlapping ranges are *noise*. A side without a recorded spread (one
 repeat, or a record older than spreads) cannot be told apart: *unmeasured*.
+
+A rate measured by a process can move because the machine gave it less, with no input changed. So each
+measuring window also times a control (`control_ms`: a fixed matmul on the same device, before and after the
+work) and records it in the spread's `machine` facts. A rate that changed is called *machine* when undoing the
+control's move (its factor, with the control's own spread) brings the two ranges back to overlap: only what is
+left beyond the control is a change an input could have made.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Verdict = Literal["noise", "change", "unmeasured"]
+Verdict = Literal["noise", "change", "unmeasured", "machine"]
 SUFFIX = "_spread"
 BUSY = "machine"
 """The key, inside a `<key>_spread`, of what the machine gave the process while it measured (`Busy`)."""
@@ -33,23 +39,66 @@ class Busy:
     wall_s: float
     cpus: int
     load_1m: float | None
+    control_ms: tuple[float, float] | None = None
+    """The control (`control_ms()`) timed just before and just after the work; None when it could not run."""
 
     def to_json(self) -> dict[str, Any]:
+        control = {}
+        if self.control_ms is not None:
+            control = {CONTROL: {"before": self.control_ms[0], "after": self.control_ms[1]}}
         return {
             "cpu_s": round(self.cpu_s, 3),
             "wall_s": round(self.wall_s, 3),
             "cpu_over_wall": round(self.cpu_s / self.wall_s, 3) if self.wall_s > 0 else None,
             "cpus": self.cpus,
             "load_1m": None if self.load_1m is None else round(self.load_1m, 2),
+            **control,
         }
 
 
+CONTROL = "control_ms"
+"""The key, inside a spread's `machine` facts, of the control's {before, after} times in milliseconds."""
+CONTROL_SHAPE = (256, 1024, 1024)
+CONTROL_REPEATS = 5
+
+
+def control_ms(device: Any = None) -> float | None:
+    """The control: milliseconds for one fixed float32 matmul ([256, 1024] @ [1024, 1024], about 0.5 GFLOP),
+    the median of CONTROL_REPEATS after one untimed call, on `device` (a torch.device or name; None: the CPU)
+    at this thread's intra-op count. The same work at every commit, so its time moves only with the machine.
+    None (absent, never zero) when it cannot run there."""
+    try:
+        import torch
+
+        dev = torch.device(device if device is not None else "cpu")
+        if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+            return None
+        m, k, n = CONTROL_SHAPE
+        generator = torch.Generator().manual_seed(0)
+        a = torch.randn(m, k, generator=generator).to(dev)
+        b = torch.randn(k, n, generator=generator).to(dev)
+        times = []
+        for i in range(CONTROL_REPEATS + 1):
+            began = clock(dev)
+            torch.mm(a, b)
+            if i:  # the first call allocates and warms up: not timed
+                times.append(clock(dev) - began)
+        return round(statistics.median(times) * 1000, 3)
+    except (ImportError, RuntimeError):
+        return None
+
+
 class Measuring:
-    """`with Measuring() as m: <the timed work>`, then `m.busy`: the Busy of that window."""
+    """`with Measuring(device) as m: <the timed work>`, then `m.busy`: the Busy of that window, the control
+    timed on `device` just before and just after it (outside the window's CPU and wall times)."""
 
     busy: Busy | None = None
 
+    def __init__(self, device: Any = None) -> None:
+        self.device = device
+
     def __enter__(self) -> Measuring:
+        self._control = control_ms(self.device)
         self._cpu, self._wall = time.process_time(), time.perf_counter()
         return self
 
@@ -62,7 +111,10 @@ class Measuring:
             load = os.getloadavg()[0]
         except (AttributeError, OSError):
             load = None
-        self.busy = Busy(time.process_time() - self._cpu, time.perf_counter() - self._wall, cpus, load)
+        cpu, wall = time.process_time() - self._cpu, time.perf_counter() - self._wall
+        after = control_ms(self.device)
+        control = None if self._control is None or after is None else (self._control, after)
+        self.busy = Busy(cpu, wall, cpus, load, control)
 
 
 @dataclass(frozen=True)
@@ -108,6 +160,62 @@ def compare(before: Spread | None, after: Spread | None) -> Verdict:
     if before is None or after is None or before.repeats < 2 or after.repeats < 2:
         return "unmeasured"
     return "noise" if before.low <= after.high and after.low <= before.high else "change"
+
+
+@dataclass(frozen=True)
+class Control:
+    """One side's control times (ms), before and after its measurement."""
+
+    before: float
+    after: float
+
+    @classmethod
+    def read(cls, machine: dict | None) -> Control | None:
+        """From a spread's `machine` facts (nested or as flattened `control_ms.before/after` keys); None if absent."""
+        if not isinstance(machine, dict):
+            return None
+        nested = machine.get(CONTROL)
+        pair = (
+            (nested.get("before"), nested.get("after"))
+            if isinstance(nested, dict)
+            else (machine.get(f"{CONTROL}.before"), machine.get(f"{CONTROL}.after"))
+        )
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in pair):
+            return None
+        return cls(float(pair[0]), float(pair[1]))
+
+    @property
+    def low(self) -> float:
+        return min(self.before, self.after)
+
+    @property
+    def high(self) -> float:
+        return max(self.before, self.after)
+
+    @property
+    def mean(self) -> float:
+        return (self.before + self.after) / 2
+
+
+def slowdown(before: Control, after: Control) -> float:
+    """How many times slower the machine ran the control on the after side (< 1: faster)."""
+    return after.mean / before.mean
+
+
+def compare_rates(
+    before: Spread | None, after: Spread | None, control_before: Control | None, control_after: Control | None
+) -> Verdict:
+    """`compare` for a rate (work per second), the control taken into account: a change that undoing the
+    control's move explains is *machine*. The after side's range is scaled by every factor the two controls'
+    own ranges allow (fastest to slowest), so the control's noise widens what the machine may explain; a
+    change still left beyond that is a change. Without a control on both sides, `compare` as it is."""
+    call = compare(before, after)
+    if call != "change" or control_before is None or control_after is None:
+        return call
+    assert before is not None and after is not None
+    low = after.low * control_after.low / control_before.high
+    high = after.high * control_after.high / control_before.low
+    return "machine" if before.low <= high and low <= before.high else "change"
 
 
 def clock(device) -> float:

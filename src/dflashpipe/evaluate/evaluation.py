@@ -26,7 +26,7 @@ from dflashpipe.evaluate.speculative import (
 )
 from dflashpipe.model import DFlashDrafter, TargetHead
 from dflashpipe.params import ComputeParams, EvaluateParams
-from dflashpipe.spread import SUFFIX
+from dflashpipe.spread import SUFFIX, Measuring
 from dflashpipe.target import Target
 from dflashpipe.threads import thread_budget
 
@@ -141,8 +141,9 @@ def evaluate_drafter(
         )
     verified = p.draft_tokens + 1 if p.draft_tokens else block_size  # positions of a verify forward
     stop = target.stop_token_ids(chat.tokenizer)  # the same end of turn as regeneration
-    results = decode_prompts(target, drafter, prompts + train_prompts, p.max_new_tokens, stop, p.draft_tokens)
-    decoding, tables = eval_metrics(results, verified)
+    with Measuring(device) as window:  # what the machine gave the decoding, and the control beside it
+        results = decode_prompts(target, drafter, prompts + train_prompts, p.max_new_tokens, stop, p.draft_tokens)
+    decoding, tables = eval_metrics(results, verified, window.busy)
     metrics_dir.mkdir(parents=True, exist_ok=True)
     metrics = {
         **decoding,

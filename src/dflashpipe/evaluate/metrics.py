@@ -10,7 +10,7 @@ from dflashpipe import plots as plotting
 from dflashpipe.artifacts import write_bytes_atomic, write_json_atomic
 from dflashpipe.evaluate.prompts import HELD_OUT, TRAIN, EvalPrompt
 from dflashpipe.evaluate.speculative import STEP_PARTS, Decoded
-from dflashpipe.spread import Spread
+from dflashpipe.spread import Busy, Spread
 
 PLOTS_DIR = "eval"
 PLOT_TABLES = ("tau_per_source", "slot_acceptance", "speedup_per_prompt")
@@ -118,9 +118,12 @@ def slot_acceptance(decoded: list[Decoded], block_size: int) -> dict[str, float]
     return rates
 
 
-def eval_metrics(everything: list[PromptResult], block_size: int) -> tuple[dict, dict[str, list[dict]]]:
+def eval_metrics(
+    everything: list[PromptResult], block_size: int, busy: Busy | None = None
+) -> tuple[dict, dict[str, list[dict]]]:
     """metrics/eval.json's decoding part, and the plot tables. The headline figures are the held-out
-    prompts'; the lossless check and the step profile cover every prompt decoded."""
+    prompts'; the lossless check and the step profile cover every prompt decoded. `busy`: what the machine
+    gave the decoding, and the control beside it, recorded with each rate."""
     results = [r for r in everything if r.prompt.split == HELD_OUT]
     spec = [r.speculative for r in results]
     mismatched = [r for r in everything if r.first_divergence is not None]
@@ -131,8 +134,8 @@ def eval_metrics(everything: list[PromptResult], block_size: int) -> tuple[dict,
         **_summary(results),
         # the median over prompts, with its spread: {target, target_spread, speculative, speculative_spread}
         "decode_tokens_per_s": {
-            **decode_rates([r.target for r in results]).record("target"),
-            **decode_rates(spec).record("speculative"),
+            **decode_rates([r.target for r in results]).record("target", busy=busy),
+            **decode_rates(spec).record("speculative", busy=busy),
         },
         "lossless": not mismatched,
         "mismatched_prompts": [

@@ -27,6 +27,7 @@ from dflashpipe.explain.report import (
     DIRECT,
     DOWNSTREAM,
     FROZEN,
+    MACHINE,
     NOISE,
     OUTPUTS,
     RESTORABLE,
@@ -48,6 +49,7 @@ from dflashpipe.revision import WORKSPACE, Revision, Revisions, Workspace, parse
 __all__ = [
     "ALWAYS",
     "CHANGE",
+    "MACHINE",
     "DIRECT",
     "DOWNSTREAM",
     "FROZEN",

@@ -17,6 +17,7 @@ from dflashpipe.explain.report import (
     DIRECT,
     DOWNSTREAM,
     FROZEN,
+    MACHINE,
     NOISE,
     OUTPUTS,
     RESTORABLE,
@@ -298,11 +299,16 @@ def metric_deltas(sa: State, sb: State, new: dict[str, StageState], verdicts: li
                 delta = MetricDelta(path, key, o, n, change, st.name, causes_reaching(st.name))
                 if is_throughput(key, old, cur):
                     before, after = figure(old, key), figure(cur, key)
-                    call = spread.compare(before, after)
+                    if is_rate(key):  # work per second: the machine's speed moves it, the control says how much
+                        controls = control(old, key), control(cur, key)
+                        call = spread.compare_rates(before, after, *controls)
+                        delta.control = control_words(*controls, sa.label, sb.label)
+                    else:  # a ratio of two paths timed in the same rounds: the machine cancels out
+                        call = spread.compare(before, after)
                     delta.call = UNMEASURED if call == "unmeasured" else call
                     delta.spread = f"before {_described(before)}; after {_described(after)}"
-                    if delta.call == NOISE:
-                        delta.causes = []  # within the repeats' range: nothing upstream is to blame
+                    if delta.call in (NOISE, MACHINE):
+                        delta.causes = []  # within the repeats' range, or the machine's move: no input to blame
                     if not delta.causes:
                         delta.machine = _machine_facts(st.name, key, old, cur, ran_with())
                 deltas.append(delta)
@@ -329,6 +335,29 @@ def is_throughput(key: str, *flat_metrics: dict) -> bool:
     return any(p.endswith("_s") or "per_second" in p or p in TIMED_NAMES for p in parts) or any(
         f"{key}{spread.SUFFIX}.low" in m for m in flat_metrics
     )
+
+
+def is_rate(key: str) -> bool:
+    """A figure in work per second (tokens_per_s, encoded_tokens_per_second, decode_tokens_per_s.target)."""
+    return "per_s" in key
+
+
+def control(flat: dict, key: str) -> spread.Control | None:
+    """The control recorded beside `key` (in its spread's machine facts), from a flattened metrics dict."""
+    prefix = f"{key}{spread.SUFFIX}.{spread.BUSY}."
+    return spread.Control.read({k[len(prefix) :]: v for k, v in flat.items() if k.startswith(prefix)})
+
+
+def control_words(before: spread.Control | None, after: spread.Control | None, a: str, b: str) -> str:
+    """The control's move in words: which side the machine was slower at, by what factor, on what evidence."""
+    if before is None or after is None:
+        missing = " and ".join(label for label, c in ((a, before), (b, after)) if c is None)
+        return f"no control recorded at {missing}"
+    factor = spread.slowdown(before, after)
+    times = f"control {after.mean:.3g} ms at {b} vs {before.mean:.3g} ms at {a}"
+    if factor >= 1:
+        return f"the machine was {factor:.2f}x slower at {b}: {times}"
+    return f"the machine was {1 / factor:.2f}x faster at {b}: {times}"
 
 
 def figure(flat: dict, key: str) -> spread.Spread | None:

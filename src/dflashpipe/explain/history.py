@@ -24,6 +24,7 @@ from dflashpipe.errors import DflashpipeError
 from dflashpipe.explain.comparison import compare, metric_deltas, root_causes
 from dflashpipe.explain.report import (
     CHANGE,
+    MACHINE,
     NOISE,
     UNMEASURED,
     Cause,
@@ -277,7 +278,8 @@ def history_lines(h: History) -> list[str]:
             if name not in h.metrics:
                 continue
             mark = "  << moved" if name in s.moved else ""
-            call = f" [{d.call}: {d.spread}]" if d.call in (NOISE, CHANGE, UNMEASURED) else ""
+            call = f" [{d.call}: {d.spread}]" if d.call in (NOISE, CHANGE, MACHINE, UNMEASURED) else ""
+            call += f" ({d.control})" if d.control else ""
             why = f"; inputs changed on its path: {', '.join(d.causes)}" if d.causes else ""
             lines.append(f"    {h.name(name)}: {_value(d.old)} -> {_value(d.new)}{call}{why}{mark}")
         for c in s.root_causes:

@@ -13,6 +13,7 @@ from typing import Any
 from dflashpipe.explain.report import (
     DIRECT,
     DOWNSTREAM,
+    MACHINE,
     NOISE,
     OUTPUTS,
     UNCHANGED,
@@ -89,8 +90,15 @@ def metric_line(m: MetricDelta) -> tuple[str, str]:
     inputs behind it (none for a move within noise)."""
     pct = f" ({m.change:+.0%})" if m.change is not None else ""
     call = f" [{m.call}]" if m.call else ""
-    why = "within noise: not attributed" if m.call == NOISE else ", ".join(m.causes) or "none recorded"
+    why = (
+        "within noise: not attributed"
+        if m.call == NOISE
+        else "the machine's move, as the control measured it: not attributed"
+        if m.call == MACHINE
+        else ", ".join(m.causes) or "none recorded"
+    )
     spread = f"; {m.spread}" if m.spread else ""
+    spread += f"; {m.control}" if m.control else ""
     machine = f"; recorded machine facts: {m.machine}" if m.machine else ""
     return f"{m.old} -> {m.new}{pct}{call}", f"{m.file}, stage {m.stage}; changed inputs: {why}{spread}{machine}"
 

@@ -74,14 +74,17 @@ class MetricDelta:
     stage: str
     causes: list[str]
     call: str | None = None
-    """For a throughput figure: NOISE, CHANGE or UNMEASURED (spread.compare); None for other metrics.
-    A move called noise is attributed to no cause."""
+    """For a throughput figure: NOISE, CHANGE, MACHINE or UNMEASURED (spread.compare, spread.compare_rates for
+    a rate); None for other metrics. A move called noise or machine is attributed to no input."""
     spread: str = ""
     """Each side's range and repeats, the evidence for `call`."""
     machine: str = ""
     """For a timed figure no changed input reaches: what was recorded about the machine of each measurement (the
     fingerprint keys each side's dvc.lock ran the stage with, where they differ; the CPU time over wall time and
     the load average its spread recorded), so a move with no cause still says what the facts say."""
+    control: str = ""
+    """For a rate: what the control measured beside it says, in words ("the machine was 3.3x slower at B:
+    control 41 ms vs 12 ms"), or "no control" when a side recorded none."""
     name: str = ""
     """How it is printed: its key, or `file:key` where another metrics file records the same key."""
 
@@ -96,6 +99,8 @@ def display_names(recorded: Iterable[tuple[str, str]]) -> dict[tuple[str, str], 
 
 NOISE = "noise"
 CHANGE = "change"
+MACHINE = "machine"
+"""A rate that changed by no more than the control measured beside it moved (spread.compare_rates)."""
 UNMEASURED = "unmeasured (no spread recorded)"
 
 

@@ -42,7 +42,7 @@ from dflashpipe.params.sections import RegenerateParams
 from dflashpipe.pipeline import StageKey
 from dflashpipe.regenerate.endpoint import Endpoint, ServedModel
 from dflashpipe.regenerate.shards import stored_shard, write_shard
-from dflashpipe.spread import Spread
+from dflashpipe.spread import Busy, Measuring, Spread
 from dflashpipe.threads import ThreadBudget, thread_budget
 from dflashpipe.tokens.chat import ChatTokenizer, load_chat_tokenizer
 
@@ -252,6 +252,8 @@ class RegenerateRun:
     batch_rates: list[float]
     threads: dict | None = None
     """The in-process generators' thread budget (dflashpipe.threads); None when none ran here."""
+    busy: Busy | None = None
+    """What the machine gave the generation, and the control beside it (spread.Measuring)."""
 
 
 def regenerate_metrics(run: RegenerateRun) -> dict:
@@ -269,7 +271,11 @@ def regenerate_metrics(run: RegenerateRun) -> dict:
         "threads": run.threads,
         # what the endpoint served (None in process): explain and `dvc metrics diff` show a change of model
         "served": (s.get("settings") or {}).get("served"),
-        **(Spread.of(run.batch_rates).record("tokens_per_s", digits=1) if run.batch_rates else {"tokens_per_s": 0.0}),
+        **(
+            Spread.of(run.batch_rates).record("tokens_per_s", digits=1, busy=run.busy)
+            if run.batch_rates
+            else {"tokens_per_s": 0.0}
+        ),
     }
 
 
@@ -356,28 +362,30 @@ def regenerate_manifest(
     by_name = {e["file"]: e for e in entries}
     replier: Replier | None = None
     generated = 0
-    for name in output.todo:
-        if replier is None:  # loading the target (or asking the endpoint) only when there is work
-            replier = (
-                InProcessReplier(target_dir, devices, chat, params, target_dtype)
-                if endpoint is None or served is None
-                else EndpointReplier(endpoint, served.id, chat, params)
-            )
-        rows = read_manifest_shard(manifest_dir, by_name[name]).to_pylist()
-        with tqdm(desc=f"regenerate {name}", unit="tok", unit_scale=True, mininterval=1.0) as bar:
-            out_rows, counts = regenerate_rows(rows, chat, replier, params, bar.update)
-        writer = ShardWriter()
-        for row in out_rows:
-            writer.add(row["id"], row["source"], row["conversation"], row["hash"])
-        record = {
-            "key": output.keys[name],
-            "input": inputs[name].to_json(),
-            "settings": settings,
-            "counts": asdict(counts),
-        }
-        write_shard(out_dir / name, writer.table(), record)
-        output.wrote(name, record)
-        generated += counts.generated_tokens
+    # what the machine gave the generation, and the control beside it (on the first target device)
+    with Measuring(devices[0] if endpoint is None else None) as window:
+        for name in output.todo:
+            if replier is None:  # loading the target (or asking the endpoint) only when there is work
+                replier = (
+                    InProcessReplier(target_dir, devices, chat, params, target_dtype)
+                    if endpoint is None or served is None
+                    else EndpointReplier(endpoint, served.id, chat, params)
+                )
+            rows = read_manifest_shard(manifest_dir, by_name[name]).to_pylist()
+            with tqdm(desc=f"regenerate {name}", unit="tok", unit_scale=True, mininterval=1.0) as bar:
+                out_rows, counts = regenerate_rows(rows, chat, replier, params, bar.update)
+            writer = ShardWriter()
+            for row in out_rows:
+                writer.add(row["id"], row["source"], row["conversation"], row["hash"])
+            record = {
+                "key": output.keys[name],
+                "input": inputs[name].to_json(),
+                "settings": settings,
+                "counts": asdict(counts),
+            }
+            write_shard(out_dir / name, writer.table(), record)
+            output.wrote(name, record)
+            generated += counts.generated_tokens
     shards = [
         {**entry, "counts": output.records[entry["file"]]["counts"]}
         for entry in output.entries(lambda record: record["counts"]["samples_out"])
@@ -385,7 +393,8 @@ def regenerate_manifest(
     total = output.total(RegenerateCounts(), lambda record: record["counts"])
     summary = {"enabled": True, "settings": settings, "counts": asdict(total), "shards": shards}
     threads = replier.threads.to_json() if isinstance(replier, InProcessReplier) else None
-    return _finish(output, summary, generated, began, replier.batch_rates if replier is not None else [], threads)
+    rates = replier.batch_rates if replier is not None else []
+    return _finish(output, summary, generated, began, rates, threads, window.busy)
 
 
 def _finish(
@@ -395,10 +404,12 @@ def _finish(
     began: float,
     rates: list[float],
     threads: dict | None = None,
+    busy: Busy | None = None,
 ) -> RegenerateRun:
     output.finish(summary)
     shards = output.run
-    run = RegenerateRun(summary, shards.written, shards.reused, generated, time.perf_counter() - began, rates, threads)
+    seconds = time.perf_counter() - began
+    run = RegenerateRun(summary, shards.written, shards.reused, generated, seconds, rates, threads, busy)
     what = (
         "linked the manifest's"
         if not summary["enabled"]

@@ -36,7 +36,7 @@ from dflashpipe.incremental import InputShard, ShardedOutput
 from dflashpipe.params import TokenizeParams
 from dflashpipe.pipeline import StageKey
 from dflashpipe.regenerate.shards import ConversationShard, read_conversation_shards
-from dflashpipe.spread import Spread
+from dflashpipe.spread import Busy, Measuring, Spread
 from dflashpipe.threads import thread_budget
 from dflashpipe.tokens.chat import ChatTokenizer, load_chat_tokenizer
 from dflashpipe.tokens.encode import EncodedRows, SampleEncoder, TokenStats, concat_rows, length_edges
@@ -124,6 +124,8 @@ class TokenizeRun:
     """Tokens/s of each encoded chunk x the processes encoding side by side: the repeats of the rate."""
     threads: dict = field(default_factory=dict)
     """The thread budget (dflashpipe.threads): the cores, and the processes that shared them."""
+    busy: Busy | None = None
+    """What the machine gave the encoding, and the control beside it (spread.Measuring)."""
 
 
 def tokenize_metrics(run: TokenizeRun) -> dict:
@@ -145,7 +147,7 @@ def tokenize_metrics(run: TokenizeRun) -> dict:
         # The median over encoded chunks with its range (see spread.py), so a move within the
         # machine's noise is not blamed on an input; 0.0 and no spread when nothing was encoded.
         **(
-            Spread.of(run.chunk_rates).record("encoded_tokens_per_second", digits=1)
+            Spread.of(run.chunk_rates).record("encoded_tokens_per_second", digits=1, busy=run.busy)
             if run.chunk_rates
             else {"encoded_tokens_per_second": 0.0}
         ),
@@ -208,6 +210,7 @@ def tokenize_manifest(
     pending: dict[int, list[tuple[EncodedRows, TokenStats]]] = {}
     chunk_rates: list[float] = []
     with (
+        Measuring() as window,  # what the machine gave the encoding, and the control beside it
         _results(tasks, chat, params, num_proc) as results,
         tqdm(total=sum(s.samples for s in todo), desc="tokenize", unit="sample", mininterval=1.0) as bar,
     ):
@@ -234,6 +237,7 @@ def tokenize_manifest(
         time.perf_counter() - began,
         chunk_rates,
         budget.to_json(),
+        window.busy,
     )
     print(
         f"tokenize: encoded {len(run.encoded_shards)} shard(s), reused {len(run.reused_shards)}; "

@@ -110,7 +110,7 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
             flush=True,
         )
 
-    with Measuring() as window:  # what the machine gave the steps: recorded with tokens_per_s
+    with Measuring(trainer.replicas[0].device) as window:  # what the machine gave the steps, and the control
         trainer.run(guard, on_step)
     if inputs.compile.enabled:
         guard.disarm()
