@@ -41,6 +41,8 @@ class Busy:
     load_1m: float | None
     control_ms: tuple[float, float] | None = None
     """The control (`control_ms()`) timed just before and just after the work; None when it could not run."""
+    cuda: dict[str, Any] | None = None
+    """On a CUDA device, what NVML says decides its speed at the end (`cuda_facts`); None elsewhere or unread."""
 
     def to_json(self) -> dict[str, Any]:
         control = {}
@@ -53,7 +55,35 @@ class Busy:
             "cpus": self.cpus,
             "load_1m": None if self.load_1m is None else round(self.load_1m, 2),
             **control,
+            **({"cuda": self.cuda} if self.cuda is not None else {}),
         }
+
+
+def cuda_facts(device: Any) -> dict[str, Any] | None:
+    """A CUDA device's speed as NVML reports it now: the SM clock against its maximum, the power draw against
+    the enforced limit, and how many other processes compute on it. None off CUDA, or without NVML
+    (`pynvml`, the nvidia-ml-py package): absent, never guessed."""
+    try:
+        import torch
+
+        dev = torch.device(device) if device is not None else None
+        if dev is None or dev.type != "cuda" or not torch.cuda.is_available():
+            return None
+        import pynvml
+
+        pynvml.nvmlInit()
+        # NVML numbers the devices physically; torch maps its index through CUDA_VISIBLE_DEVICES
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(dev))
+        processes = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        return {
+            "sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
+            "max_sm_clock_mhz": pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM),
+            "power_draw_w": round(pynvml.nvmlDeviceGetPowerUsage(handle) / 1000, 1),
+            "power_limit_w": round(pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000, 1),
+            "other_processes": sum(1 for p in processes if p.pid != os.getpid()),
+        }
+    except Exception:  # no NVML library, no permission, an old driver: the facts are absent, the run goes on
+        return None
 
 
 CONTROL = "control_ms"
@@ -90,7 +120,8 @@ def control_ms(device: Any = None) -> float | None:
 
 class Measuring:
     """`with Measuring(device) as m: <the timed work>`, then `m.busy`: the Busy of that window, the control
-    timed on `device` just before and just after it (outside the window's CPU and wall times)."""
+    timed on `device` just before and just after it (outside the window's wall time; its OpenMP threads may
+    spin a few milliseconds into the window's CPU time, nothing beside a stage's seconds-long windows)."""
 
     busy: Busy | None = None
 
@@ -114,7 +145,7 @@ class Measuring:
         cpu, wall = time.process_time() - self._cpu, time.perf_counter() - self._wall
         after = control_ms(self.device)
         control = None if self._control is None or after is None else (self._control, after)
-        self.busy = Busy(cpu, wall, cpus, load, control)
+        self.busy = Busy(cpu, wall, cpus, load, control, cuda_facts(self.device))
 
 
 @dataclass(frozen=True)
