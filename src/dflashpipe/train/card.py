@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import re
 import struct
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ import yaml
 
 from dflashpipe.artifacts import file_sha256
 from dflashpipe.pipeline import DRAFTER
+from dflashpipe.revision import run_git
 
 CARD_FILE = "README.md"
 LOCK_FILE = "dvc.lock"
@@ -42,11 +42,12 @@ NOT_DIRTY = (":(exclude)dvc.lock", ":(exclude)metrics", ":(exclude,glob)**/.giti
 
 
 def _git(root: Path, *args: str) -> str | None:
+    """git's answer through the one revision reader; None off a repository or without git."""
     try:
-        proc = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
+        proc = run_git(root, *args)
+    except OSError:  # no git on this machine
         return None
-    return proc.stdout if proc.returncode == 0 else None
+    return proc.stdout.decode() if proc.returncode == 0 else None
 
 
 def provenance(root: Path | None) -> dict[str, Any]:
