@@ -311,3 +311,33 @@ def test_no_dvc_lock_anywhere_is_an_error(tmp_path):
     run(["git", "-c", "user.email=t@e", "-c", "user.name=t", "commit", "-qm", "a"], tmp_path)
     with pytest.raises(DflashpipeError, match="no commit on HEAD's first-parent line has a dvc.lock"):
         history(root=tmp_path)
+
+
+def test_levels_mark_a_drift_no_step_shows_and_ignore_a_blip_and_the_machine():
+    from dflashpipe.explain.history import Measured, Step, change_points
+    from dflashpipe.spread import Control, Spread
+
+    metric = f"{TRAIN}:tokens_per_s"
+
+    def step(label: str, median: float, control_ms: float = 3.0) -> Step:
+        found = Step(label, label, f"commit {label}", None, {metric: median})
+        figure = Spread(median, median - 2, median + 2, 5)
+        found.measured[metric] = Measured(median, figure, Control(control_ms, control_ms))
+        return found
+
+    # each step within noise of its parent, but 44 is beyond the level 50 held, and 41 after it holds there
+    drift = [step("a", 50), step("b", 47), step("c", 44), step("d", 41), step("e", 41)]
+    change_points(drift, metric)
+    (level,) = [lv for s in drift for lv in s.levels]
+    assert (level.label, level.since, level.call, level.confirmed) == ("c", "a", CHANGE, True)
+    assert level.line("tokens_per_s") == (
+        "level: tokens_per_s 50 (range 48..52, 5 repeats) (since a) -> 44 (range 42..46, 5 repeats) [change]"
+    )
+    # a commit the next one undoes is a blip, not a level; a drop the control measured too is the machine
+    blip = [step("a", 50), step("b", 30), step("c", 50), step("d", 25, control_ms=6.0), step("e", 25, 6.0)]
+    change_points(blip, metric)
+    assert [lv for s in blip for lv in s.levels] == []
+    # a move at the last commit is marked, and said to be unconfirmed
+    last = [step("a", 50), step("b", 50), step("c", 30)]
+    change_points(last, metric)
+    assert [(lv.label, lv.confirmed) for s in last for lv in s.levels] == [("c", False)]

@@ -110,6 +110,26 @@ def history(
 
 
 @app.command()
+def bisect(
+    metric: str = typer.Argument(..., help="The metric key (or file:key) that moved."),
+    good: str = typer.Argument(..., help="A revision where it was as it should be."),
+    bad: str = typer.Argument(..., help="A later revision on the same line where it had moved."),
+    runs: int = typer.Option(1, help="Measurements per probe (the first may be the commit's own record)."),
+) -> None:
+    """The first commit between GOOD and BAD whose METRIC moved beyond noise, each probe reproduced with DVC
+    in a temporary worktree sharing this project's cache (so only what the cache lacks is run)."""
+    from dflashpipe.explain.bisect import bisect as search
+    from dflashpipe.explain.bisect import bisect_lines
+
+    try:
+        found = search(metric, good, bad, runs)
+    except DflashpipeError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo("\n".join(bisect_lines(found)))
+
+
+@app.command()
 def report(
     out: str = typer.Option(None, "--out", help="Where to write (default report.html, or report.md with --md)."),
     as_md: bool = typer.Option(False, "--md", help="Markdown plus an images folder beside it, instead of HTML."),

@@ -1,6 +1,11 @@
 """`dflashpipe history`: every commit of a range, and the DVC experiments on them, each with its headline
 metrics and, against its parent, the root causes explain would give and where a metric moved beyond noise.
 
+Beside each step's moves against its parent, `levels` marks where a followed metric's level changed over
+the commit line: a commit whose figure moved beyond noise (the same rules, the control taken into account)
+from the level the commits before it held, and whose next commit holds the new level too. A drift that no
+single step shows still crosses the level, and a one-commit blip that the next commit undoes is no level.
+
 It reads only git: each commit's dvc.yaml, dvc.lock and committed metrics files (one `git cat-file --batch`
 process for all of them), the files each commit changed (one `git log`), and the DVC cache's `.dir` listings
 for file-level paths. Nothing is rerun or hashed, and no dvc Repo is built (its imports alone take most of a
@@ -20,8 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflashpipe import spread
 from dflashpipe.errors import DflashpipeError
-from dflashpipe.explain.comparison import compare, metric_deltas, root_causes
+from dflashpipe.explain.comparison import compare, control, figure, is_rate, is_throughput, metric_deltas, root_causes
 from dflashpipe.explain.report import (
     CHANGE,
     MACHINE,
@@ -65,6 +71,66 @@ class Unrecorded:
 
 
 @dataclass
+class Measured:
+    """A metric as one state recorded it: its value, and its spread and control when it is a timed figure."""
+
+    value: Any
+    spread: spread.Spread | None = None
+    control: spread.Control | None = None
+
+    @classmethod
+    def of(cls, flat: dict, key: str) -> Measured | None:
+        """`key` of a flattened metrics dict; None when it is not recorded."""
+        if key not in flat:
+            return None
+        return cls(flat[key], figure(flat, key), control(flat, key) if is_rate(key) else None)
+
+    def describe(self) -> str:
+        return f"{_value(self.value)}" if self.spread is None else self.spread.describe()
+
+
+def moved(key: str, reference: Measured, other: Measured, far: Measured | None = None) -> tuple[bool, str]:
+    """Whether `other` moved away from `reference`, and the call that says so: for a timed figure, ranges
+    that do not overlap (`spread.compare`; for a rate with its control, `spread.compare_rates`); a timed
+    figure without spreads goes to the nearer of `reference` and `far` when `far` is given (else: not moved,
+    unmeasured); any other metric moved when its value differs (the stages are deterministic)."""
+    if is_throughput(key, {}, {}) or reference.spread is not None:
+        call = (
+            spread.compare_rates(reference.spread, other.spread, reference.control, other.control)
+            if is_rate(key)
+            else spread.compare(reference.spread, other.spread)
+        )
+        if call != "unmeasured":
+            return call == "change", call
+        values = [m.value for m in (reference, other, far) if m is not None]
+        if far is not None and all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+            nearer_far = abs(other.value - far.value) < abs(other.value - reference.value)
+            return nearer_far, f"unmeasured: nearer {'BAD' if nearer_far else 'GOOD'}'s value"
+        return False, UNMEASURED  # a timed figure without a range on both sides cannot be told from noise
+    return (True, "differs") if other.value != reference.value else (False, "equal")
+
+
+@dataclass
+class Level:
+    """Where a followed metric's level changed on the commit line."""
+
+    metric: str
+    label: str
+    """The first commit at the new level."""
+    since: str
+    """The commit whose figure held the old level (the last change-point, or the first record)."""
+    old: str
+    new: str
+    call: str
+    confirmed: bool
+    """The next commit holds the new level too (False: the last commit of the range, nothing after it yet)."""
+
+    def line(self, name: str) -> str:
+        held = "" if self.confirmed else "; the last commit: not confirmed by a later one"
+        return f"level: {name} {self.old} (since {self.since}) -> {self.new} [{self.call}{held}]"
+
+
+@dataclass
 class Step:
     """One commit (or experiment) against its parent (or baseline commit)."""
 
@@ -84,6 +150,10 @@ class Step:
     other metric whose value changed (the stages are deterministic)."""
     unrecorded: list[Unrecorded] = field(default_factory=list)
     """Stages whose code or params changed here while dvc.lock kept the older record."""
+    measured: dict[str, Measured] = field(default_factory=dict)
+    """The selected metrics with their spreads and controls (`file:key` -> Measured), where recorded."""
+    levels: list[Level] = field(default_factory=list)
+    """Followed metrics whose level changed at this commit (`change_points`)."""
 
 
 @dataclass
@@ -214,12 +284,38 @@ def history(since: str | None = None, metrics: list[str] | None = None, root: st
                 exp_changed = git(root, "diff", "--name-only", commit.rev, exp.rev).split()
                 steps.append(_step(exp, f"experiment on {commit.label}", commit, keys, cache, exp_changed))
             previous = commit
+    for key in keys:
+        change_points(steps, key)
     return History(since, keys, steps, {k: names[tuple(k.split(":", 1))] for k in keys})
 
 
+def change_points(steps: list[Step], metric: str) -> None:
+    """Mark in `steps` (commits only, oldest first) where `metric`'s level changed (see the module docstring)."""
+    key = metric.split(":", 1)[1]
+    line = [s for s in steps if metric in s.measured and not s.label.startswith("exp ")]
+    if not line:
+        return
+    level, since = line[0].measured[metric], line[0].label
+    for i, step in enumerate(line[1:], start=1):
+        now = step.measured[metric]
+        away, call = moved(key, level, now)
+        if not away:
+            continue
+        after = line[i + 1].measured[metric] if i + 1 < len(line) else None
+        if after is not None and (not moved(key, level, after)[0] or moved(key, now, after)[0]):
+            continue  # the next commit is back at the level, or elsewhere again: no level held here
+        step.levels.append(Level(metric, step.label, since, level.describe(), now.describe(), call, after is not None))
+        level, since = now, step.label
+
+
 def _step(commit: Revision, subject: str, parent: Revision | None, keys: list[str], cache, changed: list[str]) -> Step:
-    values = {k: read_metrics(commit, k.split(":", 1)[0]).get(k.split(":", 1)[1]) for k in keys}
+    files = {path: read_metrics(commit, path) for path in {k.split(":", 1)[0] for k in keys}}
+    values = {k: files[k.split(":", 1)[0]].get(k.split(":", 1)[1]) for k in keys}
     step = Step(commit.rev, commit.label, subject, parent.label if parent else None, values)
+    for k in keys:
+        found = Measured.of(files[k.split(":", 1)[0]], k.split(":", 1)[1])
+        if found is not None:
+            step.measured[k] = found
     if parent is None or parent.read_text(LOCK) is None or commit.read_text(LOCK) is None:
         return step
     old, new = read_revision_state(parent), read_revision_state(commit)
@@ -286,6 +382,7 @@ def history_lines(h: History) -> list[str]:
             lines.append(
                 f"    cause: {c.kind} {c.what}: {_value(c.old)} -> {_value(c.new)} (hits {', '.join(c.stages)})"
             )
+        lines += [f"    {level.line(h.name(level.metric))}" for level in s.levels]
     return lines
 
 
@@ -302,6 +399,7 @@ def history_markdown(h: History) -> str:
             cells.append(f"**{cell}**" if k in s.moved else cell)
         causes = [f"**unrecorded**: {u.line()}" for u in s.unrecorded]
         causes += [f"{c.what}: {_value(c.old)} -> {_value(c.new)}" for c in s.root_causes]
+        causes += [f"**{level.line(h.name(level.metric))}**" for level in s.levels]
         cells.append("; ".join(causes).replace("|", "\\|") or ("" if s.parent else "first record"))
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Bold: moved beyond noise against the row's parent (a timed figure's ranges do not overlap)."]
