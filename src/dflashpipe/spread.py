@@ -9,7 +9,7 @@ repeat, or a record older than spreads) cannot be told apart: *unmeasured*.
 A rate measured by a process can move because the machine gave it less, with no input changed. So each
 measuring window also times a control (`control_ms`: a fixed matmul on the same device, before and after the
 work) and records it in the spread's `machine` facts. A rate that changed is called *machine* when undoing the
-control's move (its factor, with the control's own spread) brings the two ranges back to overlap: only what is
+control's move (its factor) brings the two ranges back to overlap: only what is
 left beyond the control is a change an input could have made.
 """
 
@@ -89,14 +89,18 @@ def cuda_facts(device: Any) -> dict[str, Any] | None:
 CONTROL = "control_ms"
 """The key, inside a spread's `machine` facts, of the control's {before, after} times in milliseconds."""
 CONTROL_SHAPE = (256, 1024, 1024)
-CONTROL_REPEATS = 5
+CONTROL_BLOCK = 16
+"""Matmuls timed together: ~45 ms on 2 quiet cores, longer than the scheduler's slices, so a busy neighbour
+shows in it as it does in the work (beside two spinning processes a block slowed 3.1-3.7x as a 64-matmul
+round did 2.9-3.1x; one matmul alone, 4.5-5.5x)."""
+CONTROL_REPEATS = 3
 
 
 def control_ms(device: Any = None) -> float | None:
-    """The control: milliseconds for one fixed float32 matmul ([256, 1024] @ [1024, 1024], about 0.5 GFLOP),
-    the median of CONTROL_REPEATS after one untimed call, on `device` (a torch.device or name; None: the CPU)
-    at this thread's intra-op count. The same work at every commit, so its time moves only with the machine.
-    None (absent, never zero) when it cannot run there."""
+    """The control: milliseconds per fixed float32 matmul ([256, 1024] @ [1024, 1024], about 0.5 GFLOP), the
+    median over CONTROL_REPEATS blocks of CONTROL_BLOCK after one untimed call, on `device` (a torch.device or
+    name; None: the CPU) at this thread's intra-op count. The same work at every commit, so its time moves
+    only with the machine. None (absent, never zero) when it cannot run there."""
     try:
         import torch
 
@@ -107,12 +111,13 @@ def control_ms(device: Any = None) -> float | None:
         generator = torch.Generator().manual_seed(0)
         a = torch.randn(m, k, generator=generator).to(dev)
         b = torch.randn(k, n, generator=generator).to(dev)
+        torch.mm(a, b)  # allocates and warms up: not timed
         times = []
-        for i in range(CONTROL_REPEATS + 1):
+        for _ in range(CONTROL_REPEATS):
             began = clock(dev)
-            torch.mm(a, b)
-            if i:  # the first call allocates and warms up: not timed
-                times.append(clock(dev) - began)
+            for _ in range(CONTROL_BLOCK):
+                torch.mm(a, b)
+            times.append((clock(dev) - began) / CONTROL_BLOCK)
         return round(statistics.median(times) * 1000, 3)
     except (ImportError, RuntimeError):
         return None
@@ -237,15 +242,17 @@ def compare_rates(
     before: Spread | None, after: Spread | None, control_before: Control | None, control_after: Control | None
 ) -> Verdict:
     """`compare` for a rate (work per second), the control taken into account: a change that undoing the
-    control's move explains is *machine*. The after side's range is scaled by every factor the two controls'
-    own ranges allow (fastest to slowest), so the control's noise widens what the machine may explain; a
-    change still left beyond that is a change. Without a control on both sides, `compare` as it is."""
+    control's move explains is *machine*. The after side's range is scaled by the control's factor (the mean
+    of its before and after times on each side, `slowdown`) and compared again; a change still left is a
+    change. (Scaling by the extremes of the two controls instead called a 2x slower commit measured beside
+    two busy processes "machine": benchmarks/bisect_slowdown.py.) Without a control on both sides,
+    `compare` as it is."""
     call = compare(before, after)
     if call != "change" or control_before is None or control_after is None:
         return call
     assert before is not None and after is not None
-    low = after.low * control_after.low / control_before.high
-    high = after.high * control_after.high / control_before.low
+    factor = slowdown(control_before, control_after)
+    low, high = after.low * factor, after.high * factor
     return "machine" if before.low <= high and low <= before.high else "change"
 
 

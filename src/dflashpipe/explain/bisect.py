@@ -5,7 +5,8 @@ instead of judged by hand: the commit is checked out in a temporary git worktree
 DVC cache, and `dvc repro <the metric's stage>` brings it about. DVC then reproduces only what it lacks: an
 output the cache (or the run cache) already holds for those inputs is checked out, not recomputed, and a
 metric whose committed record is current is read as committed. `--runs N` measures N times (the first as
-above, then `dvc repro -f -s` again) and pools the figures.
+above, then `dvc repro -f -s` again) and pools the figures (a rate's runs first brought to one machine speed
+by their controls).
 
 A probe is *moved* when it differs from GOOD by the rule everything else here uses: for a timed figure with a
 spread, ranges that do not overlap (`spread.compare`; a rate with its control, `spread.compare_rates`, so a
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -190,20 +192,26 @@ def _read(tree: Path, path: str, key: str) -> Measured | None:
 
 
 def _pooled(samples: list[Measured]) -> Measured:
-    """Several runs as one figure: the median of their medians, the widest range, every repeat counted, and
-    the control's range over all of them."""
+    """Several runs as one figure. A rate with a control in every run: each run's range is first brought to
+    one machine speed (scaled by its control's time over the runs' mean control time, as `compare_rates`
+    scales a side), so runs taken under different loads pool as one measurement; then, as for any figure
+    with spreads, the median of the medians, the widest range, and every repeat counted."""
     if len(samples) == 1 or any(s.spread is None for s in samples):
         return samples[-1] if len(samples) == 1 else _plain(samples)
-    spreads = [s.spread for s in samples]
+    spreads, joined = [s.spread for s in samples], None
+    if all(s.control is not None for s in samples):
+        joined = statistics.mean(s.control.mean for s in samples)
+        spreads = [
+            spread.Spread(x.median * f, x.low * f, x.high * f, x.repeats)
+            for x, f in ((s.spread, s.control.mean / joined) for s in samples)
+        ]
     pooled = spread.Spread(
-        spread.Spread.of(s.median for s in spreads).median,
-        min(s.low for s in spreads),
-        max(s.high for s in spreads),
-        sum(s.repeats for s in spreads),
+        statistics.median(x.median for x in spreads),
+        min(x.low for x in spreads),
+        max(x.high for x in spreads),
+        sum(x.repeats for x in spreads),
     )
-    controls = [c for s in samples for c in ((s.control.before, s.control.after) if s.control else ())]
-    joined = spread.Control(min(controls), max(controls)) if len(controls) == 2 * len(samples) else None
-    return Measured(pooled.median, pooled, joined)
+    return Measured(pooled.median, pooled, spread.Control(joined, joined) if joined is not None else None)
 
 
 def _plain(samples: list[Measured]) -> Measured:

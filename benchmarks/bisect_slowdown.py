@@ -1,6 +1,6 @@
 """`dflashpipe bisect` on a planted slowdown among ten commits, in a throwaway DVC project.
 
-    python benchmarks/bisect.py [--commits 10] [--slow-from 6] [--runs 1] [--busy 0]
+    python benchmarks/bisect_slowdown.py [--commits 10] [--slow-from 6] [--runs 1] [--busy 0]
 
 The project has one timed stage: `work.py` times 5 rounds of a fixed number of float32 matmuls and records
 `rate_per_s` (matmuls per second) with its spread and the control beside it (dflashpipe.spread.Measuring),
