@@ -451,6 +451,29 @@ def test_a_drop_within_the_spread_is_noise_and_beyond_it_a_regression():
     assert report["regressions"] == ["decode_tokens_per_s"] and report["within_noise"] == []
 
 
+def test_a_rate_that_fell_as_much_as_its_control_is_the_machine_not_a_regression():
+    from dflashpipe.spread import Busy
+
+    def step(samples: list[float], control_ms: float) -> dict:
+        busy = Busy(10.0, 10.0, 2, 0.5, (control_ms, control_ms))
+        return {regression.BENCH_METRICS: Spread.of(samples).record("tokens_per_s", busy=busy)}
+
+    base = step([900, 1000, 1100, 1050, 950], 5.0)
+    # -40% with ranges apart, and the control beside it 1.7x slower: the machine, not a regression
+    report = regression.compare(step([580, 600, 620, 610, 590], 8.5), base, "HEAD", "c" * 40, "", 0.2)
+    m = report["metrics"]["train_step_tokens_per_s"]
+    assert (m["verdict"], m["controls_ms"]) == ("machine", {"old": 5.0, "new": 8.5})
+    assert report["regressions"] == [] and report["within_noise"] == ["train_step_tokens_per_s"]
+    (line,) = regression.regression_lines(report)
+    assert line.startswith("machine, not a regression: train_step_tokens_per_s 1000 -> 600 (-40.0%)")
+    assert line.endswith("the control beside them moved as much as that (5 ms -> 8.5 ms)")
+    regression.check(report, fail=True)  # the stage does not fail on the machine's move
+    # the same drop with a steady control: a regression, and the control is named in the evidence
+    report = regression.compare(step([580, 600, 620, 610, 590], 5.1), base, "HEAD", "c" * 40, "", 0.2)
+    assert report["throughput_regressions"] == ["train_step_tokens_per_s"]
+    assert "the control beside them moved less than that (5 ms -> 5.1 ms)" in regression.regression_lines(report)[0]
+
+
 def test_decode_rates_are_per_prompt_with_their_spread():
     from dflashpipe.evaluate.metrics import decode_rates
     from dflashpipe.evaluate.speculative import Decoded

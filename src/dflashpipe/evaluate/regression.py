@@ -92,9 +92,16 @@ def _value(parent: dict | None, key: str) -> float | None:
     return float(node) if isinstance(node, (int, float)) and not isinstance(node, bool) else None
 
 
-def _figure(files: dict | None, file: str, path: tuple[str, ...]) -> tuple[float | None, spread.Spread | None]:
+def _figure(
+    files: dict | None, file: str, path: tuple[str, ...]
+) -> tuple[float | None, spread.Spread | None, spread.Control | None]:
+    """The figure at `path` of `file`, its spread, and the control measured beside it (None where absent)."""
     parent = _node((files or {}).get(file), path)
-    return _value(parent, path[-1]), spread.Spread.read(parent, path[-1]) if parent is not None else None
+    if parent is None:
+        return None, None, None
+    record = parent.get(path[-1] + spread.SUFFIX)
+    machine = record.get(spread.BUSY) if isinstance(record, dict) else None
+    return _value(parent, path[-1]), spread.Spread.read(parent, path[-1]), spread.Control.read(machine)
 
 
 def compare(
@@ -110,7 +117,8 @@ def compare(
         "note": note,
         "max_regression": max_regression,
         "rule": "a regression: ranges over repeats do not overlap (change, not noise) and the drop exceeds "
-        f"max_regression; unmeasured: {UNMEASURED_RULE}",
+        "max_regression; for a rate, also beyond what the control measured beside it moved (machine); "
+        f"unmeasured: {UNMEASURED_RULE}",
         "metrics": {},
         "regressions": [],
         "throughput_regressions": [],
@@ -119,13 +127,24 @@ def compare(
     if baseline is None:
         return report
     for name, (file, path, throughput) in HEADLINE.items():
-        new, new_spread = _figure(current, file, path)
-        old, old_spread = _figure(baseline, file, path)
+        new, new_spread, new_control = _figure(current, file, path)
+        old, old_spread, old_control = _figure(baseline, file, path)
         if old is None and name in MOVED:
-            old, old_spread = _figure(baseline, *MOVED[name])
+            old, old_spread, old_control = _figure(baseline, *MOVED[name])
         change = round((new - old) / old, 4) if new is not None and old else None
-        verdict = spread.compare(old_spread, new_spread)
+        # a rate moves with the machine: the control beside each side says how much (spread.compare_rates)
+        rate = "per_s" in ".".join(path)
+        verdict = (
+            spread.compare_rates(old_spread, new_spread, old_control, new_control)
+            if rate
+            else spread.compare(old_spread, new_spread)
+        )
         report["metrics"][name] = {
+            **(
+                {"controls_ms": {"old": old_control.mean, "new": new_control.mean}}
+                if old_control and new_control
+                else {}
+            ),
             "old": old,
             "new": new,
             "change": change,
@@ -138,7 +157,7 @@ def compare(
         }
         if change is None or change >= -max_regression:
             continue
-        if verdict == "noise":
+        if verdict in ("noise", "machine"):  # within the repeats, or as much as the control moved: no regression
             report["within_noise"].append(name)
             continue
         report["regressions"].append(name)
@@ -152,10 +171,15 @@ def _evidence(m: dict) -> str:
         return f"unmeasured ({UNMEASURED_RULE})"
     (old_low, old_high), (new_low, new_high) = m["ranges"]["old"], m["ranges"]["new"]
     overlap = "overlap" if m["verdict"] == "noise" else "do not overlap"
-    return (
+    said = (
         f"ranges {old_low:g}..{old_high:g} ({m['repeats']['old']} repeats) and {new_low:g}..{new_high:g} "
         f"({m['repeats']['new']} repeats) {overlap}"
     )
+    if "controls_ms" in m:
+        c = m["controls_ms"]
+        moved = "as much as" if m["verdict"] == "machine" else "less than"
+        said += f"; the control beside them moved {moved} that ({c['old']:.3g} ms -> {c['new']:.3g} ms)"
+    return said
 
 
 def regression_lines(report: dict) -> list[str]:
@@ -173,7 +197,8 @@ def regression_lines(report: dict) -> list[str]:
     for name in report["within_noise"]:
         m = report["metrics"][name]
         lines.append(
-            f"noise, not a regression: {name} {m['old']:g} -> {m['new']:g} ({m['change']:+.1%}) vs {at}: {_evidence(m)}"
+            f"{m['verdict']}, not a regression: {name} {m['old']:g} -> {m['new']:g} ({m['change']:+.1%}) vs {at}: "
+            f"{_evidence(m)}"
         )
     return lines
 
