@@ -299,7 +299,14 @@ def metric_deltas(sa: State, sb: State, new: dict[str, StageState], verdicts: li
                 delta = MetricDelta(path, key, o, n, change, st.name, causes_reaching(st.name))
                 if is_throughput(key, old, cur):
                     before, after = figure(old, key), figure(cur, key)
-                    if is_rate(key):  # work per second: the machine's speed moves it, the control says how much
+                    # what the stage ran on differs (threads, torch build): the control runs on it too, so it is
+                    # no neutral reference then, and the figure is compared as it is
+                    ran_on = [c for c in delta.causes if c.startswith(f"{FINGERPRINT}:")]
+                    ran_on += _fingerprint_moves(st.name, ran_with())
+                    if is_rate(key) and ran_on:
+                        call = spread.compare(before, after)
+                        delta.control = f"control not applied: {ran_on[0].split(':', 1)[-1]} changed what it runs on"
+                    elif is_rate(key):  # work per second: the machine's speed moves it, the control says how much
                         controls = control(old, key), control(cur, key)
                         call = spread.compare_rates(before, after, *controls)
                         delta.control = control_words(*controls, sa.label, sb.label)
@@ -382,17 +389,24 @@ def _machine_facts(stage: str, key: str, old: dict, cur: dict, recorded: list[di
     """What the two measurements' records say about their machines: fingerprint keys of `stage` that its two
     dvc.lock entries differ on, and each side's `machine` facts from `<key>_spread` (spread.Busy)."""
     said = []
-    before, after = (r.get(stage) for r in recorded) if len(recorded) == 2 else (None, None)
-    if before is not None and after is not None and before.locked and after.locked:
-        was, now = before.params.get(str(FINGERPRINT), {}), after.params.get(str(FINGERPRINT), {})
-        keys = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
-        moved = [f"{k} {_compact(was.get(k))} -> {_compact(now.get(k))}" for k in keys]
-        if moved:
-            said.append(f"the runs were recorded (dvc.lock) with {'; '.join(moved)}")
+    moved = _fingerprint_moves(stage, recorded, values=True)
+    if moved:
+        said.append(f"the runs were recorded (dvc.lock) with {'; '.join(moved)}")
     busy = [_busy(flat, key) for flat in (old, cur)]
     if any(busy):
         said.append(f"while measuring: before {busy[0] or 'not recorded'}; after {busy[1] or 'not recorded'}")
     return "; ".join(said)
+
+
+def _fingerprint_moves(stage: str, recorded: list[dict[str, StageState]], values: bool = False) -> list[str]:
+    """The fingerprint keys `stage`'s two dvc.lock entries (each side's) ran with that differ, with their two
+    values when `values`."""
+    before, after = (r.get(stage) for r in recorded) if len(recorded) == 2 else (None, None)
+    if before is None or after is None or not before.locked or not after.locked:
+        return []
+    was, now = before.params.get(str(FINGERPRINT), {}), after.params.get(str(FINGERPRINT), {})
+    keys = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+    return [f"{k} {_compact(was.get(k))} -> {_compact(now.get(k))}" if values else k for k in keys]
 
 
 def _busy(flat: dict, key: str) -> str:
