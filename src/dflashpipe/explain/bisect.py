@@ -165,9 +165,15 @@ def _measure(root: Path, cache: Path, sha: str, subject: str, stage: str, path: 
         git(root, "worktree", "add", "--detach", "--quiet", str(tree), sha)
         try:
             _dvc(tree, "config", "--local", "cache.dir", str(cache))
+            # outputs linked from the shared cache, not copied: a probe of the real pipeline would otherwise copy
+            # the target's weights and every shard once per probe (DVC removes a linked output before it reruns)
+            _dvc(tree, "config", "--local", "cache.type", "reflink,hardlink,symlink,copy")
+            # every output the cache holds, in place; then a stage whose only change is an output the cache never
+            # holds (train's resume checkpoints, `cache: false`) is not rerun for it (--allow-missing)
+            _dvc(tree, "checkout", "--quiet")
             samples: list[Measured] = []
             for run in range(runs):
-                args = ("repro", stage) if run == 0 else ("repro", "--force", "--single-item", stage)
+                args = ("repro", "--allow-missing", stage) if run == 0 else ("repro", "--force", "--single-item", stage)
                 proc = _dvc(tree, *args)
                 if proc.returncode != 0:
                     last = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
