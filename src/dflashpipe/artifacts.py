@@ -34,7 +34,21 @@ def write_bytes_atomic(path: Path | str, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_partials(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{PARTIAL}", dir=path.parent)
+    _write_then_rename(path, data, tempfile.mkstemp(prefix=f".{path.name}{PARTIAL}", dir=path.parent))
+
+
+def write_shard_atomic(path: Path | str, data: bytes) -> None:
+    """Write one file of a directory output that is built in place (an incremental shard). The temporary
+    file sits beside the directory, not in it, so a write killed midway leaves nothing inside the output
+    (DVC or `dvc commit` would take it for part of it); the next `remove_partials(directory)` removes it."""
+    path = Path(path)
+    out_dir = path.parent
+    prefix = f".{out_dir.name}{PARTIAL}{path.name}-"
+    _write_then_rename(path, data, tempfile.mkstemp(prefix=prefix, dir=out_dir.parent))
+
+
+def _write_then_rename(path: Path, data: bytes, temp: tuple[int, str]) -> None:
+    fd, tmp = temp
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)

@@ -21,7 +21,8 @@ The protocol, which a stage (tokenize, regenerate; the features stage next) foll
 3. Open. `ShardedOutput.open` removes every file of the directory that is not a current shard
    (stale shards, an old summary.json and files.json, partial writes), so a killed run leaves no
    listing that vouches for it; then it keeps the records of the shards that pass the check.
-4. Write. The stage makes the shards in `todo`, each written atomically (artifacts.write_bytes_atomic),
+4. Write. The stage makes the shards in `todo`, each written atomically (artifacts.write_shard_atomic:
+   its temporary file sits beside the directory, so a kill leaves nothing inside it),
    and hands each one's record to `wrote`.
 5. Summary. summary.json is rebuilt from the shards' records alone (`entries`, `total`), so it is the
    same bytes however the shards came about; `finish` writes it, then files.json, last.
@@ -50,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import pyarrow as pa
 
-from dflashpipe.artifacts import canonical_json, file_sha256, write_file_listing, write_json_atomic
+from dflashpipe.artifacts import canonical_json, file_sha256, remove_partials, write_file_listing, write_json_atomic
 
 if TYPE_CHECKING:
     from dflashpipe.pipeline import StageKey
@@ -172,6 +173,7 @@ class ShardedOutput(Generic[R]):
         """Remove what is not a current shard from `out_dir`, then keep the records of the shards that may be
         reused. `read` is the format's reader; `parse` turns a stored record into the stage's own."""
         out_dir.mkdir(parents=True, exist_ok=True)
+        remove_partials(out_dir)  # a killed run's shard write, beside the directory
         remove_all_but(out_dir, inputs)
         keys = {name: shard_key(key, shard.sha256) for name, shard in inputs.items()}
         records = {

@@ -22,7 +22,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflashpipe.artifacts import FILE_LISTING, canonical_json, verify_file_listing, write_bytes_atomic
+from dflashpipe.artifacts import FILE_LISTING, canonical_json, verify_file_listing, write_shard_atomic
 from dflashpipe.data.shards import SUMMARY_FILE
 from dflashpipe.errors import SourceError
 
@@ -54,7 +54,7 @@ def write_shard(path: Path, table: pa.Table, record: dict) -> None:
         compression="zstd",
         row_group_size=max(1, table.num_rows),
     )
-    write_bytes_atomic(path, sink.getvalue().to_pybytes())
+    write_shard_atomic(path, sink.getvalue().to_pybytes())
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
-from dflashpipe.artifacts import canonical_json, verify_file_listing, write_bytes_atomic
+from dflashpipe.artifacts import canonical_json, verify_file_listing, write_shard_atomic
 from dflashpipe.errors import SourceError
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ def write_shard(path: Path, rows: EncodedRows, stats: TokenStats, key: str | Non
     sink = pa.BufferOutputStream()
     with pa.ipc.new_file(sink, table.schema) as writer:  # uncompressed: the reader maps it
         writer.write_batch(table.combine_chunks().to_batches()[0] if table.num_rows else _empty_batch())
-    write_bytes_atomic(path, sink.getvalue().to_pybytes())
+    write_shard_atomic(path, sink.getvalue().to_pybytes())
 
 
 def _empty_batch() -> pa.RecordBatch:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from dflashpipe.artifacts import verify_file_listing, write_bytes_atomic
+from dflashpipe.artifacts import verify_file_listing, write_shard_atomic
 from dflashpipe.errors import ParamsError, SourceError
 from dflashpipe.tokens.shards import SUMMARY_FILE
 
@@ -113,7 +113,7 @@ def write_shard(path: Path, features: torch.Tensor, offsets: torch.Tensor, meta:
     from safetensors.torch import save
 
     meta = {**meta, "content_sha256": _tensors_sha256(features, offsets)}
-    write_bytes_atomic(path, save({"features": features, "offsets": offsets}, {METADATA_KEY: json.dumps(meta)}))
+    write_shard_atomic(path, save({"features": features, "offsets": offsets}, {METADATA_KEY: json.dumps(meta)}))
 
 
 @dataclass(frozen=True)
