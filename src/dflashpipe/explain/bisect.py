@@ -26,12 +26,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 from tqdm import tqdm
 
 from dflashpipe import spread
 from dflashpipe.errors import DflashpipeError
-from dflashpipe.explain.history import Measured, _recorded, _selected, moved
+from dflashpipe.explain.history import Measured, moved, recorded_metrics, selected_metrics
 from dflashpipe.explain.state import read_revision_state
 from dflashpipe.revision import Revision, Revisions, Workspace, commit_of, git, read_metrics, run_git, unknown_revision
 
@@ -139,12 +140,12 @@ def bisect(metric: str, good: str, bad: str, runs: int = 1, root: str | Path = "
     return found
 
 
-def _unknown(rev: str, root: Path) -> str:
+def _unknown(rev: str, root: Path) -> NoReturn:
     raise unknown_revision(rev, root)
 
 
 def _one_metric(metric: str, ends: list[Revision]) -> list[str]:
-    chosen = _selected(_recorded(ends), [metric])
+    chosen = selected_metrics(recorded_metrics(ends), [metric])
     if len(chosen) > 1:
         raise DflashpipeError(f"{metric!r} is recorded by more than one file: name one of {', '.join(chosen)}")
     return chosen

@@ -299,19 +299,19 @@ def metric_deltas(sa: State, sb: State, new: dict[str, StageState], verdicts: li
                 delta = MetricDelta(path, key, o, n, change, st.name, causes_reaching(st.name))
                 if is_throughput(key, old, cur):
                     before, after = figure(old, key), figure(cur, key)
+                    if not is_rate(key):  # a ratio of two paths timed in the same rounds: the machine cancels out
+                        call = spread.compare(before, after)
                     # what the stage ran on differs (threads, torch build): the control runs on it too, so it is
                     # no neutral reference then, and the figure is compared as it is
-                    ran_on = [c for c in delta.causes if c.startswith(f"{FINGERPRINT}:")]
-                    ran_on += _fingerprint_moves(st.name, ran_with())
-                    if is_rate(key) and ran_on:
+                    elif ran_on := [c for c in delta.causes if c.startswith(f"{FINGERPRINT}:")] or _fingerprint_moves(
+                        st.name, ran_with()
+                    ):
                         call = spread.compare(before, after)
                         delta.control = f"control not applied: {ran_on[0].split(':', 1)[-1]} changed what it runs on"
-                    elif is_rate(key):  # work per second: the machine's speed moves it, the control says how much
+                    else:  # work per second: the machine's speed moves it, the control says how much
                         controls = control(old, key), control(cur, key)
                         call = spread.compare_rates(before, after, *controls)
                         delta.control = control_words(*controls, sa.label, sb.label)
-                    else:  # a ratio of two paths timed in the same rounds: the machine cancels out
-                        call = spread.compare(before, after)
                     delta.call = UNMEASURED if call == "unmeasured" else call
                     delta.spread = f"before {_described(before)}; after {_described(after)}"
                     if delta.call in (NOISE, MACHINE):

@@ -228,7 +228,7 @@ def _metric_files(commit: Revision) -> list[str]:
     return [path for st in stages.values() for path in st.metrics]
 
 
-def _recorded(commits: list[Revision]) -> dict[str, str]:
+def recorded_metrics(commits: list[Revision]) -> dict[str, str]:
     """`file:key` -> file, for every key of every metrics file any of `commits` records."""
     known: dict[str, str] = {}
     for commit in commits:
@@ -238,7 +238,7 @@ def _recorded(commits: list[Revision]) -> dict[str, str]:
     return known
 
 
-def _selected(known: dict[str, str], wanted: list[str] | None) -> list[str]:
+def selected_metrics(known: dict[str, str], wanted: list[str] | None) -> list[str]:
     """`file:key` names of the metrics to show: `wanted` (bare keys or file:key), else the headlines."""
     if not wanted:
         return [f"{h.file}:{h.key}" for h in HEADLINES if f"{h.file}:{h.key}" in known]
@@ -272,8 +272,8 @@ def history(since: str | None = None, metrics: list[str] | None = None, root: st
         }
         every = [c for c in states if c.read_text(LOCK) is not None]
         every += [e for es in exp_states.values() for e in es]
-        known = _recorded(every)
-        keys = _selected(known, metrics)
+        known = recorded_metrics(every)
+        keys = selected_metrics(known, metrics)
         names = display_names(tuple(k.split(":", 1)) for k in known)
         changed = _changed_paths(root, commits)
         steps = []
