@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -173,13 +174,30 @@ def pipeline_run(tmp_path_factory, tiny_target_dir) -> Path:
     """The whole pipeline on RUN_PROFILE: committed (HEAD~1), run once by `dvc repro`, committed again.
 
     Read-only for the tests that share it: they change a `copy_project` of it. `dvc repro`'s output
-    is in repro.log beside the project."""
-    project = make_project(tmp_path_factory.mktemp("pipeline") / "project", tiny_target_dir)
+    is in repro.log beside the project. Under pytest-xdist the first worker to ask runs it, once for
+    the whole test run, and every worker takes its own copy (no two processes use one DVC repo)."""
+    own = tmp_path_factory.mktemp("pipeline")
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return _run_pipeline(own / "project", tiny_target_dir)
+    shared = tmp_path_factory.getbasetemp().parent  # this test run's, shared by its workers
+    with open(shared / "pipeline.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        done = shared / "pipeline" / "project"
+        if not (done.parent / "repro.log").is_file():
+            shutil.rmtree(done.parent, ignore_errors=True)  # a worker that died mid-run left it
+            _run_pipeline(done, tiny_target_dir)
+    shutil.copy2(done.parent / "repro.log", own / "repro.log")
+    return copy_project(done, own / "project")
+
+
+def _run_pipeline(project: Path, tiny_target_dir: Path) -> Path:
+    make_project(project, tiny_target_dir)
     set_params(project, **RUN_PROFILE)
     run(["git", "commit", "-qam", "the run profile"], project)
-    (project.parent / "repro.log").write_text(run(["dvc", "repro"], project).stdout)
+    log = run(["dvc", "repro"], project).stdout
     run(["git", "add", "-A"], project)
     run(["git", "commit", "-qm", "ran the pipeline"], project)
+    (project.parent / "repro.log").write_text(log)  # last: the sign of a finished run
     return project
 
 
