@@ -145,13 +145,14 @@ def test_the_edited_function_is_named_by_diffing_against_the_wheel(tmp_path):
 
 
 def test_the_fingerprint_records_the_thread_facts_that_decide_cpu_speed(dvc_project):
-    from dflashpipe.env import CGROUP_CPU_MAX, _cpu_ranges
+    from dflashpipe.env import _cpu_ranges
+    from dflashpipe.threads import CPU_MAX
 
     out = dvc_project / "data/env/fingerprint.json"
     run(["python", "stages/fingerprint.py"], dvc_project)
     threads = json.loads(out.read_text())["threads"]
     assert threads["affinity"] == _cpu_ranges(sorted(os.sched_getaffinity(0)))
-    quota = CGROUP_CPU_MAX.read_text().strip() if CGROUP_CPU_MAX.is_file() else "none"
+    quota = CPU_MAX.read_text().strip() if CPU_MAX.is_file() else "none"
     assert threads["cpu_quota"] == quota
     assert threads["torch_intra_op"] >= 1 and threads["torch_inter_op"] >= 1
     # one thread, a passive wait, one CPU: each is in the record, and torch's count follows the variable
@@ -170,6 +171,8 @@ def test_thread_facts_keep_only_thread_variables_and_key_the_loaded_facts():
 
     environ = {"OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4", "KMP_BLOCKTIME": "0", "PATH": "/bin", "HOME": "/x"}
     assert thread_facts(environ)["env"] == {"KMP_BLOCKTIME": "0", "MKL_NUM_THREADS": "4", "OMP_NUM_THREADS": "4"}
+    # our own cap on the cores a stage divides among its workers decides its speed as much
+    assert thread_facts({**environ, "DFLASHPIPE_CORES": "1"})["env"]["DFLASHPIPE_CORES"] == "1"
     assert _cpu_ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8" and _cpu_ranges([3]) == "3"
     # torch's default thread counts follow these variables: facts recorded under others are not reused
     integrity = distribution_integrity(metadata.distribution("torch"), Path(HASH_STATE))

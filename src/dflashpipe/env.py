@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dflashpipe.artifacts import canonical_json, write_json_atomic
+from dflashpipe.threads import CORES_ENV, CPU_MAX
 
 COMPILE_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHDYNAMO_", "TRITON_")
 COMPILE_ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "TORCH_CUDA_ARCH_LIST")
@@ -54,9 +55,8 @@ def compile_environment(environ: dict[str, str] | None = None) -> dict[str, str]
 THREAD_ENV_PREFIXES = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_")
 """Variables of the OpenMP runtimes and the BLAS libraries: how many threads a CPU kernel runs on
 (`OMP_NUM_THREADS`, `MKL_NUM_THREADS`), how an idle thread waits (`OMP_WAIT_POLICY`, `KMP_BLOCKTIME`,
-`GOMP_SPINCOUNT`), where threads are placed (`OMP_PROC_BIND`, `OMP_PLACES`, `KMP_AFFINITY`)."""
-
-CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+`GOMP_SPINCOUNT`), where threads are placed (`OMP_PROC_BIND`, `OMP_PLACES`, `KMP_AFFINITY`); and ours,
+`DFLASHPIPE_CORES`, which caps the cores dflashpipe.threads divides among a stage's workers."""
 
 
 def thread_facts(environ: dict[str, str] | None = None) -> dict[str, Any]:
@@ -69,11 +69,11 @@ def thread_facts(environ: dict[str, str] | None = None) -> dict[str, Any]:
     except (AttributeError, OSError):  # not Linux
         affinity = f"{os.cpu_count()} cpus (affinity unknown)"
     try:
-        quota = CGROUP_CPU_MAX.read_text(encoding="utf-8").strip()
+        quota = CPU_MAX.read_text(encoding="utf-8").strip()
     except OSError:  # no cgroup v2 file here: no quota this process can see
         quota = NONE
     return {
-        "env": {k: v for k, v in sorted(environ.items()) if k.startswith(THREAD_ENV_PREFIXES)},
+        "env": {k: v for k, v in sorted(environ.items()) if k.startswith(THREAD_ENV_PREFIXES) or k == CORES_ENV},
         "affinity": affinity,
         "cpu_quota": quota,
     }
