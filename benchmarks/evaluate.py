@@ -10,6 +10,12 @@ that gets busier slows all three alike): the target alone, the speculative loop 
 verify step over seconds per plain decode token of the same prompt and round; speedup at a tau is
 tau / that ratio. Needs a trained drafter, the target and the manifest under `--data` (`dvc repro train`).
 
+`--parts` prices the pieces of a step against a plain decode step, interleaved in each round: the target's
+decoder over 1, 2, 4 and 8 positions of a KV cache, its LM head over 1 and 7 rows and the drafter's draft of
+1 and 7 slots, with every linear layer (target and drafter) in torch's form and in
+dflashpipe.kernels.RowsFirstLinear's; then the whole step's cost and the speedup in each form (a verify
+step is flat in its positions when its cost does not grow with them).
+
 `--threads budget,1,2` instead compares intra-op thread counts for this tree's loop, side by side in the
 same rounds (`budget`: what dflashpipe.threads gives evaluate's one decoding thread, the process's
 cores; a number: that many threads, torch's default being this machine's cores): each count's step cost
@@ -52,13 +58,16 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=ROOT / "data")
     parser.add_argument("--threads", help="e.g. budget,1,2: compare intra-op thread counts instead")
     parser.add_argument("--neighbour", action="store_true", help="a busy process beside the run")
+    parser.add_argument("--parts", action="store_true", help="price a step's pieces, per linear layer form")
     args = parser.parse_args()
     neighbour = None
     if args.neighbour:
         loop = "import torch\na = torch.randn(1024, 1024)\nwhile True:\n    a @ a\n"
         neighbour = subprocess.Popen([sys.executable, "-c", loop])
     try:
-        if args.threads:
+        if args.parts:
+            compare_parts(args)
+        elif args.threads:
             compare_threads(args)
         else:
             compare_revisions(args)
@@ -83,6 +92,101 @@ def load(args):
     ).eval()
     prompts, _ = eval_prompts(args.data / "manifest", chat, args.prompts, 512)
     return target, drafter, prompts, stop_token_ids(target, chat.tokenizer)
+
+
+def linear_forms(*modules):
+    """torch's linear, and kernels.RowsFirstLinear; `use(name)` makes every linear layer of `modules` take it."""
+    import torch
+
+    from dflashpipe.kernels import RowsFirstLinear
+
+    layers = [m for module in modules for m in module.modules() if isinstance(m, torch.nn.Linear)]
+    forms = {"linear": torch.nn.Linear, "rows_first": RowsFirstLinear}
+
+    def use(name: str) -> None:
+        for layer in layers:
+            layer.__class__ = forms[name]
+
+    return list(forms), use
+
+
+def compare_parts(args) -> None:
+    import time
+
+    import torch
+
+    from dflashpipe.evaluate import speculative as loop
+    from dflashpipe.target import Target
+
+    model, drafter, prompts, stop = load(args)
+    target, layers = Target(model), drafter.config.target_layer_ids
+    forms, use = linear_forms(model, drafter)
+    start = loop.prefill(target, prompts[0].prompt_ids, layers)
+    proposer = loop.DFlashProposer(drafter)
+    proposer.begin(start.features)
+    cache, anchor = start.cache, start.first_token
+    hidden = model.config.hidden_size
+
+    def decode() -> None:
+        target.decode_step(anchor.view(1, 1), cache)
+        cache.crop(-1)
+
+    def forward(n: int):
+        def run() -> None:
+            target.decoder_forward(anchor.view(1, 1).expand(1, n), cache)
+            cache.crop(-n)
+
+        return run
+
+    def head(rows: int):
+        return lambda: target.head(torch.randn(1, rows, hidden, dtype=target.dtype))
+
+    parts = {f"decoder x{n}": forward(n) for n in (1, 2, 4, 8)}
+    parts |= {"head x1": head(1), "head x7": head(7)}
+    parts |= {"draft x1": lambda: proposer.draft(anchor, 1), "draft x7": lambda: proposer.draft(anchor, 7)}
+    ratios = {(form, part): [] for form in forms for part in ["decode step", *parts]}
+    with torch.no_grad():
+        for round_ in range(args.rounds * 5 + 1):
+            for form in forms if round_ % 2 else forms[::-1]:
+                use(form)
+                times = {}
+                for name, run in {"decode step": decode, **parts}.items():
+                    began = time.perf_counter()
+                    run()
+                    times[name] = time.perf_counter() - began
+                if round_:  # the first round warms every path up
+                    for name, seconds in times.items():
+                        ratios[(form, name)].append(seconds / times["decode step"])
+    print(f"pieces of a step over a plain decode step (same form, same round), {args.rounds * 5} rounds:")
+    for part in parts:
+        print(f"{part:12s} " + "; ".join(f"{form} {spread(ratios[(form, part)])}" for form in forms))
+    cost, token_ms, step_ms = ({form: [] for form in forms} for _ in range(3))
+    taus, speedup = [], {form: [] for form in forms}
+    for round_ in range(args.rounds):
+        for prompt in prompts:
+            for form in forms if round_ % 2 else forms[::-1]:
+                use(form)
+                plain = loop.target_generate(target, loop.prefill(target, prompt.prompt_ids), args.max_new_tokens, stop)
+                start = loop.prefill(target, prompt.prompt_ids, layers)
+                fast = loop.speculative_generate(target, proposer, start, args.max_new_tokens, stop)
+                assert fast.tokens == plain.tokens, prompt.sample_id  # lossless in either form
+                if plain.decode_tokens:
+                    per_token = plain.decode_s / plain.decode_tokens
+                    token_ms[form].append(per_token * 1000)
+                    step_ms[form].append(fast.decode_s / len(fast.produced) * 1000)
+                    cost[form].append(fast.decode_s / len(fast.produced) / per_token)
+                    speedup[form].append(plain.decode_s / fast.decode_s)
+                    taus.append(fast.tau)
+    print(f"{len(prompts)} prompts x {args.rounds} rounds, tau {spread(taus)}")
+    for form in forms:
+        print(
+            f"{form:12s} plain decode ms/token {spread(token_ms[form])}; speculative ms/step {spread(step_ms[form])}; "
+            f"step / plain decode step {spread(cost[form])}; speedup {spread(speedup[form])}"
+        )
+    first, last = forms[0], forms[-1]
+    for name, values in (("plain decode ms/token", token_ms), ("speculative ms/step", step_ms)):
+        ratio = [b / a for a, b in zip(values[first], values[last], strict=True)]
+        print(f"{last} / {first}, {name} (same prompt and round): {spread(ratio)}")
 
 
 def compare_threads(args) -> None:

@@ -106,3 +106,25 @@ def test_the_drafter_takes_its_feature_dtype_from_the_target_it_borrows_from(tin
         drafter = DFlashDrafter.for_target(target.model, tokenizer, tiny_model_params())
         assert feature_dtype(drafter) == dtype
         assert step_inputs(drafter, tiny_model_params(), 1, torch.device("cpu"))[0].dtype == dtype
+
+
+def test_continuous_batching_gives_each_prompt_its_own_greedy_reply():
+    """Rows leave as their replies end and the next prompts take their places (cache rows joined, padding
+    trimmed): each reply is the one its prompt gets decoded alone, with the batch full until the prompts run out."""
+    from dflashpipe.target import Target
+    from tests.tiny import tiny_target
+
+    target = Target(tiny_target(seed=3))
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 40, (11,), generator=generator).tolist()
+    prompts = [torch.randint(1, 90, (n,), generator=generator).tolist() for n in lengths]
+    stop = [5, 16, 17, 48]
+    alone = [target.greedy_replies([p], 24, stop)[0] for p in prompts]
+    assert len({len(r.tokens) for r in alone}) > 3 and 0 < sum(r.stopped for r in alone) < len(alone)
+    widths: list[int] = []
+    together = target.greedy_replies(prompts, 24, stop, on_token=widths.append, batch_size=4)
+    assert together == alone
+    # full until the prompts ran out: 4 rows a forward (a prefill of newcomers counts only them), then the tail
+    decoded = sum(len(r.tokens) + r.stopped for r in alone)
+    assert sum(widths) == decoded and max(widths) == 4
+    assert widths.count(4) >= (decoded - 4 * 24) // 4

@@ -29,6 +29,7 @@ import torch
 
 from dflashpipe.artifacts import atomic_directory, file_sha256, write_json_atomic
 from dflashpipe.errors import SourceError
+from dflashpipe.kernels import rows_first
 from dflashpipe.params import TargetParams
 from dflashpipe.pipeline import project_path
 
@@ -203,12 +204,15 @@ class Target:
         self.model = model
         # looked up once: a decode step is short enough on the CPU for an inspect per call to show
         self.decoder, self.lm_head = model.get_decoder(), model.get_output_embeddings()
-        self._model_cache, self._decoder_cache = cache_keyword(model), cache_keyword(self.decoder)
+        self._decoder_cache = cache_keyword(self.decoder)
 
     @classmethod
-    def load(cls, target_dir: Path | str, device: Any, target_dtype: str) -> Target:
-        """data/target/ on `device`, computing as `compute.target_dtype` = `target_dtype` says there."""
-        return cls(load_materialised_target(target_dir, device, compute_dtype(device, target_dtype)))
+    def load(cls, target_dir: Path | str, device: Any, target_dtype: str, decoding: bool = False) -> Target:
+        """data/target/ on `device`, computing as `compute.target_dtype` = `target_dtype` says there. `decoding`:
+        it only decodes (regenerate, evaluate), so its linear layers take their fast form for few rows
+        (kernels.rows_first); training, warmup and features keep torch's, and so their compiled graphs."""
+        model = load_materialised_target(target_dir, device, compute_dtype(device, target_dtype))
+        return cls(rows_first(model) if decoding else model)
 
     @classmethod
     def of(cls, target: Any) -> Target:
@@ -247,10 +251,24 @@ class Target:
         """The LM head's logits of final normed hidden states."""
         return self.lm_head(normed)
 
-    def decode_step(self, ids: torch.Tensor, cache: Any, **kwargs: Any) -> torch.Tensor:
-        """One forward with its LM head over `ids` after what `cache` holds, which it extends: the logits.
-        `kwargs` go to the model (attention_mask, position_ids, logits_to_keep)."""
-        return self.model(input_ids=ids, **{self._model_cache: cache}, use_cache=True, **kwargs).logits
+    def decode_step(
+        self,
+        ids: torch.Tensor,
+        cache: Any,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
+        """The decoder then the LM head over `ids` after what `cache` holds, which it extends: the logits of the
+        last `logits_to_keep` positions (0: all), through the same `head` as a verify step's."""
+        normed = self.decoder(
+            ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            **{self._decoder_cache: cache},
+            use_cache=True,
+        ).last_hidden_state
+        return self.head(normed[:, -logits_to_keep:] if logits_to_keep else normed)
 
     def layer_features(
         self,
@@ -284,47 +302,144 @@ class Target:
         max_new_tokens: int,
         stop_ids: Sequence[int],
         on_token: Callable[[int], None] = lambda n: None,
+        batch_size: int | None = None,
     ) -> list[Reply]:
-        """One greedy reply per prompt, all in one batch; `on_token(n)` after each step that made n tokens.
+        """One greedy reply per prompt, at most `batch_size` rows at once (None: all); `on_token(n)` after each
+        forward that made n tokens.
 
-        Prompts are left-padded to one width (positions count real tokens only, the padding is masked out),
-        so every row's next token is its last column's argmax. A row leaves the batch as soon as it ends (its
-        cache rows are dropped with it): the batch shrinks to the replies still running instead of paying
-        for finished ones until the longest reply ends."""
-        device = self.device
-        stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
-        mask = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
-        for row, prompt in enumerate(prompts):
-            if prompt:
-                ids[row, width - len(prompt) :] = torch.tensor(list(prompt), device=device)
-                mask[row, width - len(prompt) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = self.new_cache()
-        logits = self.decode_step(ids, cache, attention_mask=mask, position_ids=positions, logits_to_keep=1)
-        rows = torch.arange(len(prompts), device=device)  # the prompts still in the batch
+        Continuous batching: a row leaves as soon as its reply ends (its cache rows go with it) and the next
+        prompt, in the given order, is read in and takes its place, so the batch stays full until the prompts run
+        out. Rows are left-padded to one width (positions count real tokens only, the padding is masked out), so
+        every row's next token is its last column's argmax. Which rows share a forward depends only on the
+        prompts, `max_new_tokens` and the replies so far: the same inputs give the same replies."""
+        stop = frozenset(stop_ids)
+        batch_size = batch_size or max(len(prompts), 1)
+        waiting = list(range(len(prompts)))[::-1]  # popped from the end: the given order
         tokens: list[list[int]] = [[] for _ in prompts]
         stopped = [False] * len(prompts)
-        for step in range(max_new_tokens):
-            chosen = logits[:, -1].argmax(-1)
-            ended = torch.isin(chosen, stop)
-            for row, token, end in zip(rows.tolist(), chosen.tolist(), ended.tolist(), strict=True):
-                if end:
+
+        def take(rows: _Rows, logits: torch.Tensor) -> None:
+            """Each row's next token from its last column; then the rows whose reply ended leave."""
+            rows.chosen = logits[:, -1].argmax(-1)
+            ended = []
+            for k, (row, token) in enumerate(zip(rows.rows, rows.chosen.tolist(), strict=True)):
+                if token in stop:
                     stopped[row] = True
                 else:
                     tokens[row].append(token)
-            on_token(len(rows))
-            keep = (~ended).nonzero().flatten()
-            if len(keep) == 0 or step == max_new_tokens - 1:
-                break
-            if len(keep) < len(rows):
-                rows, chosen, mask, positions = rows[keep], chosen[keep], mask[keep], positions[keep]
-                cache.batch_select_indices(keep)
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            positions = positions[:, -1:] + 1
-            logits = self.decode_step(chosen[:, None], cache, attention_mask=mask, position_ids=positions)
+                if stopped[row] or len(tokens[row]) >= max_new_tokens:
+                    ended.append(k)
+            on_token(len(rows.rows))
+            if ended:
+                rows.drop(ended)
+
+        running: _Rows | None = None
+        while waiting or running is not None:
+            free = batch_size - (len(running.rows) if running is not None else 0)
+            if free and waiting:
+                admitted = [waiting.pop() for _ in range(min(free, len(waiting)))]
+                new, logits = self._read_prompts(admitted, [prompts[i] for i in admitted])
+                take(new, logits)
+                if new.rows:
+                    running = new if running is None else running.merged(new)
+                continue
+            assert running is not None
+            grown = running.grown()
+            take(running, self.decode_step(running.chosen[:, None], running.cache, **grown))
+            if not running.rows:
+                running = None
         return [Reply(tuple(t), s) for t, s in zip(tokens, stopped, strict=True)]
+
+    def _read_prompts(self, rows: list[int], prompts: list[Sequence[int]]) -> tuple[_Rows, torch.Tensor]:
+        """The prompts read into a fresh cache, left-padded to the longest: their rows, and the last column's logits."""
+        device = self.device
+        width = max(max(len(p) for p in prompts), 1)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+        for k, prompt in enumerate(prompts):
+            if prompt:
+                ids[k, width - len(prompt) :] = torch.tensor(list(prompt), device=device)
+                mask[k, width - len(prompt) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = self.new_cache()
+        logits = self.decode_step(ids, cache, attention_mask=mask, position_ids=positions, logits_to_keep=1)
+        return _Rows(rows, cache, mask, positions[:, -1:], ids[:, -1]), logits
+
+
+@dataclass
+class _Rows:
+    """Replies decoded together: the prompt each row answers, their KV cache (left-padded to one width), the
+    attention mask [B, T], each row's last position [B, 1] and the token each row feeds next [B].
+
+    Rows leave and join through the cache's layers' `keys` and `values` ([B, heads, T, head_dim]: transformers
+    5's DynamicLayer), the one place the adapter reaches inside the cache."""
+
+    rows: list[int]
+    cache: Any
+    mask: torch.Tensor
+    positions: torch.Tensor
+    chosen: torch.Tensor
+
+    def grown(self) -> dict[str, torch.Tensor]:
+        """The mask and positions of the next decode step, which appends the chosen tokens to the cache."""
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        self.positions = self.positions + 1
+        return {"attention_mask": self.mask, "position_ids": self.positions}
+
+    def drop(self, ended: list[int]) -> None:
+        """Remove the ended rows, then the columns of left padding that no remaining row needs."""
+        gone = set(ended)
+        keep = [k for k in range(len(self.rows)) if k not in gone]
+        self.rows = [self.rows[k] for k in keep]
+        if not keep:
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
+        self.mask, self.positions, self.chosen = self.mask[index], self.positions[index], self.chosen[index]
+        self.cache.batch_select_indices(index)
+        unused = int(self.mask.argmax(-1).min())  # the first real column of the least padded row
+        layers = _full_layers(self.cache)
+        if unused and layers is not None:
+            self.mask = self.mask[:, unused:]
+            for layer in layers:
+                layer.keys, layer.values = layer.keys[:, :, unused:], layer.values[:, :, unused:]
+
+    def merged(self, new: _Rows) -> _Rows:
+        """These rows and the `new` ones in one cache, left-padded to one width."""
+        width = max(self.mask.shape[1], new.mask.shape[1])
+        layers, joining = _full_layers(self.cache), _full_layers(new.cache)
+        if layers is None or joining is None:
+            raise NotImplementedError(
+                f"continuous batching joins full-attention DynamicLayers; this cache ({type(self.cache).__name__}) "
+                "has others: set regenerate.batch_size to at least the prompts of a shard, or use an endpoint"
+            )
+        for mine, theirs in zip(layers, joining, strict=True):
+            mine.keys = torch.cat([_left_pad(mine.keys, width, 2), _left_pad(theirs.keys, width, 2)])
+            mine.values = torch.cat([_left_pad(mine.values, width, 2), _left_pad(theirs.values, width, 2)])
+        return _Rows(
+            self.rows + new.rows,
+            self.cache,
+            torch.cat([_left_pad(self.mask, width, 1), _left_pad(new.mask, width, 1)]),
+            torch.cat([self.positions, new.positions]),
+            torch.cat([self.chosen, new.chosen]),
+        )
+
+
+def _full_layers(cache: Any) -> list[Any] | None:
+    """The cache's layers when each is a full-attention layer of keys and values [B, heads, T, head_dim]; else None."""
+    layers = getattr(cache, "layers", None)
+    if not layers or any(getattr(layer, "is_sliding", False) or not hasattr(layer, "keys") for layer in layers):
+        return None
+    return layers
+
+
+def _left_pad(t: torch.Tensor, width: int, axis: int) -> torch.Tensor:
+    """`t` with zeros prepended along `axis` up to `width`."""
+    missing = width - t.shape[axis]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[axis] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=axis)
 
 
 def document_causal_mask(document_ids: torch.Tensor, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:

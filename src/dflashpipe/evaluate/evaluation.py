@@ -24,6 +24,7 @@ from dflashpipe.evaluate.speculative import (
     speculative_generate,
     target_generate,
 )
+from dflashpipe.kernels import rows_first
 from dflashpipe.model import DFlashDrafter, TargetHead
 from dflashpipe.params import ComputeParams, EvaluateParams
 from dflashpipe.spread import SUFFIX, Measuring
@@ -119,13 +120,14 @@ def evaluate_drafter(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     threads = thread_budget({"decode": 1})  # one decoding thread: every core this process may use
     threads.apply("decode", device)
-    target = Target.load(target_dir, device, inputs.compute.target_dtype)
+    target = Target.load(target_dir, device, inputs.compute.target_dtype, decoding=True)
     chat = load_chat_tokenizer(target_dir)
     # sdpa for decoding: every step has a new context length, which a compiled flex kernel would recompile for.
     # Drafts in the target's dtype, as engines serve it: bf16 on CUDA; on the CPU the bf16 weights in float32.
     drafter = DFlashDrafter.from_pretrained(
         drafter_dir, TargetHead.of(target.model), dtype=target.dtype, attention="sdpa"
     ).eval()
+    rows_first(drafter)  # a draft's block of rows: the fast form on the CPU, as the target has (dflashpipe.kernels)
     prompts, skipped = eval_prompts(manifest_dir, chat, p.num_prompts, p.max_prompt_tokens)
     train_prompts, _ = eval_prompts(manifest_dir, chat, p.num_prompts, p.max_prompt_tokens, TRAIN)
     if not prompts:

@@ -80,7 +80,8 @@ class Answer:
 
 
 class Replier:
-    """Answers a round of prompts (token ids), in their order; sorts them by length into batches."""
+    """Answers a round of prompts (token ids), in their order; sorts them by length into batches (a request each,
+    for an endpoint)."""
 
     def __init__(self, batch_size: int) -> None:
         self.batch_size = batch_size
@@ -91,29 +92,22 @@ class Replier:
         batches = [order[k : k + self.batch_size] for k in range(0, len(order), self.batch_size)]
         answers: list[Answer | None] = [None] * len(prompts)
 
-        def run(batch: list[int], worker: int) -> None:
+        for batch in batches:
             began = time.perf_counter()
-            done = self.batch([prompts[i] for i in batch], worker, progress)
+            done = self.batch([prompts[i] for i in batch], progress)
             seconds = time.perf_counter() - began
             if seconds > 0:
                 self.batch_rates.append(sum(a.tokens for a in done) / seconds)
             for i, a in zip(batch, done, strict=True):
                 answers[i] = a
-
-        self.each(batches, run)
         return answers  # type: ignore[return-value]
 
-    def each(self, batches: list[list[int]], run: Callable[[list[int], int], None]) -> None:
-        for batch in batches:
-            run(batch, 0)
-
-    def batch(self, prompts: list[Sequence[int]], worker: int, progress: Callable[[int], None]) -> list[Answer]:
+    def batch(self, prompts: list[Sequence[int]], progress: Callable[[int], None]) -> list[Answer]:
         raise NotImplementedError
 
 
 class InProcessReplier(Replier):
-    """The materialised target, one copy per device of topology.target_devices, one thread each; batch j runs
-    on device j mod n, so what each batch holds, and so its output, does not depend on thread timing."""
+    """The materialised target, one copy per device of topology.target_devices, one thread each."""
 
     def __init__(
         self, target_dir: Path, devices: Sequence[str], chat: ChatTokenizer, params: RegenerateParams, target_dtype: str
@@ -129,31 +123,69 @@ class InProcessReplier(Replier):
                     f"params.yaml: topology.target_devices names {device!r}, but this machine has "
                     f"{torch.cuda.device_count()} CUDA device(s)"
                 )
-        self.targets = [Target.load(target_dir, device, target_dtype) for device in dict.fromkeys(devices)]
+        devices = list(dict.fromkeys(devices))
+        self.targets = [Target.load(target_dir, device, target_dtype, decoding=True) for device in devices]
         # one worker thread per target copy, sharing the cores with the others on the CPU (dflashpipe.threads)
         self.threads: ThreadBudget = thread_budget({"target": sum(t.device.type == "cpu" for t in self.targets)})
         self.chat, self.max_new_tokens = chat, params.max_new_tokens
         self.stop = self.targets[0].stop_token_ids(chat.tokenizer)
 
-    def each(self, batches, run) -> None:
+    def answer(self, prompts: Sequence[Sequence[int]], progress: Callable[[int], None]) -> list[Answer]:
+        """Continuous batching on each target copy: the prompts sorted by length, cut into batch_size groups,
+        group j going to copy j mod n (so what a copy decodes does not depend on thread timing); each copy keeps
+        batch_size rows decoding, a finished reply's row taken by its next prompt (Target.greedy_replies)."""
+        order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
+        groups = [order[k : k + self.batch_size] for k in range(0, len(order), self.batch_size)]
+        answers: list[Answer | None] = [None] * len(prompts)
+        decode = self.chat.tokenizer.decode
+
         def worker(w: int) -> None:
             self.threads.apply("target", self.targets[w].device)  # in the worker's own thread
-            for b in batches[w :: len(self.targets)]:
-                run(b, w)
+            mine = [i for group in groups[w :: len(self.targets)] for i in group]
+            window = RateWindow(self.batch_size * RATE_WINDOW_STEPS, self.batch_rates)
+            replies = self.targets[w].greedy_replies(
+                [prompts[i] for i in mine],
+                self.max_new_tokens,
+                self.stop,
+                lambda n: (progress(n), window.add(n)),
+                batch_size=self.batch_size,
+            )
+            window.close()
+            for i, r in zip(mine, replies, strict=True):
+                answers[i] = Answer(decode(r.tokens, skip_special_tokens=True), r.stopped, len(r.tokens) + r.stopped)
 
         if len(self.targets) == 1:
-            return worker(0)
-        with ThreadPoolExecutor(len(self.targets)) as pool:
-            jobs = [pool.submit(worker, w) for w in range(len(self.targets))]
-            for job in jobs:
-                job.result()
+            worker(0)
+        else:
+            with ThreadPoolExecutor(len(self.targets)) as pool:
+                for job in [pool.submit(worker, w) for w in range(len(self.targets))]:
+                    job.result()
+        return answers  # type: ignore[return-value]
 
-    def batch(self, prompts, worker, progress) -> list[Answer]:
-        replies = self.targets[worker].greedy_replies(prompts, self.max_new_tokens, self.stop, progress)
-        decode = self.chat.tokenizer.decode
-        return [
-            Answer(decode(r.tokens, skip_special_tokens=True), r.stopped, len(r.tokens) + r.stopped) for r in replies
-        ]
+
+RATE_WINDOW_STEPS = 8
+"""In process, the rate's spread is over windows of this many full-batch forwards' tokens (a batch no longer
+ends: its rows are refilled)."""
+
+
+class RateWindow:
+    """Tokens per second over consecutive windows of `size` tokens, appended to `rates` as each closes."""
+
+    def __init__(self, size: int, rates: list[float]) -> None:
+        self.size, self.rates = size, rates
+        self.tokens, self.began = 0, time.perf_counter()
+
+    def add(self, n: int) -> None:
+        self.tokens += n
+        if self.tokens >= self.size:
+            self.close()
+
+    def close(self) -> None:
+        """End the window now (the last one is shorter)."""
+        now = time.perf_counter()
+        if self.tokens and now > self.began:
+            self.rates.append(self.tokens / (now - self.began))
+        self.tokens, self.began = 0, now
 
 
 class EndpointReplier(Replier):
@@ -165,7 +197,7 @@ class EndpointReplier(Replier):
         self.model = model
         """The model the canary was asked of (ServedModel.id): the one whose replies the shards record."""
 
-    def batch(self, prompts, worker, progress) -> list[Answer]:
+    def batch(self, prompts, progress) -> list[Answer]:
         done = self.endpoint.complete(self.model, prompts, self.max_new_tokens)
         answers = [
             Answer(c.text, c.stopped, len(self.chat.backend.encode(c.text, add_special_tokens=False).ids) + c.stopped)
