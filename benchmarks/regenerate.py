@@ -13,8 +13,10 @@ rotating order (a machine that gets busier slows each alike):
 - `generate`: transformers' `model.generate` on the same batches of 16, left-padded, greedy.
 And a 2048 x 2048 float32 matmul, whose rate is the machine's in that round: each run's tokens/s x FLOPs a
 token (2 x the weights of every linear layer, LM head included; attention over the context not counted)
-is stated as a share of it. Last, untimed: each prompt decoded alone (batch_size 1), and how many replies
-of each run differ from it (ties flipped by batching and padding). Needs data/target and data/manifest.
+is stated as a share of it, for the generated tokens alone (the stage's tokens/s) and for all the tokens
+the run computed (prompts read in, plus generated). Last, untimed: each prompt decoded alone (batch_size
+1), and how many replies of each run differ from it (ties flipped by batching and padding). Needs
+data/target and data/manifest.
 """
 
 from __future__ import annotations
@@ -108,9 +110,12 @@ def main() -> None:
     runs = {"batches": before, "continuous": continuous, "generate": generate}
     rates = {name: [] for name in runs}
     shares = {name: [] for name in runs}
+    work_shares = {name: [] for name in runs}
+    prompt_tokens = sum(len(p) for p in prompts)
     replies = {}
     print(
-        f"{len(prompts)} prompts of {len(prompts[0])}-{len(prompts[-1])} tokens, {limit} new tokens at most, "
+        f"{len(prompts)} prompts of {len(prompts[0])}-{len(prompts[-1])} tokens ({prompt_tokens} in all), "
+        f"{limit} new tokens at most, "
         f"{flops_a_token / 1e6:.0f} MFLOP a token",
         flush=True,
     )
@@ -124,13 +129,17 @@ def main() -> None:
             tokens = sum(len(r) + 1 for r in replies[name])  # a stop token is decoded work too
             rates[name].append(tokens / seconds)
             shares[name].append(tokens / seconds * flops_a_token / peak)
+            work_shares[name].append((tokens + prompt_tokens) / seconds * flops_a_token / peak)
         print(
             f"round {round_ + 1}: matmul {peak / 1e9:.0f} GFLOPS; "
             + ", ".join(f"{n} {rates[n][-1]:.1f} tok/s" for n in order),
             flush=True,
         )
     for name in runs:
-        print(f"{name:10s} tokens/s {spread(rates[name])}; share of the matmul rate {spread(shares[name])}")
+        print(
+            f"{name:10s} tokens/s {spread(rates[name])}; share of the matmul rate {spread(shares[name])}, "
+            f"counting the prompts read {spread(work_shares[name])}"
+        )
     for name in ("batches", "generate"):
         ratio = [c / o for c, o in zip(rates["continuous"], rates[name], strict=True)]
         print(f"continuous / {name} (same round): {spread(ratio)}")
