@@ -1,0 +1,105 @@
+"""Each timed kind of torch work beside one busy neighbour process, against the same work quiet, interleaved.
+
+    python benchmarks/neighbour.py [--data data] [--rounds 6] [--threads N]
+
+The neighbour is a matmul loop with torch's default threads (every core). It is paused (SIGSTOP) for the
+quiet rounds and resumed (SIGCONT) for the busy ones, alternating, so both kinds of round see the same
+machine otherwise. Each round times, in this process, at the thread count dflashpipe.threads gives one
+worker (or `--threads`):
+- decode: 32 greedy tokens after a prompt at batch 1 (evaluate's plain decoding, Target.decode_step);
+- replies: 16 greedy replies of 32 tokens, continuously batched (regenerate, Target.greedy_replies);
+- features: the target's layers over 4 rows x 512 tokens (the features stage, train's online target).
+Prints, per kind, busy speed over quiet speed (the issue's goal: at least 0.4), median and range over the
+round pairs. Needs data/target and data/manifest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+NEIGHBOUR = "import torch\na = torch.randn(1024, 1024)\nwhile True:\n    a @ a\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=ROOT / "data")
+    parser.add_argument("--rounds", type=int, default=6, help="quiet and busy rounds, each")
+    parser.add_argument("--threads", type=int, help="intra-op threads here (default: the thread budget's)")
+    args = parser.parse_args()
+
+    import torch
+
+    from dflashpipe.evaluate.prompts import eval_prompts
+    from dflashpipe.target import Target
+    from dflashpipe.threads import thread_budget
+    from dflashpipe.tokens.chat import load_chat_tokenizer
+
+    budget = thread_budget({"worker": 1})
+    threads = args.threads or budget.threads["worker"]
+    torch.get_num_threads()
+    torch.set_num_threads(threads)
+    target = Target.load(args.data / "target", "cpu", "auto", decoding=True)
+    chat = load_chat_tokenizer(args.data / "target")
+    found, _ = eval_prompts(args.data / "manifest", chat, 16, 256)
+    prompts = [list(e.prompt_ids) for e in found][:16]
+    stream = [t for p in prompts for t in p]
+    rows = torch.tensor((stream * (2048 // len(stream) + 1))[:2048]).view(4, 512)
+    layers = [1, target.config.num_hidden_layers - 1]
+
+    def decode() -> int:
+        cache = target.new_cache()
+        with torch.no_grad():
+            token = target.decode_step(torch.tensor([prompts[0]]), cache, logits_to_keep=1)[:, -1].argmax(-1)
+            for _ in range(32):
+                token = target.decode_step(token[:, None], cache)[:, -1].argmax(-1)
+        return 32
+
+    def replies() -> int:
+        made = target.greedy_replies(prompts, 32, [], batch_size=16)
+        return sum(len(r.tokens) for r in made)
+
+    def features() -> int:
+        with torch.no_grad():
+            target.layer_features(rows, torch.ones_like(rows), layers)
+        return rows.numel()
+
+    kinds = {"decode": decode, "replies": replies, "features": features}
+    for run in kinds.values():  # first calls in no measurement
+        run()
+    neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR])
+    rates: dict[tuple[str, str], list[float]] = {(k, s): [] for k in kinds for s in ("quiet", "busy")}
+    try:
+        time.sleep(2)  # the neighbour imports torch and starts spinning
+        for round_ in range(2 * args.rounds):
+            state = ("quiet", "busy")[round_ % 2]
+            os.kill(neighbour.pid, signal.SIGCONT if state == "busy" else signal.SIGSTOP)
+            time.sleep(0.5)
+            for kind, run in kinds.items():
+                began = time.perf_counter()
+                units = run()
+                rates[(kind, state)].append(units / (time.perf_counter() - began))
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+    print(f"{threads} intra-op thread(s) here (budget {budget.to_json()}); the neighbour: torch's default threads")
+    for kind in kinds:
+        ratio = [b / q for q, b in zip(rates[(kind, "quiet")], rates[(kind, "busy")], strict=True)]
+        quiet = statistics.median(rates[(kind, "quiet")])
+        print(
+            f"{kind:9s} busy / quiet speed {statistics.median(ratio):.2f} ({min(ratio):.2f}..{max(ratio):.2f}, "
+            f"{len(ratio)} pairs); quiet {quiet:.1f} units/s"
+        )
+
+
+if __name__ == "__main__":
+    main()
