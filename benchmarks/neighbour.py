@@ -2,7 +2,8 @@
 
     python benchmarks/neighbour.py [--data data] [--rounds 6] [--threads N]
 
-The neighbour is a matmul loop with torch's default threads (every core). It is paused (SIGSTOP) for the
+The neighbour is a matmul loop with torch's default threads (every core) and the OpenMP runtime's default
+settings (this process's OMP_/GOMP_/KMP_ variables are not passed on). It is paused (SIGSTOP) for the
 quiet rounds and resumed (SIGCONT) for the busy ones, alternating, so both kinds of round see the same
 machine otherwise. Each round times, in this process, at the thread count dflashpipe.threads gives one
 worker (or `--threads`):
@@ -26,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+import dflashpipe  # noqa: E402, F401  first, as in every stage: it bounds the OpenMP spinning before torch loads
 
 NEIGHBOUR = "import torch\na = torch.randn(1024, 1024)\nwhile True:\n    a @ a\n"
 
@@ -76,7 +78,9 @@ def main() -> None:
     kinds = {"decode": decode, "replies": replies, "features": features}
     for run in kinds.values():  # first calls in no measurement
         run()
-    neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR])
+    # the neighbour runs with the OpenMP runtime's defaults, whatever this process was started with
+    quiet_env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_"))}
+    neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR], env=quiet_env)
     rates: dict[tuple[str, str], list[float]] = {(k, s): [] for k in kinds for s in ("quiet", "busy")}
     try:
         time.sleep(2)  # the neighbour imports torch and starts spinning

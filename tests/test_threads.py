@@ -102,3 +102,35 @@ def test_a_worker_on_an_accelerator_takes_one_thread():
     t.start()
     t.join()
     assert got == {"n": 1, "torch": 1}
+
+
+def test_spinning_is_bounded_before_torch_loads_unless_the_user_chose_a_wait():
+    import ast
+    import os
+    import subprocess
+    import sys
+
+    from dflashpipe.threads import SPIN_COUNT, bound_the_spinning
+    from tests.tiny import ROOT
+
+    env: dict[str, str] = {}
+    bound_the_spinning(env)
+    assert env == {"GOMP_SPINCOUNT": SPIN_COUNT}
+    for chosen in ({"GOMP_SPINCOUNT": "0"}, {"OMP_WAIT_POLICY": "active"}):
+        env = dict(chosen)
+        bound_the_spinning(env)
+        assert env == chosen
+    # what libgomp reads when torch loads it, in a process that imports dflashpipe first, as every stage does
+    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    code = "import dflashpipe, torch, os; print(os.environ['GOMP_SPINCOUNT'])"
+    assert subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True).stdout.strip() == (
+        SPIN_COUNT
+    )
+    for script in sorted((ROOT / "stages").glob("*.py")):
+        imports = [
+            (n.module if isinstance(n, ast.ImportFrom) else n.names[0].name) or ""
+            for n in ast.walk(ast.parse(script.read_text()))
+            if isinstance(n, (ast.Import, ast.ImportFrom))
+        ]
+        ours = [m.split(".")[0] for m in imports if m.split(".")[0] in ("dflashpipe", "torch")]
+        assert not ours or ours[0] == "dflashpipe", f"{script.name} imports torch before dflashpipe"

@@ -12,6 +12,9 @@ v2 quota (`/sys/fs/cgroup/cpu.max`, quota / period rounded up), and `DFLASHPIPE_
 process sharing cores with siblings the OS does not know about: the pytest-xdist workers set it).
 `os.cpu_count()` is none of these: it counts the machine's cores, not this process's.
 
+How an idle thread waits is decided here too: `bound_the_spinning` caps libgomp's spinning (SPIN_COUNT),
+which beside a busy neighbour process cost more than half of our speed.
+
 What `torch.set_num_threads` does, with this torch (2.13 CPU build, OpenMP backend; measured, see
 docs/design.md): it sets the *calling thread's* count (OpenMP's per-thread nthreads, which ATen's
 parallel_for, MKL's sgemm and oneDNN's bf16 matmul all follow), but every thread first initialises its
@@ -36,10 +39,28 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+SPIN_ENV, WAIT_POLICY_ENV = "GOMP_SPINCOUNT", "OMP_WAIT_POLICY"
+SPIN_COUNT = "10000"
+"""How long an idle OpenMP thread of torch (GNU libgomp in the CPU wheels) spins before it sleeps: libgomp's
+default is 300,000 spins, which beside another busy process burns the cores that process needs and is
+descheduled mid-spin. Measured (benchmarks/neighbour.py, 2 cores, one busy matmul process beside, 3 round
+pairs): busy / quiet speed of a decode step, 16 continuously batched replies and a features forward went
+from 0.23 / 0.23 / 0.30 at the default to 0.39 / 0.43 / 0.48 at 10,000, quiet speed unchanged (39.8 vs 39.3
+tokens/s, 68 vs 76, 778 vs 787); 1,000 cost quiet decoding 20%, 0 (sleep at once) half of it."""
+
 CORES_ENV = "DFLASHPIPE_CORES"
 """Environment variable: at most this many cores for this process (pytest-xdist workers set it)."""
 CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 """cgroup v2: `QUOTA PERIOD` in microseconds, or `max PERIOD` when unlimited."""
+
+
+def bound_the_spinning(environ: dict[str, str] | None = None) -> None:
+    """Set GOMP_SPINCOUNT to SPIN_COUNT unless the user chose how idle threads wait (GOMP_SPINCOUNT or
+    OMP_WAIT_POLICY set). libgomp reads it once, when torch loads it: dflashpipe's package import calls this,
+    before any of its modules imports torch. The fingerprint records it with the other thread variables."""
+    environ = os.environ if environ is None else environ
+    if SPIN_ENV not in environ and WAIT_POLICY_ENV not in environ:
+        environ[SPIN_ENV] = SPIN_COUNT
 
 
 def quota_cores(cpu_max: str | None) -> int | None:
