@@ -4,9 +4,9 @@
 a verify step's block, a drafter's slots). torch's linear takes x @ W.T, and on this project's 2-core CPU
 (torch 2.13, float32) that kernel is slow at 2 to 64 rows: a 49152 x 576 LM head took 12-23 ms on 2-8 rows
 where weight @ x.T took 2.5-5.8 ms. One row goes to a matrix-vector kernel slower still: the same product
-over the row twice takes less. SmolLM2-135M's decode step went from 39 to 22 ms, its decoder over 2-4
-positions from 1.5x its cost over one to 1.0x (benchmarks/evaluate.py --parts). From a few hundred rows on
-the two forms are equal, and gradients keep torch's own path, so training and features compute as before.
+over the row twice takes less. SmolLM2-135M's decode step went from 39 to 22 ms, its decoder over 2 or 4
+positions from 46-49 ms to 29-30 ms (benchmarks/evaluate.py --parts). From a few hundred rows on the two
+forms are equal, and gradients keep torch's own path, so training and features compute as before.
 """
 
 from __future__ import annotations
