@@ -16,6 +16,11 @@ decoder over 1, 2, 4 and 8 positions of a KV cache, its LM head over 1 and 7 row
 dflashpipe.kernels.RowsFirstLinear's; then the whole step's cost and the speedup in each form (a verify
 step is flat in its positions when its cost does not grow with them).
 
+`--rows` times what a verify step's decoder spends most of its time in: the linear layers of one target
+decoder layer (their shapes read off --data's target) over 1, 2, 4, 8 and 16 rows, in torch's form and
+RowsFirstLinear's, interleaved; each count's time over one row's in the same form and round, and the
+float32 rate it reaches (a flat verify step needs 8 rows to cost about what 1 does).
+
 `--threads budget,1,2` instead compares intra-op thread counts for this tree's loop, side by side in the
 same rounds (`budget`: what dflashpipe.threads gives evaluate's one decoding thread, the process's
 cores; a number: that many threads, torch's default being this machine's cores): each count's step cost
@@ -59,6 +64,7 @@ def main() -> None:
     parser.add_argument("--threads", help="e.g. budget,1,2: compare intra-op thread counts instead")
     parser.add_argument("--neighbour", action="store_true", help="a busy process beside the run")
     parser.add_argument("--parts", action="store_true", help="price a step's pieces, per linear layer form")
+    parser.add_argument("--rows", action="store_true", help="a decoder layer's linear layers over 1..16 rows")
     args = parser.parse_args()
     neighbour = None
     if args.neighbour:
@@ -67,6 +73,8 @@ def main() -> None:
     try:
         if args.parts:
             compare_parts(args)
+        elif args.rows:
+            compare_rows(args)
         elif args.threads:
             compare_threads(args)
         else:
@@ -187,6 +195,44 @@ def compare_parts(args) -> None:
     for name, values in (("plain decode ms/token", token_ms), ("speculative ms/step", step_ms)):
         ratio = [b / a for a, b in zip(values[first], values[last], strict=True)]
         print(f"{last} / {first}, {name} (same prompt and round): {spread(ratio)}")
+
+
+def compare_rows(args, counts=(1, 2, 4, 8, 16), repeats=50) -> None:
+    import time
+
+    import torch
+
+    from dflashpipe.kernels import RowsFirstLinear
+    from dflashpipe.target import compute_dtype, load_materialised_target
+
+    model = load_materialised_target(args.data / "target", "cpu", compute_dtype("cpu", "auto"))
+    layers = [m for m in model.get_decoder().layers[0].modules() if isinstance(m, torch.nn.Linear)]
+    flops = {n: 2 * n * sum(m.weight.numel() for m in layers) for n in counts}
+    forms = {"linear": torch.nn.Linear, "rows_first": RowsFirstLinear}
+    inputs = {n: [torch.randn(n, m.in_features) for m in layers] for n in counts}
+    seconds = {(form, n): [] for form in forms for n in counts}
+    with torch.no_grad():
+        for round_ in range(args.rounds * 5 + 1):
+            for form in forms if round_ % 2 else list(forms)[::-1]:
+                for m in layers:
+                    m.__class__ = forms[form]
+                for n in counts:
+                    began = time.perf_counter()
+                    for _ in range(repeats):
+                        for m, x in zip(layers, inputs[n], strict=True):
+                            m(x)
+                    if round_:  # the first round warms every path up
+                        seconds[(form, n)].append((time.perf_counter() - began) / repeats)
+    shapes = ", ".join(f"{m.out_features}x{m.in_features}" for m in layers)
+    print(f"one decoder layer's linear layers ({shapes}), {args.rounds * 5} rounds of {repeats}:")
+    for form in forms:
+        for n in counts:
+            ratio = [t / one for t, one in zip(seconds[(form, n)], seconds[(form, 1)], strict=True)]
+            rate = flops[n] / statistics.median(seconds[(form, n)]) / 1e9
+            print(
+                f"{form:10s} {n:2d} rows: {statistics.median(seconds[(form, n)]) * 1e6:7.0f} us, "
+                f"over 1 row {spread(ratio)}; {rate:.0f} GFLOPS"
+            )
 
 
 def compare_threads(args) -> None:

@@ -8,8 +8,10 @@ is to be loaded (`dvc repro tokenize warmup` writes them to data/). Every run is
 function, in a fresh process (dynamo state is per process), on the same data for the same steps,
 interleaved: before, after, before, after, ...
 
-- after: this working tree, on --data; the compile artifact is loaded when --data is the project's
-  data/ and warmup's key still matches it, as the train stage would.
+- after: this working tree, on --data, as its train stage runs by default: on the stored features
+  (--data's features/, which the features stage computed once, before: not in these figures) when
+  params.yaml says `features.mode: offline`; the compile artifact is loaded when --data is the
+  project's data/ and warmup's key still matches it, as the train stage would.
 - before: REV's own code (`git archive REV` into a temporary directory, removed after) on the same
   manifest and target; its tokens are made by its own tokenize stage (the command in its dvc.yaml),
   for the shard format may differ between revisions. It compiles cold, in the main thread, before
@@ -59,7 +61,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BASELINE = "047eb6f"
 """The landed main before the throughput work of this round (chunked loss, packing, flat gradients)."""
-SHARED_INPUTS = ("manifest", "target")
+SHARED_INPUTS = ("manifest", "target", "regenerated")
+"""What a revision's tokenize reads, shared with --data where it has it (regenerated/: since the regenerate stage)."""
 
 
 def no_budget() -> None:
@@ -92,6 +95,13 @@ def build_artifact(data: Path, variant: str, out: Path) -> None:
     )
 
 
+def features_params(variant: str):
+    """The features mode of `variant` (imported only here: revisions before the features stage lack it)."""
+    from dflashpipe.params import FeaturesParams
+
+    return FeaturesParams(mode="offline" if variant == "offline-2" else "online")
+
+
 def train_once(
     code: Path,
     data: Path,
@@ -104,7 +114,7 @@ def train_once(
     """One run of `code`'s train stage function on `data`'s inputs; what every revision reports. `features`:
     the stored features directory, read by the `offline-2` variant (and only then is features.mode set)."""
     sys.path.insert(0, str(code / "src"))
-    from dflashpipe.params import FeaturesParams, load_params
+    from dflashpipe.params import load_params
     from dflashpipe.pipeline import reuse_key
     from dflashpipe.train.stage import TrainPaths, train_drafter
     from dflashpipe.train.state import TrainInputs
@@ -119,7 +129,7 @@ def train_once(
         compile=dataclasses.replace(p["compile"], enabled=compile_on, guard="error" if compile_on else "warn"),
         topology=dataclasses.replace(p["topology"], drafter_devices=drafters),
         train=dataclasses.replace(p["train"], max_steps=steps, checkpoint_every=0),
-        **({"features": FeaturesParams(mode="offline" if variant == "offline-2" else "online")} if features else {}),
+        **({"features": features_params(variant)} if features else {}),
     )
     paths = dataclasses.replace(
         TrainPaths.pipeline(code),
@@ -171,7 +181,8 @@ def export_revision(rev: str, dest: Path, data: Path) -> Path:
         tar.extractall(dest, filter="data")
     (dest / "data").mkdir(exist_ok=True)
     for name in SHARED_INPUTS:
-        (dest / "data" / name).symlink_to(data / name)
+        if (data / name).exists():
+            (dest / "data" / name).symlink_to(data / name)
     env = ROOT / "data" / "env"
     if env.exists() and not (dest / "data" / "env").exists():
         (dest / "data" / "env").symlink_to(env)  # the fingerprint the revision's stages read params from
@@ -189,21 +200,36 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):10.4g} ({min(values):.4g}..{max(values):.4g})"
 
 
+def default_variant(data: Path) -> tuple[str, tuple[str, ...]]:
+    """How this tree's train stage runs by default: on --data's stored features when params.yaml says offline
+    (the features stage paid the target's forward once, before; not in these figures), else online."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from dflashpipe.params import load_params
+
+    if load_params(ROOT)["features"].mode == "offline":
+        if not (data / "features").is_dir():
+            sys.exit(f"{data}: no features/ for this tree's offline default: run `dvc repro features` first")
+        return "offline-2", ("--features-dir", str(data / "features"))
+    return "compiled-2", ()
+
+
 def compare(rev: str, steps: int, repeats: int, data: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-baseline-") as tmp:
         before_root = Path(tmp) / "rev"
         before_data = export_revision(rev, before_root, data)
-        sides = {"before": (before_root, before_data), "after": (ROOT, data)}
+        sides = {"before": (before_root, before_data, "compiled-2", ()), "after": (ROOT, data, *default_variant(data))}
         runs: dict[str, list[dict]] = {"before": [], "after": []}
         for i in range(repeats):
-            for name, (code, side_data) in sides.items():
-                runs[name].append(child(code, side_data, steps, "compiled-2"))
+            for name, (code, side_data, variant, extra) in sides.items():
+                runs[name].append(child(code, side_data, steps, variant, extra))
                 r = runs[name][-1]
                 print(
                     f"  repeat {i + 1} {name:6s} {r['tokens_per_s']:8.1f} tok/s  rss {r['peak_rss_mb']:.0f} MB",
                     flush=True,
                 )
-    print(f"\n{steps} steps x {repeats} repeats each, before = {rev}, after = this tree; median (min..max)")
+    after = sides["after"][2]
+    print(f"\n{steps} steps x {repeats} repeats each, before = {rev} (online), after = this tree ({after})")
+    print("median (min..max)")
     rows = [
         ("supervised tok/s", "tokens_per_s"),
         ("target s / sup. token", "target_s_per_token"),
@@ -220,6 +246,8 @@ def compare(rev: str, steps: int, repeats: int, data: Path) -> None:
             else "-"
         )
         print(f"{label:24s}{cells[0]:>28s}{cells[1]:>28s}  {ratio}")
+    pairs = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["after"], runs["before"], strict=True)]
+    print(f"supervised tok/s, after / before in each repeat's pair: {spread(pairs)}")
 
 
 def variants(steps: int, data: Path) -> None:
