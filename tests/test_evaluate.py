@@ -508,8 +508,8 @@ def test_dvc_repro_evaluate_writes_metrics_that_dvc_shows(pipeline_run, tmp_path
     assert report["baseline"] == "HEAD" and len(report["commit"]) == 40
     assert set(report["metrics"]) == set(regression.HEADLINE) and report["metrics"]["tau"]["old"] == metrics["tau"]
     for name in ("decode_tokens_per_s", "train_tokens_per_s", "train_step_tokens_per_s"):
-        figure = report["metrics"][name]  # both sides measured with repeats: the spreads decide
-        assert figure["verdict"] in ("noise", "change") and min(figure["repeats"].values()) >= 2, (name, figure)
+        figure = report["metrics"][name]  # both sides measured with repeats: the spreads (and controls) decide
+        assert figure["verdict"] != "unmeasured" and min(figure["repeats"].values()) >= 2, (name, figure)
 
 
 def test_decoding_shows_its_progress_on_stderr(tiny, capsys):
