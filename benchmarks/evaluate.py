@@ -16,10 +16,15 @@ decoder over 1, 2, 4 and 8 positions of a KV cache, its LM head over 1 and 7 row
 dflashpipe.kernels.RowsFirstLinear's; then the whole step's cost and the speedup in each form (a verify
 step is flat in its positions when its cost does not grow with them).
 
-`--rows` times what a verify step's decoder spends most of its time in: the linear layers of one target
-decoder layer (their shapes read off --data's target) over 1, 2, 4, 8 and 16 rows, in torch's form and
+`--rows` times what a verify step's decoder spends most of its time in: the linear layers of every decoder
+layer of --data's target, in order (the weights stream from memory as in a forward), over 1, 2, 4, 8 and 16
+rows, in torch's form and
 RowsFirstLinear's, interleaved; each count's time over one row's in the same form and round, and the
 float32 rate it reaches (a flat verify step needs 8 rows to cost about what 1 does).
+
+`--draft-tokens 7,3,1` compares how many proposals a step verifies (evaluate.draft_tokens), in evaluate's
+form (rows first), interleaved per prompt and round in a rotating order: each count's tau, step cost in plain
+decode steps and speedup, and each speedup over the first count's on the same prompt and round.
 
 `--threads budget,1,2` instead compares intra-op thread counts for this tree's loop, side by side in the
 same rounds (`budget`: what dflashpipe.threads gives evaluate's one decoding thread, the process's
@@ -64,6 +69,7 @@ def main() -> None:
     parser.add_argument("--threads", help="e.g. budget,1,2: compare intra-op thread counts instead")
     parser.add_argument("--neighbour", action="store_true", help="a busy process beside the run")
     parser.add_argument("--parts", action="store_true", help="price a step's pieces, per linear layer form")
+    parser.add_argument("--draft-tokens", help="e.g. 7,3,1: compare proposals verified per step")
     parser.add_argument("--rows", action="store_true", help="a decoder layer's linear layers over 1..16 rows")
     args = parser.parse_args()
     neighbour = None
@@ -75,6 +81,8 @@ def main() -> None:
             compare_parts(args)
         elif args.rows:
             compare_rows(args)
+        elif args.draft_tokens:
+            compare_draft_tokens(args)
         elif args.threads:
             compare_threads(args)
         else:
@@ -197,7 +205,7 @@ def compare_parts(args) -> None:
         print(f"{last} / {first}, {name} (same prompt and round): {spread(ratio)}")
 
 
-def compare_rows(args, counts=(1, 2, 4, 8, 16), repeats=50) -> None:
+def compare_rows(args, counts=(1, 2, 4, 8, 16), repeats=5) -> None:
     import time
 
     import torch
@@ -206,7 +214,8 @@ def compare_rows(args, counts=(1, 2, 4, 8, 16), repeats=50) -> None:
     from dflashpipe.target import compute_dtype, load_materialised_target
 
     model = load_materialised_target(args.data / "target", "cpu", compute_dtype("cpu", "auto"))
-    layers = [m for m in model.get_decoder().layers[0].modules() if isinstance(m, torch.nn.Linear)]
+    # every decoder layer's: their weights stream from memory as in a forward (one layer's would sit in cache)
+    layers = [m for m in model.get_decoder().layers.modules() if isinstance(m, torch.nn.Linear)]
     flops = {n: 2 * n * sum(m.weight.numel() for m in layers) for n in counts}
     forms = {"linear": torch.nn.Linear, "rows_first": RowsFirstLinear}
     inputs = {n: [torch.randn(n, m.in_features) for m in layers] for n in counts}
@@ -223,8 +232,8 @@ def compare_rows(args, counts=(1, 2, 4, 8, 16), repeats=50) -> None:
                             m(x)
                     if round_:  # the first round warms every path up
                         seconds[(form, n)].append((time.perf_counter() - began) / repeats)
-    shapes = ", ".join(f"{m.out_features}x{m.in_features}" for m in layers)
-    print(f"one decoder layer's linear layers ({shapes}), {args.rounds * 5} rounds of {repeats}:")
+    shapes = ", ".join(f"{m.out_features}x{m.in_features}" for m in layers[:7])
+    print(f"the decoder's {len(layers)} linear layers ({shapes}, ...), {args.rounds * 5} rounds of {repeats}:")
     for form in forms:
         for n in counts:
             ratio = [t / one for t, one in zip(seconds[(form, n)], seconds[(form, 1)], strict=True)]
@@ -233,6 +242,39 @@ def compare_rows(args, counts=(1, 2, 4, 8, 16), repeats=50) -> None:
                 f"{form:10s} {n:2d} rows: {statistics.median(seconds[(form, n)]) * 1e6:7.0f} us, "
                 f"over 1 row {spread(ratio)}; {rate:.0f} GFLOPS"
             )
+
+
+def compare_draft_tokens(args) -> None:
+    from dflashpipe.evaluate import speculative as loop
+    from dflashpipe.kernels import rows_first
+    from dflashpipe.target import Target
+
+    counts = [int(c) for c in args.draft_tokens.split(",")]
+    model, drafter, prompts, stop = load(args)
+    target, layers = Target(rows_first(model)), drafter.config.target_layer_ids
+    proposer = loop.DFlashProposer(rows_first(drafter))
+    loop.target_generate(target, loop.prefill(target, prompts[0].prompt_ids), 4, stop)  # first calls, untimed
+    taus, cost, speedup = ({n: [] for n in counts} for _ in range(3))
+    for round_ in range(args.rounds):
+        for i, prompt in enumerate(prompts):
+            plain = loop.target_generate(target, loop.prefill(target, prompt.prompt_ids), args.max_new_tokens, stop)
+            shift = (round_ + i) % len(counts)  # rotating order: a drift in load favours no count
+            for n in counts[shift:] + counts[:shift]:
+                start = loop.prefill(target, prompt.prompt_ids, layers)
+                fast = loop.speculative_generate(target, proposer, start, args.max_new_tokens, stop, draft_tokens=n)
+                assert fast.tokens == plain.tokens, prompt.sample_id  # lossless at every count
+                if plain.decode_tokens:
+                    per_token = plain.decode_s / plain.decode_tokens
+                    taus[n].append(fast.tau)
+                    cost[n].append(fast.decode_s / len(fast.produced) / per_token)
+                    speedup[n].append(plain.decode_s / fast.decode_s)
+    print(f"{len(prompts)} prompts x {args.rounds} rounds, {args.max_new_tokens} new tokens, rows-first form")
+    for n in counts:
+        ratio = [a / b for a, b in zip(speedup[n], speedup[counts[0]], strict=True)]
+        print(
+            f"draft_tokens {n}: tau {spread(taus[n])}; step / plain decode step {spread(cost[n])}; "
+            f"speedup {spread(speedup[n])}; over draft_tokens {counts[0]}'s {spread(ratio)}"
+        )
 
 
 def compare_threads(args) -> None:

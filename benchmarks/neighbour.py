@@ -10,6 +10,9 @@ worker (or `--threads`):
 - decode: 32 greedy tokens after a prompt at batch 1 (evaluate's plain decoding, Target.decode_step);
 - replies: 16 greedy replies of 32 tokens, continuously batched (regenerate, Target.greedy_replies);
 - features: the target's layers over 4 rows x 512 tokens (the features stage, train's online target).
+- train: one training step (forward + backward, eager) of each of train's drafter replicas, each in its own
+  thread at the drafter threads' budgeted count, side by side as train runs them (offline features: no
+  target thread), on bench's synthetic inputs of params.yaml's shapes.
 Prints, per kind, busy speed over quiet speed (the issue's goal: at least 0.4), median and range over the
 round pairs. Needs data/target and data/manifest.
 """
@@ -30,6 +33,45 @@ sys.path.insert(0, str(ROOT / "src"))
 import dflashpipe  # noqa: E402, F401  first, as in every stage: it bounds the OpenMP spinning before torch loads
 
 NEIGHBOUR = "import torch\na = torch.randn(1024, 1024)\nwhile True:\n    a @ a\n"
+
+
+def replicas(target_dir: Path):
+    """train's drafter replicas side by side, one thread each at the budgeted count: a callable that runs one
+    training step of every replica and returns the positions they trained on."""
+    import threading
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from dflashpipe.bench import synthetic_inputs, synthetic_target, time_steps
+    from dflashpipe.model import DFlashDrafter
+    from dflashpipe.params import load_params
+    from dflashpipe.threads import training_budget
+
+    p = load_params(ROOT)
+    model, micro_batch, devices = p["model"], p["compile"].micro_batch, p["topology"].drafter_devices
+    budget = training_budget([], devices)  # offline features (the default): no target thread
+    target = synthetic_target(target_dir, torch.device("cpu"), p["compute"].target_dtype)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    drafters = [
+        DFlashDrafter.for_target(target, tokenizer, model, generator=torch.Generator().manual_seed(0)).train()
+        for _ in devices
+    ]
+    inputs = [synthetic_inputs(d, model, micro_batch, torch.device("cpu")) for d in drafters]
+
+    def step(i: int) -> None:
+        budget.apply("drafter")
+        time_steps(drafters[i], drafters[i], inputs[i], 1, torch.device("cpu"))
+
+    def run() -> int:
+        threads = [threading.Thread(target=step, args=(i,)) for i in range(len(drafters))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return len(drafters) * micro_batch * model.seq_len
+
+    return run
 
 
 def main() -> None:
@@ -75,7 +117,8 @@ def main() -> None:
             target.layer_features(rows, torch.ones_like(rows), layers)
         return rows.numel()
 
-    kinds = {"decode": decode, "replies": replies, "features": features}
+    train = replicas(args.data / "target")
+    kinds = {"decode": decode, "replies": replies, "features": features, "train": train}
     for run in kinds.values():  # first calls in no measurement
         run()
     # the neighbour runs with the OpenMP runtime's defaults, whatever this process was started with
