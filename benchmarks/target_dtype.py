@@ -81,7 +81,9 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     p = load_params(ROOT)
-    targets = {d: Target.load(args.data / "target", "cpu", d) for d in DTYPES}
+    # in decoding form, as regenerate and evaluate load it (a features forward's thousands of rows take torch's
+    # linear in it, as the features stage's does)
+    targets = {d: Target.load(args.data / "target", "cpu", d, decoding=True) for d in DTYPES}
     chat = load_chat_tokenizer(args.data / "target")
     found, _ = eval_prompts(args.data / "manifest", chat, 16, 256)
     prompts = [list(e.prompt_ids) for e in found][:16]
