@@ -18,9 +18,8 @@ step is flat in its positions when its cost does not grow with them).
 
 `--rows` times what a verify step's decoder spends most of its time in: the linear layers of every decoder
 layer of --data's target, in order (the weights stream from memory as in a forward), over 1, 2, 4, 8 and 16
-rows, in torch's form and
-RowsFirstLinear's, interleaved; each count's time over one row's in the same form and round, and the
-float32 rate it reaches (a flat verify step needs 8 rows to cost about what 1 does).
+rows, in torch's form and RowsFirstLinear's, interleaved; each count's time over one row's in the same form
+and round, and the float32 rate it reaches (a flat verify step needs 8 rows to cost about what 1 does).
 
 `--draft-tokens 7,3,1` compares how many proposals a step verifies (evaluate.draft_tokens), in evaluate's
 form (rows first), interleaved per prompt and round in a rotating order: each count's tau, step cost in plain
@@ -70,7 +69,7 @@ def main() -> None:
     parser.add_argument("--neighbour", action="store_true", help="a busy process beside the run")
     parser.add_argument("--parts", action="store_true", help="price a step's pieces, per linear layer form")
     parser.add_argument("--draft-tokens", help="e.g. 7,3,1: compare proposals verified per step")
-    parser.add_argument("--rows", action="store_true", help="a decoder layer's linear layers over 1..16 rows")
+    parser.add_argument("--rows", action="store_true", help="the decoder's linear layers over 1..16 rows")
     args = parser.parse_args()
     neighbour = None
     if args.neighbour:

@@ -28,8 +28,8 @@ def share_the_cores_among_xdist_workers() -> None:
 share_the_cores_among_xdist_workers()
 
 SLOWEST_FIRST = (
-    "tests/reliability/test_killed.py",  # 265 s; its first test builds the shared pipeline_run
-    "tests/test_gpu_check.py",  # 117 s without pipeline_run: the other worker's first file, while that builds
+    "tests/reliability/test_killed.py",  # 265 s; its later tests build the shared pipeline_run
+    "tests/test_gpu_check.py",  # 117 s, none of it on pipeline_run
     "tests/test_explain.py",  # 253 s
     "tests/test_train.py",  # 148 s
     "tests/reliability/test_corrupted.py",  # 112 s
