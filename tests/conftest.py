@@ -28,27 +28,29 @@ def share_the_cores_among_xdist_workers() -> None:
 share_the_cores_among_xdist_workers()
 
 SLOWEST_FIRST = (
-    "tests/reliability/test_killed.py",  # 265 s; its later tests build the shared pipeline_run
-    "tests/test_gpu_check.py",  # 117 s, none of it on pipeline_run
-    "tests/test_explain.py",  # 253 s
-    "tests/test_train.py",  # 148 s
-    "tests/reliability/test_corrupted.py",  # 112 s
-    "tests/reliability/test_deterministic.py",  # 91 s
-    "tests/test_compile.py",  # 86 s
-    "tests/test_overfit.py",  # 77 s
-    "tests/test_explain_machine.py",  # 75 s
-    "tests/test_bisect.py",  # 68 s
-    "tests/test_regenerate.py",  # 67 s
-    "tests/reliability/test_concurrent.py",  # 56 s
-    "tests/test_pipeline.py",  # 49 s
-    "tests/test_target.py",  # 45 s
+    "tests/test_explain.py",  # 206 s; its first test asks for pipeline_run, which is then built at once
+    "tests/test_gpu_check.py",  # 126 s, none of it on pipeline_run: the other worker's start
+    "tests/reliability/test_killed.py",  # 300 s
+    "tests/test_train.py",  # 176 s
+    "tests/reliability/test_deterministic.py",  # 118 s
+    "tests/test_compile.py",  # 105 s
+    "tests/test_overfit.py",  # 95 s
+    "tests/test_bisect.py",  # 87 s
+    "tests/test_explain_machine.py",  # 86 s
+    "tests/test_regenerate.py",  # 82 s
+    "tests/test_pipeline.py",  # 59 s
+    "tests/reliability/test_concurrent.py",  # 54 s
+    "tests/test_target.py",  # 49 s
+    "tests/test_stage_keys.py",  # 43 s
 )
 """Test files in the order pytest-xdist hands them out (--dist loadfile --no-loadscope-reorder): the longest
 first, so that no worker is left with a long file while the others are done. Measured with `pytest
---durations 0` on 2 workers (2026-12-05, seconds per file, setup included); files not listed follow in their
-collection order. xdist's own order (most tests first) puts files of few, slow tests last, where one can
-run alone at the end. Measured after: pytest 905.75 s against 906-956 s before, at the floor of ~1,766 s
-of test work on 2 workers; the order keeps it there. Only the order is decided here, never what runs."""
+--durations 0` on 2 workers (2026-12-05, seconds per file without the wait for pipeline_run); files not
+listed follow in their collection order. xdist's own order (most tests first) puts files of few, slow
+tests last, where one can run alone at the end. The shared pipeline_run (~96 s) is built by the first
+worker to ask: test_explain asks at its first test, so it is built from the start while the other worker
+runs test_gpu_check. With test_killed first (whose first tests do not need it) the build started ~100 s
+in and the other worker sat 72 s waiting for it. Only the order is decided here, never what runs."""
 
 
 def pytest_collection_modifyitems(items: list) -> None:
