@@ -28,29 +28,29 @@ def share_the_cores_among_xdist_workers() -> None:
 share_the_cores_among_xdist_workers()
 
 SLOWEST_FIRST = (
-    "tests/test_explain.py",  # 206 s; its first test asks for pipeline_run, which is then built at once
-    "tests/test_gpu_check.py",  # 126 s, none of it on pipeline_run: the other worker's start
-    "tests/reliability/test_killed.py",  # 300 s
-    "tests/test_train.py",  # 176 s
-    "tests/reliability/test_deterministic.py",  # 118 s
-    "tests/test_compile.py",  # 105 s
-    "tests/test_overfit.py",  # 95 s
-    "tests/test_bisect.py",  # 87 s
-    "tests/test_explain_machine.py",  # 86 s
-    "tests/test_regenerate.py",  # 82 s
-    "tests/test_pipeline.py",  # 59 s
-    "tests/reliability/test_concurrent.py",  # 54 s
-    "tests/test_target.py",  # 49 s
-    "tests/test_stage_keys.py",  # 43 s
+    "tests/test_explain.py",  # 199 s with the 83 s of building pipeline_run, which its first test asks for
+    "tests/test_gpu_check.py",  # 93 s, none of it on pipeline_run: the other worker's start
+    "tests/reliability/test_killed.py",  # 156 s
+    "tests/test_train.py",  # 104 s
+    "tests/test_overfit.py",  # 81 s
+    "tests/reliability/test_deterministic.py",  # 72 s
+    "tests/test_compile.py",  # 62 s
+    "tests/test_explain_machine.py",  # 51 s
+    "tests/test_regenerate.py",  # 45 s
+    "tests/test_target.py",  # 43 s
+    "tests/reliability/test_concurrent.py",  # 38 s
+    "tests/test_pipeline.py",  # 36 s
+    "tests/test_stage_keys.py",  # 29 s
+    "tests/test_bisect.py",  # 28 s
 )
 """Test files in the order pytest-xdist hands them out (--dist loadfile --no-loadscope-reorder): the longest
 first, so that no worker is left with a long file while the others are done. Measured with `pytest
---durations 0` on 2 workers (2026-12-05, seconds per file without the wait for pipeline_run); files not
-listed follow in their collection order. xdist's own order (most tests first) puts files of few, slow
-tests last, where one can run alone at the end. The shared pipeline_run (~96 s) is built by the first
-worker to ask: test_explain asks at its first test, so it is built from the start while the other worker
-runs test_gpu_check. With test_killed first (whose first tests do not need it) the build started ~100 s
-in and the other worker sat 72 s waiting for it. Only the order is decided here, never what runs."""
+--durations 0` on 2 workers in a fresh clone's `.ci/run` (2026-12-05: 1,177 s of test work, pytest 607 s);
+files not listed follow in their collection order. xdist's own order (most tests first) puts files of few,
+slow tests last, where one can run alone at the end. The shared pipeline_run is built by the first worker
+to ask: test_explain asks at its first test, so it is built from the start while the other worker runs
+test_gpu_check. With test_killed first (whose first tests do not need it) the build started ~100 s in and
+the other worker sat 72 s waiting for it. Only the order is decided here, never what runs."""
 
 
 def pytest_collection_modifyitems(items: list) -> None:
