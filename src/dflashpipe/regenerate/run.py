@@ -85,7 +85,9 @@ class Replier:
 
     def __init__(self, batch_size: int) -> None:
         self.batch_size = batch_size
-        self.batch_rates: list[float] = []
+        self.rates: list[float] = []
+        """Tokens/s samples for the spread: one per batch (an endpoint's request), or, in process, one per window
+        of RATE_WINDOW_STEPS x batch_size tokens (continuous batching has no batches to time)."""
 
     def answer(self, prompts: Sequence[Sequence[int]], progress: Callable[[int], None]) -> list[Answer]:
         order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
@@ -97,7 +99,7 @@ class Replier:
             done = self.batch([prompts[i] for i in batch], progress)
             seconds = time.perf_counter() - began
             if seconds > 0:
-                self.batch_rates.append(sum(a.tokens for a in done) / seconds)
+                self.rates.append(sum(a.tokens for a in done) / seconds)
             for i, a in zip(batch, done, strict=True):
                 answers[i] = a
         return answers  # type: ignore[return-value]
@@ -142,7 +144,7 @@ class InProcessReplier(Replier):
         def worker(w: int) -> None:
             self.threads.apply("target", self.targets[w].device)  # in the worker's own thread
             mine = [i for group in groups[w :: len(self.targets)] for i in group]
-            window = RateWindow(self.batch_size * RATE_WINDOW_STEPS, self.batch_rates)
+            window = RateWindow(self.batch_size * RATE_WINDOW_STEPS, self.rates)
             replies = self.targets[w].greedy_replies(
                 [prompts[i] for i in mine],
                 self.max_new_tokens,
@@ -281,7 +283,7 @@ class RegenerateRun:
     reused_shards: list[str]
     generated_tokens: int
     seconds: float
-    batch_rates: list[float]
+    rates: list[float]
     threads: dict | None = None
     """The in-process generators' thread budget (dflashpipe.threads); None when none ran here."""
     busy: Busy | None = None
@@ -304,9 +306,7 @@ def regenerate_metrics(run: RegenerateRun) -> dict:
         # what the endpoint served (None in process): explain and `dvc metrics diff` show a change of model
         "served": (s.get("settings") or {}).get("served"),
         **(
-            Spread.of(run.batch_rates).record("tokens_per_s", digits=1, busy=run.busy)
-            if run.batch_rates
-            else {"tokens_per_s": 0.0}
+            Spread.of(run.rates).record("tokens_per_s", digits=1, busy=run.busy) if run.rates else {"tokens_per_s": 0.0}
         ),
     }
 
@@ -425,7 +425,7 @@ def regenerate_manifest(
     total = output.total(RegenerateCounts(), lambda record: record["counts"])
     summary = {"enabled": True, "settings": settings, "counts": asdict(total), "shards": shards}
     threads = replier.threads.to_json() if isinstance(replier, InProcessReplier) else None
-    rates = replier.batch_rates if replier is not None else []
+    rates = replier.rates if replier is not None else []
     return _finish(output, summary, generated, began, rates, threads, window.busy)
 
 
