@@ -25,6 +25,12 @@ FILE_LISTING = "files.json"
 """sha256 and size of every other file of a directory output, so a consumer can check it before use."""
 
 
+def json_number(value: Any) -> float | None:
+    """`value` as a float when a JSON document holds a number there, else None. JSON's true and false arrive as
+    Python's True and False, which are ints to `isinstance`: a flag is never taken for a figure."""
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
 def canonical_json(obj: Any) -> bytes:
     """Sorted, indented, newline-terminated JSON: the same object gives the same bytes."""
     return (json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")

@@ -6,13 +6,27 @@ import dataclasses
 import json
 
 import typer
+from typer.core import TyperGroup
 
 from dflashpipe import explain as explaining
 from dflashpipe.errors import DflashpipeError
 from dflashpipe.explain import verify as verifying
 from dflashpipe.params import load_params, load_stage_params
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+
+class OneLineErrors(TyperGroup):
+    """Every command's bad input (a DflashpipeError) as one line on stderr and exit code 2, never a traceback:
+    said once here, so a new command gets it by being a command."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except DflashpipeError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+
+
+app = typer.Typer(cls=OneLineErrors, no_args_is_help=True, add_completion=False, help=__doc__)
 
 
 @app.callback()
@@ -23,11 +37,7 @@ def main() -> None:
 @app.command()
 def params(stage: str = typer.Option(None, help="Show only what this dvc.yaml stage may read.")) -> None:
     """Validate params.yaml (and its match with dvc.yaml) and print the typed values."""
-    try:
-        sections = load_stage_params(stage).sections if stage else load_params()
-    except DflashpipeError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+    sections = load_stage_params(stage).sections if stage else load_params()
     typer.echo(json.dumps({k: dataclasses.asdict(v) for k, v in sections.items()}, indent=2))
 
 
@@ -39,11 +49,7 @@ def profile(
     """Check a profile over params.yaml and print the `dvc exp run` line that applies it."""
     from dflashpipe.params.profile import experiment_command
 
-    try:
-        typer.echo(experiment_command(file, name))
-    except DflashpipeError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+    typer.echo(experiment_command(file, name))
 
 
 @app.command()
@@ -62,11 +68,7 @@ def explain(
     """What changed between two states, what it invalidated (and what not), what it cost."""
     if since:
         a, b = since, explaining.WORKSPACE
-    try:
-        result = verifying.verify(verify, a, b, budget=budget, runs=runs) if verify else explaining.explain(a, b)
-    except DflashpipeError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+    result = verifying.verify(verify, a, b, budget=budget, runs=runs) if verify else explaining.explain(a, b)
     if as_json:
         typer.echo(verifying.verification_json(result) if verify else explaining.to_json(result))
     elif as_md:
@@ -92,12 +94,8 @@ def history(
     from dflashpipe.explain.history import history as walk
     from dflashpipe.explain.history import history_lines, history_markdown
 
-    try:
-        found = walk(since, metric or None)
-        live = explaining.explain("HEAD", explaining.WORKSPACE) if workspace else None
-    except DflashpipeError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+    found = walk(since, metric or None)
+    live = explaining.explain("HEAD", explaining.WORKSPACE) if workspace else None
     if as_json:
         data = {**dataclasses.asdict(found), "workspace": live and dataclasses.asdict(live)}
         typer.echo(json.dumps(data, indent=2, default=str))
@@ -121,11 +119,7 @@ def bisect(
     from dflashpipe.explain.bisect import bisect as search
     from dflashpipe.explain.bisect import bisect_lines
 
-    try:
-        found = search(metric, good, bad, runs)
-    except DflashpipeError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+    found = search(metric, good, bad, runs)
     typer.echo("\n".join(bisect_lines(found)))
 
 
@@ -137,11 +131,7 @@ def report(
     """One self-contained page for the current state: the DAG's verdicts, headline metrics, plots, explain."""
     from dflashpipe.report import write_report
 
-    try:
-        path = write_report(".", out, as_md)
-    except DflashpipeError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+    path = write_report(".", out, as_md)
     typer.echo(f"wrote {path}")
 
 
@@ -150,11 +140,7 @@ def export(out: str = typer.Argument(..., help="The directory to write the draft
     """Copy data/drafter for serving, with a model card naming its git revision, dvc.lock and tau/speedup."""
     from dflashpipe.train.card import export_drafter
 
-    try:
-        path = export_drafter(out)
-    except DflashpipeError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+    path = export_drafter(out)
     typer.echo(f"exported {path}")
 
 

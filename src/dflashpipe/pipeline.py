@@ -122,6 +122,12 @@ class Pipeline:
         return upstream_of({n: s.deps for n, s in self.specs.items()}, {n: s.outs for n, s in self.specs.items()})
 
 
+def lies_under(path: str, out: str) -> bool:
+    """Whether `path` is the output `out` or a file inside it (a dep on one file of a directory output, a file
+    git lists under a directory dep): DVC's own reading of a path against an output."""
+    return path == out or path.startswith(out.rstrip("/") + "/")
+
+
 def dag(deps: Mapping[str, Iterable[str]], outs: Mapping[str, Iterable[str]]):
     """The stage graph (networkx.DiGraph, an edge producer -> consumer) from each stage's dep and out paths."""
     import networkx as nx
@@ -132,7 +138,7 @@ def dag(deps: Mapping[str, Iterable[str]], outs: Mapping[str, Iterable[str]]):
     for name, paths in deps.items():
         for dep in paths:
             for out, producer in producers.items():
-                if producer != name and (dep == out or dep.startswith(out.rstrip("/") + "/")):
+                if producer != name and lies_under(dep, out):
                     graph.add_edge(producer, name)
     return graph
 

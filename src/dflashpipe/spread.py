@@ -22,6 +22,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from dflashpipe.artifacts import json_number
+
 Verdict = Literal["noise", "change", "unmeasured", "machine"]
 SUFFIX = "_spread"
 BUSY = "machine"
@@ -216,7 +218,7 @@ class Control:
             if isinstance(nested, dict)
             else (machine.get(f"{CONTROL}.before"), machine.get(f"{CONTROL}.after"))
         )
-        if not all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in pair):
+        if not all((json_number(v) or 0) > 0 for v in pair):
             return None
         return cls(float(pair[0]), float(pair[1]))
 

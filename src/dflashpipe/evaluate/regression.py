@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from dflashpipe import headlines, spread
+from dflashpipe.artifacts import json_number
 from dflashpipe.errors import DflashpipeError, SourceError
 from dflashpipe.revision import Revisions, no_commit_reason, read_json
 
@@ -89,7 +90,7 @@ def _node(metrics: dict | None, path: tuple[str, ...]) -> dict | None:
 
 def _value(parent: dict | None, key: str) -> float | None:
     node = parent.get(key) if parent is not None else None
-    return float(node) if isinstance(node, (int, float)) and not isinstance(node, bool) else None
+    return json_number(node)
 
 
 def _figure(

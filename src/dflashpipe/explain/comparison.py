@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 from dflashpipe import pipeline, spread
+from dflashpipe.artifacts import json_number
 from dflashpipe.compile.artifact import BUILT_FOR, REPORT
 from dflashpipe.explain.report import (
     ALWAYS,
@@ -31,7 +32,7 @@ from dflashpipe.explain.report import (
     display_names,
 )
 from dflashpipe.explain.state import State, cached_json, dir_listing, in_cache, read_revision_state
-from dflashpipe.pipeline import COMPILE, FINGERPRINT
+from dflashpipe.pipeline import COMPILE, FINGERPRINT, lies_under
 from dflashpipe.revision import read_metrics
 
 LISTED_FILES = 5
@@ -69,9 +70,7 @@ def compare(
             v.causes.append(Cause("cmd", name, before.cmd, st.cmd, f"dvc.yaml stages.{name}.cmd"))
         for path in sorted(set(st.deps) | set(before.deps)):
             old_md5, new_md5 = before.deps.get(path), st.deps.get(path)
-            if old_md5 == new_md5 or any(
-                path == o or path.startswith(o.rstrip("/") + "/") for o in upstream_outs[name]
-            ):
+            if old_md5 == new_md5 or any(lies_under(path, o) for o in upstream_outs[name]):
                 continue
             v.causes.append(
                 Cause(
@@ -105,7 +104,7 @@ def compare(
                 for o in new[u].outs
                 if old.get(u)
                 and old[u].outs.get(o) != new[u].outs.get(o)
-                and any(_inside(d, o) for d in st.deps)
+                and any(lies_under(d, o) for d in st.deps)
                 and not equivalent(o, old[u].outs.get(o), new[u].outs.get(o), cache)
             ]
             if verdicts[u].verdict in (DIRECT, DOWNSTREAM) or (changed_outs and not _restorable(verdicts[u])):
@@ -168,10 +167,6 @@ def _built_for(cache, md5: str | None) -> str | None:
         return None
 
 
-def _inside(path: str, out: str) -> bool:
-    return path == out or path.startswith(out.rstrip("/") + "/")
-
-
 def _trace_paths(verdicts: dict[str, Verdict], old, new, ups, cache, workspace: bool) -> None:
     """Each stage's file-level chains to what changed: a link is a dep whose recorded hash moved, or (in a
     workspace whose upstream has not rerun yet, so no new hash exists) a dep of an upstream that will rerun.
@@ -186,7 +181,7 @@ def _trace_paths(verdicts: dict[str, Verdict], old, new, ups, cache, workspace: 
         for u in ups[name]:
             pending = workspace and verdicts[u].verdict in (DIRECT, DOWNSTREAM) and old.get(u) is not None
             pending = pending and all(old[u].outs.get(o) == h for o, h in new[u].outs.items())
-            for dep in (d for d in st.deps if any(_inside(d, o) for o in new[u].outs)):
+            for dep in (d for d in st.deps if any(lies_under(d, o) for o in new[u].outs)):
                 was, now = (before.deps.get(dep) if before else None), st.deps.get(dep)
                 if (was == now and not pending) or (was != now and equivalent(dep, was, now, cache)):
                     continue  # same bytes, or the same content by its own key: not on the path
@@ -293,9 +288,8 @@ def metric_deltas(sa: State, sb: State, new: dict[str, StageState], verdicts: li
                 o, n = old.get(key), cur.get(key)
                 if o == n or _is_spread(key):
                     continue  # a `<key>_spread` is read with its figure, below
-                change = None
-                if isinstance(o, (int, float)) and isinstance(n, (int, float)) and not isinstance(o, bool) and o != 0:
-                    change = (n - o) / abs(o)
+                was, now = json_number(o), json_number(n)
+                change = (now - was) / abs(was) if was and now is not None else None
                 delta = MetricDelta(path, key, o, n, change, st.name, causes_reaching(st.name))
                 if is_throughput(key, old, cur):
                     before, after = figure(old, key), figure(cur, key)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dflashpipe import spread
+from dflashpipe.artifacts import json_number
 from dflashpipe.errors import DflashpipeError
 from dflashpipe.explain.comparison import compare, control, figure, is_rate, is_throughput, metric_deltas, root_causes
 from dflashpipe.explain.report import (
@@ -41,7 +42,7 @@ from dflashpipe.explain.report import (
 )
 from dflashpipe.explain.state import LocalCache, read_revision_state
 from dflashpipe.headlines import HEADLINES
-from dflashpipe.pipeline import Pipeline
+from dflashpipe.pipeline import Pipeline, lies_under
 from dflashpipe.pipeline import _param_value as param_value  # the value as the stage keys read it
 from dflashpipe.revision import (
     Revision,
@@ -103,7 +104,7 @@ def moved(key: str, reference: Measured, other: Measured, far: Measured | None =
         if call != "unmeasured":
             return call == "change", call
         values = [m.value for m in (reference, other, far) if m is not None]
-        if far is not None and all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+        if far is not None and all(json_number(v) is not None for v in values):
             nearer_far = abs(other.value - far.value) < abs(other.value - reference.value)
             return nearer_far, f"unmeasured: nearer {'BAD' if nearer_far else 'GOOD'}'s value"
         return False, UNMEASURED  # a timed figure without a range on both sides cannot be told from noise
@@ -344,7 +345,7 @@ def unrecorded(
             continue  # no record on one side: compare() already says the stage is unknowable there
         inputs = []
         for dep in spec.deps:
-            files = [p for p in changed if p == dep or p.startswith(dep.rstrip("/") + "/")]
+            files = [p for p in changed if lies_under(p, dep)]
             if files and now.deps.get(dep) == before.deps.get(dep):
                 inputs += files
         for file in sorted({f for f, _ in spec.params}):

@@ -26,6 +26,7 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dflashpipe.artifacts import json_number
 from dflashpipe.errors import DflashpipeError
 
 API_KEY_ENV = "OPENAI_API_KEY"
@@ -162,10 +163,11 @@ class Endpoint:
             raise EndpointError(
                 f"regenerate.endpoint {self.base_url}/completions: not a completions answer to the canary ({exc!r})"
             ) from None
+        number = json_number(length)
         return ServedModel(
             id=name,
             root=None if root is None else str(root),
-            max_model_len=length if isinstance(length, int) and not isinstance(length, bool) else None,
+            max_model_len=int(number) if number is not None and number.is_integer() else None,
             canary_sha256=hashlib.sha256(text.encode()).hexdigest(),
         )
 
