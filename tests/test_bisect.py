@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from dflashpipe.errors import DflashpipeError
-from dflashpipe.explain.bisect import bisect, bisect_lines
+from dflashpipe.rerun.bisect import bisect, bisect_lines
 from tests.conftest import run
 
 PREPARE_PY = """

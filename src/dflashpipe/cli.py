@@ -10,8 +10,8 @@ from typer.core import TyperGroup
 
 from dflashpipe import explain as explaining
 from dflashpipe.errors import DflashpipeError
-from dflashpipe.explain import verify as verifying
 from dflashpipe.params import load_params, load_stage_params
+from dflashpipe.rerun import verify as verifying
 
 
 class OneLineErrors(TyperGroup):
@@ -116,8 +116,8 @@ def bisect(
 ) -> None:
     """The first commit between GOOD and BAD whose METRIC moved beyond noise, each probe reproduced with DVC
     in a temporary worktree sharing this project's cache (so only what the cache lacks is run)."""
-    from dflashpipe.explain.bisect import bisect as search
-    from dflashpipe.explain.bisect import bisect_lines
+    from dflashpipe.rerun.bisect import bisect as search
+    from dflashpipe.rerun.bisect import bisect_lines
 
     found = search(metric, good, bad, runs)
     typer.echo("\n".join(bisect_lines(found)))

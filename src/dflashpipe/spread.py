@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -256,6 +256,33 @@ def compare_rates(
     factor = slowdown(control_before, control_after)
     low, high = after.low * factor, after.high * factor
     return "machine" if before.low <= high and low <= before.high else "change"
+
+
+def pool(spreads: Sequence[Spread], controls: Sequence[Control | None] = ()) -> tuple[Spread, Control | None]:
+    """Repeated runs of one measurement as one figure, by the one rule every rerun uses (bisect's probes, the
+    arms of `explain --verify`): the median of the runs' medians, the widest range, every repeat counted.
+
+    For a rate whose every run timed the control (`controls`, one per run), each run's range is first brought
+    to one machine speed, scaled by its control's mean time over the runs' mean control time as `compare_rates`
+    scales a side, so that runs taken under different loads pool as one measurement; the pooled figure then
+    carries that mean control, and is compared with `compare_rates` like any recorded one. A figure recorded
+    without a spread is a run of one repeat (`Spread.of([value])`)."""
+    if not spreads:
+        raise ValueError("pooling needs at least one run")
+    joined = None
+    if len(controls) == len(spreads) and all(c is not None for c in controls):
+        joined = statistics.mean(c.mean for c in controls)
+        spreads = [
+            Spread(s.median * f, s.low * f, s.high * f, s.repeats)
+            for s, f in ((s, c.mean / joined) for s, c in zip(spreads, controls, strict=True))
+        ]
+    pooled = Spread(
+        statistics.median(s.median for s in spreads),
+        min(s.low for s in spreads),
+        max(s.high for s in spreads),
+        sum(s.repeats for s in spreads),
+    )
+    return pooled, None if joined is None else Control(joined, joined)
 
 
 def clock(device) -> float:

@@ -1,12 +1,12 @@
 """`dflashpipe bisect METRIC GOOD BAD`: the first commit between GOOD and BAD whose METRIC moved beyond noise.
 
 A binary search over BAD's first-parent line after GOOD, like `git bisect`, where each probe is measured
-instead of judged by hand: the commit is checked out in a temporary git worktree that shares this project's
-DVC cache, and `dvc repro <the metric's stage>` brings it about. DVC then reproduces only what it lacks: an
+instead of judged by hand: the commit is checked out in a scratch tree (`rerun.tree`: a git worktree sharing this
+project's DVC cache), and `dvc repro <the metric's stage>` brings it about. DVC then reproduces only what it lacks: an
 output the cache (or the run cache) already holds for those inputs is checked out, not recomputed, and a
 metric whose committed record is current is read as committed. `--runs N` measures N times (the first as
-above, then `dvc repro -f -s` again) and pools the figures (a rate's runs first brought to one machine speed
-by their controls).
+above, then `dvc repro -f -s` again) and pools the figures by `spread.pool` (a rate's runs first brought to one
+machine speed by their controls), as `explain --verify` pools its arms.
 
 A probe is *moved* when it differs from GOOD by the rule everything else here uses: for a timed figure with a
 spread, ranges that do not overlap (`spread.compare`; a rate with its control, `spread.compare_rates`, so a
@@ -18,10 +18,6 @@ cannot be reproduced is skipped and said so, as `git bisect skip` does.
 from __future__ import annotations
 
 import math
-import os
-import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -30,11 +26,11 @@ from typing import NoReturn
 
 from tqdm import tqdm
 
-from dflashpipe import spread
 from dflashpipe.errors import DflashpipeError
 from dflashpipe.explain.history import Measured, moved, recorded_metrics, selected_metrics
 from dflashpipe.explain.state import read_revision_state
-from dflashpipe.revision import Revision, Revisions, Workspace, commit_of, git, read_metrics, run_git, unknown_revision
+from dflashpipe.rerun.tree import RunFailed, ScratchTree, pooled, shared_cache
+from dflashpipe.revision import Revision, Revisions, commit_of, git, run_git, unknown_revision
 
 
 @dataclass
@@ -89,10 +85,7 @@ def bisect(metric: str, good: str, bad: str, runs: int = 1, root: str | Path = "
     if stage is None:
         raise DflashpipeError(f"{path}: no stage of dvc.yaml@{bad} records it as metrics")
     found = Bisection(name, good, bad, len(commits))
-    asked = _dvc(root, "cache", "dir")
-    if asked.returncode != 0 or not asked.stdout.strip():
-        raise DflashpipeError(f"{root}: `dvc cache dir` failed: {(asked.stderr or asked.stdout).strip()[-200:]}")
-    cache = Path(asked.stdout.strip())
+    cache = shared_cache(root)
     expected = math.ceil(math.log2(len(commits) + 1)) + 2
     with tqdm(total=expected, desc=f"bisect {key}", unit="probe") as bar:
 
@@ -151,82 +144,31 @@ def _one_metric(metric: str, ends: list[Revision]) -> list[str]:
     return chosen
 
 
-def _dvc(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    """DVC of this interpreter, its stages' `python` this interpreter too (its directory first on PATH)."""
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=cwd, env=env, capture_output=True, text=True)
-
-
 def _measure(root: Path, cache: Path, sha: str, subject: str, stage: str, path: str, key: str, runs: int) -> Probe:
-    """`sha` checked out beside `root` sharing its DVC cache, `stage` reproduced (`runs` times), the figure read."""
+    """`sha` in a scratch tree sharing `root`'s DVC cache, `stage` reproduced (`runs` times), the figure read."""
     began = time.perf_counter()
     found = Probe(sha, subject)
-    with tempfile.TemporaryDirectory(prefix="dflashpipe-bisect-") as tmp:
-        tree = Path(tmp) / "tree"
-        git(root, "worktree", "add", "--detach", "--quiet", str(tree), sha)
+    with (
+        tempfile.TemporaryDirectory(prefix="dflashpipe-bisect-") as tmp,
+        ScratchTree(root, sha, Path(tmp) / "tree", cache) as tree,
+    ):
         try:
-            _dvc(tree, "config", "--local", "cache.dir", str(cache))
-            # outputs linked from the shared cache, not copied: a probe of the real pipeline would otherwise copy
-            # the target's weights and every shard once per probe (DVC removes a linked output before it reruns)
-            _dvc(tree, "config", "--local", "cache.type", "reflink,hardlink,symlink,copy")
             # every output the cache holds, in place; then a stage whose only change is an output the cache never
             # holds (train's resume checkpoints, `cache: false`) is not rerun for it (--allow-missing)
-            _dvc(tree, "checkout", "--quiet")
+            tree.dvc("checkout", "--quiet", "--allow-missing")
             samples: list[Measured] = []
             for run in range(runs):
-                args = ("repro", "--allow-missing", stage) if run == 0 else ("repro", "--force", "--single-item", stage)
-                proc = _dvc(tree, *args)
-                if proc.returncode != 0:
-                    last = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
-                    found.skipped = f"dvc {' '.join(args)} failed: {last[-1].strip() if last else proc.returncode}"
-                    break
-                found.stages_run += proc.stdout.count("Running stage '")
-                measured = _read(tree, path, key)
+                tree.repro(*(("--allow-missing", stage) if run == 0 else ("--force", "--single-item", stage)))
+                measured = tree.figure(path, key)
                 if measured is None:
-                    found.skipped = f"{path} records no {key} at {sha[:8]}"
-                    break
+                    raise RunFailed(f"{path} records no {key} at {sha[:8]}")
                 samples.append(measured)
-            if not found.skipped:
-                found.measured = _pooled(samples)
-        finally:
-            run_git(root, "worktree", "remove", "--force", str(tree))
+            found.measured = pooled(key, samples)
+        except RunFailed as exc:
+            found.skipped = str(exc)
+        found.stages_run = tree.stages_run
     found.seconds = time.perf_counter() - began
     return found
-
-
-def _read(tree: Path, path: str, key: str) -> Measured | None:
-    return Measured.of(read_metrics(Workspace(tree), path), key)
-
-
-def _pooled(samples: list[Measured]) -> Measured:
-    """Several runs as one figure. A rate with a control in every run: each run's range is first brought to
-    one machine speed (scaled by its control's time over the runs' mean control time, as `compare_rates`
-    scales a side), so runs taken under different loads pool as one measurement; then, as for any figure
-    with spreads, the median of the medians, the widest range, and every repeat counted."""
-    if len(samples) == 1 or any(s.spread is None for s in samples):
-        return samples[-1] if len(samples) == 1 else _plain(samples)
-    spreads, joined = [s.spread for s in samples], None
-    if all(s.control is not None for s in samples):
-        joined = statistics.mean(s.control.mean for s in samples)
-        spreads = [
-            spread.Spread(x.median * f, x.low * f, x.high * f, x.repeats)
-            for x, f in ((s.spread, s.control.mean / joined) for s in samples)
-        ]
-    pooled = spread.Spread(
-        statistics.median(x.median for x in spreads),
-        min(x.low for x in spreads),
-        max(x.high for x in spreads),
-        sum(x.repeats for x in spreads),
-    )
-    return Measured(pooled.median, pooled, spread.Control(joined, joined) if joined is not None else None)
-
-
-def _plain(samples: list[Measured]) -> Measured:
-    """Runs without a recorded spread each: their values as the repeats (a value that is no number: the last)."""
-    if not all(isinstance(s.value, int | float) and not isinstance(s.value, bool) for s in samples):
-        return samples[-1]
-    values = [float(s.value) for s in samples]
-    return Measured(spread.Spread.of(values).median, spread.Spread.of(values))
 
 
 def bisect_lines(b: Bisection) -> list[str]:

@@ -3,13 +3,14 @@
 For every cause reaching METRIC's stage, the pipeline runs with that cause alone reverted to A (a param set
 back, a code or data dep restored from A's commit, a deleted output restored from the DVC cache), and METRIC
 is measured there and in the baseline (B as it is), the arms interleaved round by round so that load on the
-machine falls on all of them alike. Each arm's figure pools its runs' spreads; spread.compare calls the
-intervention's effect noise or change. Causes that no run can revert (the machine itself: a torch build, an
-edited installed file, keys of a file a stage writes from the machine) are listed with their evidence.
+machine falls on all of them alike. Each arm's runs are pooled by `spread.pool` and judged against the
+baseline by `explain.history.moved` (a rate with its control), the rules bisect uses too. Causes that no run can
+revert (the machine itself: a torch build, an edited installed file, keys of a file a stage writes from the
+machine) are listed with their evidence.
 
-Invariant: the workspace is never touched. Each arm is a private `git clone --shared` of the project at B,
-with the workspace's uncommitted edits and missing outputs replayed into it, sharing the project's DVC cache
-through `cache.dir` — what `dvc exp run --temp` does with its clones under .dvc/tmp/exps, done here because
+Invariant: the workspace is never touched. Each arm is a scratch tree of B (`rerun.tree`: a git worktree sharing
+the project's DVC cache, `dvc` run there as a subprocess), with the workspace's uncommitted edits and missing
+outputs replayed into it — what `dvc exp run --temp` does with its clones under .dvc/tmp/exps, done here because
 `exp run -S` can set a param but cannot restore a file from another commit or keep an output missing. Arms
 save what they compute into that cache, so a stage any run ever computed (the run cache) is restored, never
 recomputed; the measured runs alone are forced and commit nothing.
@@ -19,22 +20,24 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
 import shutil
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dflashpipe import spread
+from dflashpipe.artifacts import json_number
 from dflashpipe.errors import DflashpipeError
 from dflashpipe.explain import DIRECT, OUTPUTS, RESTORABLE, WORKSPACE, Cause, Report, cause_line, explain
-from dflashpipe.explain.comparison import figure, topological, upstream_of
+from dflashpipe.explain.comparison import topological, upstream_of
+from dflashpipe.explain.history import Measured, moved
 from dflashpipe.explain.state import State, read_revision_state
 from dflashpipe.pipeline import FINGERPRINT
+from dflashpipe.rerun.tree import ScratchTree, pooled, shared_cache
 from dflashpipe.revision import Revisions, Workspace, commit_of, git, has_file, read_metrics, run_git
 
 MEASURED, FIXED, OVER_BUDGET, FAILED = "measured", "cannot revert here", "over budget", "failed"
@@ -51,7 +54,10 @@ class Intervention:
     change: float | None = None
     """Relative to the baseline's median."""
     call: str | None = None
-    """noise or change (spread.compare of the two arms)."""
+    """Why it moved or not against the baseline (`explain.history.moved`): noise, change or machine for a timed
+    figure, differs or equal for a deterministic one."""
+    moved: bool | None = None
+    """Whether the arm's figure moved away from the baseline's by that rule."""
     share: float | None = None
     """How much of the gap from the baseline back to A's recorded figure this one reversion closes."""
     seconds: float | None = None
@@ -90,19 +96,16 @@ def verify(
 ) -> Verification:
     """Revert each cause reaching `metric` alone (at most `budget` of them) and measure it `runs` times
     against the baseline B, interleaved."""
-    from dvc.repo import Repo
-
     root = Path(root).resolve()
     if a == WORKSPACE:
         raise DflashpipeError("--verify reverts causes to A, which must be a recorded state (a revision or experiment)")
     report = explain(a, b, root, machine=(root / FINGERPRINT).is_file())  # no fingerprint file: nothing to check
-    with Revisions(root) as revisions, Repo(str(root)) as repo:
+    with Revisions(root) as revisions:
         sa, sb = revisions.at(a), Workspace(root) if b == WORKSPACE else revisions.at(b)
         stages = read_revision_state(sb)
         file, key, stage = _locate(metric, sa, sb, stages)
         recorded_a, recorded_b = read_metrics(sa, file).get(key), read_metrics(sb, file).get(key)
         base_rev = sb.rev or commit_of(root, "HEAD")
-        cache_dir = repo.cache.local_cache_dir
     found = Verification(metric, file, key, stage, report.a, report.b, runs, recorded_a, recorded_b, None, None)
     found.report = report
     producers = {out: st.name for st in stages.values() for out in st.outs}
@@ -119,7 +122,7 @@ def verify(
             Cause("together", every, None, None, "each cause above"), "revert all of them", MEASURED
         )
     if planned:
-        _run_arms(found, planned, root, (sa.rev, base_rev), b == WORKSPACE, stages, cache_dir, progress)
+        _run_arms(found, planned, root, (sa.rev, base_rev), b == WORKSPACE, stages, shared_cache(root), progress)
     return found
 
 
@@ -188,41 +191,41 @@ def _plan(cause: Cause, a_rev: str, root: Path, producers: dict[str, str]) -> tu
 
 @dataclass
 class Arm:
-    """One private clone of B: the baseline, one cause reverted, or all of them."""
+    """One scratch tree of B: the baseline, one cause reverted, or all of them."""
 
     dir: Path
     causes: list[Cause]
     """Reverted in this arm: none for the baseline, one for an intervention, all of them together."""
     result: Intervention | None
-    samples: list[spread.Spread] = field(default_factory=list)
+    samples: list[Measured] = field(default_factory=list)
     seconds: float = 0.0
     error: str | None = None
 
 
-def _run_arms(found: Verification, planned, root, revs, workspace, stages, cache_dir, progress) -> None:
+def _run_arms(found: Verification, planned, root, revs, workspace, stages, cache, progress) -> None:
     from tqdm import tqdm
 
     a_rev, base_rev = revs
     kept_missing = [c for c in (found.report.root_causes if workspace else []) if c.kind == "out"]
     upstream = _upstream(found.stage, stages)
-    with tempfile.TemporaryDirectory(prefix="dflashpipe-verify-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="dflashpipe-verify-") as tmp, ExitStack() as trees:
         arms = [Arm(Path(tmp) / "baseline", [], None)]
         arms += [Arm(Path(tmp) / f"arm{n}", [i.cause], i) for n, i in enumerate(planned, 1)]
         if found.together is not None:
             arms.append(Arm(Path(tmp) / "together", [i.cause for i in planned], found.together))
         total = len(arms) * (1 + found.runs)
         with tqdm(total=total, desc=f"verify {found.metric}", unit="run", disable=not progress, file=sys.stderr) as bar:
+            opened = {}
             for arm in arms:
                 bar.set_postfix_str(f"preparing {arm.dir.name}")
-                _prepare(arm, root, base_rev, workspace, kept_missing, a_rev, cache_dir, found.stage, upstream)
+                opened[arm.dir] = trees.enter_context(ScratchTree(root, base_rev, arm.dir, cache))
+                _prepare(arm, opened[arm.dir], root, workspace, kept_missing, a_rev, found.stage, upstream)
                 bar.update(1)
             for _ in range(found.runs):
                 for arm in arms:
                     if arm.error is None:
-                        _measure(arm, found, kept_missing)
+                        _measure(arm, opened[arm.dir], found, kept_missing)
                     bar.update(1)
-    baseline = _pooled(arms[0].samples)
-    found.baseline = baseline and asdict(baseline)
     found.baseline_seconds = round(arms[0].seconds, 1)
     for arm in arms[1:]:
         arm.result.seconds = round(arm.seconds, 1)
@@ -230,19 +233,30 @@ def _run_arms(found: Verification, planned, root, revs, workspace, stages, cache
         for i in [arm.result for arm in arms[1:]]:
             i.status, i.note = FAILED, f"the baseline failed: {arms[0].error}"
         return
-    target = _number(found.recorded_a)
+    baseline = pooled(found.key, arms[0].samples)
+    found.baseline = _as_figure(baseline)
+    target = json_number(found.recorded_a)
     for arm in arms[1:]:
         i = arm.result
         if arm.error:
             i.status, i.note = FAILED, arm.error
             continue
-        measured = _pooled(arm.samples)
-        i.figure = asdict(measured)
-        i.call = spread.compare(baseline, measured)
-        if baseline.median:
-            i.change = (measured.median - baseline.median) / abs(baseline.median)
-        if target is not None and target != baseline.median:
-            i.share = (measured.median - baseline.median) / (target - baseline.median)
+        measured = pooled(found.key, arm.samples)
+        i.figure = _as_figure(measured)
+        i.moved, i.call = moved(found.key, baseline, measured)
+        before, after = json_number(baseline.value), json_number(measured.value)
+        if before and after is not None:
+            i.change = (after - before) / abs(before)
+        if target is not None and before is not None and after is not None and target != before:
+            i.share = (after - before) / (target - before)
+
+
+def _as_figure(m: Measured) -> dict | None:
+    """An arm's pooled figure as the report holds it: median, low, high, repeats (a lone value: one repeat)."""
+    if m.spread is not None:
+        return asdict(m.spread)
+    number = json_number(m.value)
+    return None if number is None else asdict(spread.Spread.of([number]))
 
 
 def _upstream(stage: str, stages) -> list[str]:
@@ -257,78 +271,65 @@ def _upstream(stage: str, stages) -> list[str]:
     return [name for name in topological(stages, ups) if name in found]
 
 
-def _prepare(arm: Arm, root, base_rev, workspace, kept_missing, a_rev, cache_dir, stage, upstream) -> None:
-    """Clone B into the arm, replay the workspace, apply the intervention, bring the stage's upstream to date."""
-    from dvc.repo import Repo
-
+def _prepare(arm: Arm, tree: ScratchTree, root, workspace, kept_missing, a_rev, stage, upstream) -> None:
+    """Replay the workspace into the arm's tree, apply the intervention, bring the stage's upstream to date."""
     started = time.perf_counter()
     try:
-        git(root, "clone", "-q", "--shared", "--no-checkout", str(root), str(arm.dir))
-        git(arm.dir, "checkout", "-q", "--detach", base_rev)
-        (arm.dir / ".dvc" / "config.local").write_text(f"[cache]\n    dir = {cache_dir}\n", encoding="utf-8")
         if workspace:
-            _replay_workspace(root, arm.dir)
+            _replay_workspace(root, tree.path)
         for cause in arm.causes:
             if cause.kind != "out":
-                _revert(arm.dir, cause, a_rev)
+                _revert(tree.path, cause, a_rev)
         missing = [c for c in kept_missing if c not in arm.causes]  # a restored output is checked out below
-        with _in_arm(arm.dir), Repo(str(arm.dir)) as repo:
-            # only what the metric's stage reads, directly or not: each arm holds a copy of it
-            repo.checkout(targets=[stage], with_deps=True, force=True, allow_missing=True)
-            for c in missing:
-                _replay_output(root, arm.dir, c.what)
-            _bring_up_to_date(repo, upstream, {c.what for c in missing})
-    except Exception as exc:  # a reverted cause may break the pipeline: that is a finding, not a crash
-        arm.error = _one_line(exc, arm)
+        # only what the metric's stage reads, directly or not: each arm holds it (linked from the shared cache)
+        tree.dvc("checkout", "--quiet", "--with-deps", "--force", "--allow-missing", stage)
+        for c in missing:
+            _replay_output(root, tree.path, c.what)
+        _bring_up_to_date(tree, upstream, {c.what for c in missing})
+    except (DflashpipeError, OSError) as exc:  # a reverted cause may break the pipeline: a finding, not a crash
+        arm.error = " ".join(str(exc).split())
     arm.seconds += time.perf_counter() - started
 
 
-def _bring_up_to_date(repo, upstream: list[str], missing: set[str]) -> None:
-    """`dvc repro` of each upstream stage, except that a stage whose output is kept missing (as the workspace
-    has it) runs only when its own inputs changed: DVC would otherwise restore the output from its run cache,
-    and the arm would measure a repaired workspace."""
-    stages = {s.name: s for s in repo.index.stages}
+def _bring_up_to_date(tree: ScratchTree, upstream: list[str], missing: set[str]) -> None:
+    """`dvc repro` of the upstream stages, upstream first, except that a stage whose output is kept missing (or
+    other, as the workspace has it) runs only when its own deps or command changed: run for its output alone, DVC
+    would restore it from the run cache, and the arm would measure a repaired workspace. One `dvc repro` for
+    each run of stages between two such checks (so one in all when no output is kept missing)."""
+    outs = {name: set(st.outs) for name, st in read_revision_state(Workspace(tree.path)).items()}
+    flags = ["--single-item", *(["--allow-missing"] if missing else [])]
+    batch: list[str] = []
     for name in upstream:
-        stage = stages[name]
-        if {o.def_path for o in stage.outs} & missing:
-            with repo.lock:
-                if not (stage.changed_deps() or stage.changed_stage()):
-                    continue
-        repo.reproduce(targets=[name], single_item=True, allow_missing=bool(missing))
+        if outs.get(name, set()) & missing:
+            if batch:
+                tree.repro(*flags, *batch)
+                batch = []
+            if not _inputs_changed(tree, name):
+                continue
+        batch.append(name)
+    if batch:
+        tree.repro(*flags, *batch)
 
 
-def _measure(arm: Arm, found: Verification, kept_missing) -> None:
+def _inputs_changed(tree: ScratchTree, stage: str) -> bool:
+    """Whether `dvc status` finds stage's deps, params or command changed (its outputs are not asked about)."""
+    status = json.loads(tree.dvc("status", "--json", stage) or "{}").get(stage, [])
+    return any(entry == "changed command" or (isinstance(entry, dict) and "changed deps" in entry) for entry in status)
+
+
+def _measure(arm: Arm, tree: ScratchTree, found: Verification, kept_missing) -> None:
     """One forced run of the metric's stage (no run cache, nothing committed), and its figure."""
-    from dvc.repo import Repo
-
     started = time.perf_counter()
     try:
-        with _in_arm(arm.dir), Repo(str(arm.dir)) as repo:
-            repo.reproduce(
-                targets=[found.stage], single_item=True, force=True, no_commit=True, allow_missing=bool(kept_missing)
-            )
-        flat = read_metrics(_ArmFiles(arm.dir), found.file)
-        measured = figure(flat, found.key)
-        value = _number(flat.get(found.key))
-        if measured is None and value is None:
+        missing = ["--allow-missing"] if kept_missing else []
+        tree.repro("--single-item", "--force", "--no-commit", *missing, found.stage)
+        measured = tree.figure(found.file, found.key)
+        if measured is None or (measured.spread is None and json_number(measured.value) is None):
             raise DflashpipeError(f"{found.file} has no number under {found.key!r} after the run")
-        arm.samples.append(measured or spread.Spread.of([value]))
-    except Exception as exc:
-        arm.error = _one_line(exc, arm)
+        arm.samples.append(measured)
+    except DflashpipeError as exc:
+        arm.error = " ".join(str(exc).split())
     arm.seconds += time.perf_counter() - started
-
-
-class _ArmFiles:
-    """An arm's files as read_metrics reads a state."""
-
-    def __init__(self, root: Path) -> None:
-        self.root, self.label = root, f"arm {root.name}"
-
-    def read_text(self, path: str) -> str | None:
-        try:
-            return (self.root / path).read_text(encoding="utf-8")
-        except (FileNotFoundError, IsADirectoryError):
-            return None
 
 
 def _replay_workspace(root: Path, dest: Path) -> None:
@@ -391,55 +392,6 @@ def _revert(dest: Path, cause: Cause, a_rev: str) -> None:
             git(dest, "checkout", "-q", a_rev, "--", restored)
 
 
-@contextmanager
-def _in_arm(arm: Path):
-    """Inside the arm as `dvc` run there would be (DVC resolves targets against the working directory), the
-    stages' own output and DVC's going to the arm's log at the file-descriptor level: a stage's command
-    inherits the descriptors, not sys.stdout."""
-    log = arm / ".dvc" / "tmp" / "verify.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    cwd = os.getcwd()
-    os.chdir(arm)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    with open(log, "ab") as fh:
-        os.dup2(fh.fileno(), 1)
-        os.dup2(fh.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            os.close(saved[0])
-            os.close(saved[1])
-            os.chdir(cwd)
-
-
-def _one_line(exc: Exception, arm: Arm) -> str:
-    log = arm.dir / ".dvc" / "tmp" / "verify.log"
-    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
-    tail = [line for line in lines if line.strip() and "%|" not in line][-1:]  # not our progress bar's redraws
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return f"{text}{f' (last output: {tail[0].strip()[:160]})' if tail else ''}"
-
-
-def _pooled(samples: list[spread.Spread]) -> spread.Spread | None:
-    """An arm's runs as one figure: the median of their medians, the widest range, every repeat counted."""
-    if not samples:
-        return None
-    middle = spread.Spread.of([s.median for s in samples]).median
-    return spread.Spread(
-        middle, min(s.low for s in samples), max(s.high for s in samples), sum(s.repeats for s in samples)
-    )
-
-
-def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
 def _short(value: Any) -> str:
     text = value if isinstance(value, str) else json.dumps(value, default=str)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -447,7 +399,7 @@ def _short(value: Any) -> str:
 
 def amount(value: Any) -> str:
     """4.3K, 12.6K, 1.1M: figures as a person reads them."""
-    number = _number(value)
+    number = json_number(value)
     if number is None:
         return str(value)
     for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "K")):
@@ -481,7 +433,7 @@ def verification_lines(v: Verification) -> list[str]:
             pct = f" ({i.change:+.0%})" if i.change is not None else ""
             call = {"noise": "within noise", "change": "change"}.get(i.call, i.call)
             share = ""
-            if i.share is not None and i.call == "change":
+            if i.share is not None and i.moved:
                 share = f"; {i.share:.0%} of the way back to {v.a}'s {amount(v.recorded_a)}"
             lines.append(
                 f"{i.action} [{what}]: {amount(v.baseline and v.baseline['median'])} -> {_figure_text(i.figure)}"
