@@ -166,14 +166,52 @@ def test_the_fingerprint_records_the_thread_facts_that_decide_cpu_speed(dvc_proj
     }
 
 
-def test_thread_facts_keep_only_thread_variables_and_key_the_loaded_facts():
+def test_thread_facts_split_what_the_runtimes_read_from_what_they_do_not_and_key_the_loaded_facts():
     from dflashpipe.env import _cpu_ranges, loaded_key, thread_facts
 
-    environ = {"OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4", "KMP_BLOCKTIME": "0", "PATH": "/bin", "HOME": "/x"}
-    assert thread_facts(environ)["env"] == {"KMP_BLOCKTIME": "0", "MKL_NUM_THREADS": "4", "OMP_NUM_THREADS": "4"}
+    environ = {
+        "OMP_NUM_THREADS": "4",
+        "MKL_NUM_THREADS": "4",
+        "KMP_BLOCKTIME": "0",
+        "OPENBLAS_CORETYPE": "Haswell",
+        "PATH": "/bin",
+        "HOME": "/x",
+    }
+    # torch on GNU OpenMP and MKL reads OMP_* and MKL_*; KMP_* is Intel OpenMP's, OPENBLAS_* numpy's BLAS's:
+    # recorded as facts, read by nothing a stage computes through
+    facts = thread_facts(["libgomp", "mkl", "onednn"], environ)
+    assert facts["env"] == {"MKL_NUM_THREADS": "4", "OMP_NUM_THREADS": "4"}
+    assert facts["other_env"] == {"KMP_BLOCKTIME": "0", "OPENBLAS_CORETYPE": "Haswell"}
+    # on an OpenBLAS torch with Intel OpenMP the same variables split the other way
+    facts = thread_facts(["libiomp5", "openblas"], environ)
+    assert set(facts["env"]) == {"KMP_BLOCKTIME", "OMP_NUM_THREADS", "OPENBLAS_CORETYPE"}
+    # runtimes not observed (an older record): every variable may be read, none is dropped
+    assert thread_facts(None, environ)["env"] == {k: v for k, v in environ.items() if k not in ("PATH", "HOME")}
     # our own cap on the cores a stage divides among its workers decides its speed as much
-    assert thread_facts({**environ, "DFLASHPIPE_CORES": "1"})["env"]["DFLASHPIPE_CORES"] == "1"
+    assert thread_facts([], {**environ, "DFLASHPIPE_CORES": "1"})["env"] == {"DFLASHPIPE_CORES": "1"}
     assert _cpu_ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8" and _cpu_ranges([3]) == "3"
     # torch's default thread counts follow these variables: facts recorded under others are not reused
     integrity = distribution_integrity(metadata.distribution("torch"), Path(HASH_STATE))
     assert loaded_key(integrity, {"OMP_NUM_THREADS": "1"}) != loaded_key(integrity, {"OMP_NUM_THREADS": "2"})
+    assert loaded_key(integrity, {"OPENBLAS_CORETYPE": "x"}) != loaded_key(integrity, {})
+
+
+def test_the_runtimes_are_read_off_torch_and_numpy_here():
+    """Which runtimes torch computes through is this machine's fact: its build's BLAS, the OpenMP library loaded
+    into the process, oneDNN; numpy's BLAS beside it. Compared here with what torch and numpy say themselves."""
+    import re
+
+    import numpy as np
+    import torch
+
+    from dflashpipe.env import RUNTIME_VARIABLES, _runtimes
+
+    found = _runtimes(torch)
+    blas = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show()).group(1)
+    assert {"open": "openblas"}.get(blas, blas) in found["torch"]
+    assert ("onednn" in found["torch"]) == torch.backends.mkldnn.is_available()
+    openmp = [name for name in found["torch"] if name in ("libgomp", "libiomp5", "libomp")]
+    assert (openmp != []) == torch.backends.openmp.is_available()
+    numpy_blas = str(np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"])
+    assert len(found["numpy"]) == 1 and found["numpy"][0] in numpy_blas
+    assert all(name in RUNTIME_VARIABLES for name in found["torch"])

@@ -194,3 +194,44 @@ def test_a_control_that_cannot_run_is_recorded_as_absent_never_as_zero():
     assert "control_ms" not in Busy(1.0, 1.0, 2, 0.5, None).to_json()
     assert Control.read({"control_ms": {"before": 0.0, "after": 3.0}}) is None
     assert Control.read({"control_ms.before": 3.0, "control_ms.after": 6.0}) == Control(3.0, 6.0)  # flattened
+
+
+def test_a_stage_refuses_a_machine_the_fingerprint_file_does_not_describe(tmp_path):
+    """DVC records the fingerprint file's values of the keys a stage declares; a stage must not run where the
+    machine differs (the fingerprint stage skipped), and says which key, both values and the fix. The machine is
+    observed by the fingerprint stage's own code; a fact it no longer has (a library uninstalled) is removed."""
+    import json
+    import shutil
+
+    from dflashpipe import env
+    from dflashpipe.stage import StaleMachineError, check_machine_current
+
+    project = tmp_path / "project"
+    (project / ".dvc/tmp").mkdir(parents=True)
+    if (ROOT / env.HASH_STATE).is_file():  # spares hashing torch's files again: the test is not about that
+        shutil.copy(ROOT / env.HASH_STATE, project / env.HASH_STATE)
+    keys = ["threads.torch_intra_op", "threads.env", "torch.version", "flash_attn.version"]
+    stages = {"timed": {"cmd": "python timed.py", "params": [{"data/env/fingerprint.json": keys}], "outs": ["o"]}}
+    (project / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}))
+    record = project / "data/env/fingerprint.json"
+    check_machine_current("timed", project)  # no fingerprint file yet: DVC cannot run the stage, nothing to compare
+
+    live = env.observe(project / env.HASH_STATE).facts
+    record.parent.mkdir(parents=True)
+    record.write_text(json.dumps(live))
+    check_machine_current("timed", project)  # the file describes this machine
+
+    other = json.loads(json.dumps(live))
+    other["threads"]["torch_intra_op"] = live["threads"]["torch_intra_op"] + 1
+    other["threads"]["env"] = {**live["threads"]["env"], "OMP_NUM_THREADS": "7"}
+    other["flash_attn"] = {"version": "2.7.4"}
+    record.write_text(json.dumps(other))
+    with pytest.raises(StaleMachineError) as err:
+        check_machine_current("timed", project)
+    intra = live["threads"]["torch_intra_op"]
+    assert str(err.value) == (
+        f"data/env/fingerprint.json is stale: threads.torch_intra_op is {intra + 1} there but {intra} on this "
+        "machine; threads.env: OMP_NUM_THREADS 7 -> unset; flash_attn.version: 2.7.4 -> removed; dvc.lock would "
+        "record a machine this stage did not run on: run `dvc repro` without -s/--single-item, or `dvc repro "
+        "fingerprint` first"
+    )

@@ -52,18 +52,67 @@ def compile_environment(environ: dict[str, str] | None = None) -> dict[str, str]
     }
 
 
-THREAD_ENV_PREFIXES = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_")
-"""Variables of the OpenMP runtimes and the BLAS libraries: how many threads a CPU kernel runs on
-(`OMP_NUM_THREADS`, `MKL_NUM_THREADS`), how an idle thread waits (`OMP_WAIT_POLICY`, `KMP_BLOCKTIME`,
-`GOMP_SPINCOUNT`), where threads are placed (`OMP_PROC_BIND`, `OMP_PLACES`, `KMP_AFFINITY`); and ours,
-`DFLASHPIPE_CORES`, which caps the cores dflashpipe.threads divides among a stage's workers."""
+RUNTIME_VARIABLES: dict[str, tuple[str, ...]] = {
+    "libgomp": ("OMP_", "GOMP_"),  # GNU OpenMP: OMP_NUM_THREADS, OMP_WAIT_POLICY, GOMP_SPINCOUNT, GOMP_CPU_AFFINITY
+    "libiomp5": ("OMP_", "KMP_"),  # Intel OpenMP: OMP_*, KMP_BLOCKTIME, KMP_AFFINITY
+    "libomp": ("OMP_", "KMP_"),  # LLVM OpenMP, which also reads Intel's KMP_* names
+    "mkl": ("MKL_",),  # MKL_NUM_THREADS, MKL_ENABLE_INSTRUCTIONS, MKL_CBWR
+    "openblas": ("OPENBLAS_", "GOTO_"),  # OPENBLAS_NUM_THREADS, OPENBLAS_CORETYPE, GOTO_NUM_THREADS
+    "blis": ("BLIS_",),
+    "onednn": ("ONEDNN_", "DNNL_"),  # ONEDNN_MAX_CPU_ISA, DNNL_DEFAULT_FPMATH_MODE
+}
+"""The CPU runtimes a process of this project may load, and the variable families each reads (its own
+documentation's names). Which of them torch computes through is read off the machine (`_runtimes`); the table
+only says what each one reads."""
+
+THREAD_ENV_PREFIXES = tuple(sorted({prefix for prefixes in RUNTIME_VARIABLES.values() for prefix in prefixes}))
+"""Every variable of these families is recorded, read or not: `threads.env` holds those the runtimes torch
+computes through read (and ours, `DFLASHPIPE_CORES`, which caps the cores dflashpipe.threads divides among a
+stage's workers), `threads.other_env` the rest (an `OPENBLAS_*` beside an MKL torch: numpy's OpenBLAS reads it,
+and no stage's output goes through numpy's linear algebra)."""
 
 
-def thread_facts(environ: dict[str, str] | None = None) -> dict[str, Any]:
-    """What decides how fast the CPU runs this process's kernels and is not code: the thread variables, the CPUs
-    this process may run on (`os.sched_getaffinity`) and the cgroup's CPU quota (`cpu.max`: `<quota> <period>`
-    in microseconds, or `max <period>`). Read without torch; torch's own thread counts are loaded facts."""
+CONTROL_INPUTS = (
+    "threads.torch_intra_op",
+    "threads.env",
+    "threads.affinity",
+    "threads.cpu_quota",
+    "torch.version",
+    "torch.build",
+    "torch.cpu_capability",
+    "gpu.names",
+    "gpu.capabilities",
+)
+"""The fingerprint keys that can move the control (`spread.control_ms`: a float32 `torch.mm` on the stage's
+device at its intra-op count): the threads it runs at, what their runtimes read and the cores they get; the
+matmul's kernels (torch's build and CPU kernel set); the device. A rate whose stage ran with another value of
+one of these is compared without the control; any other fact (`threads.other_env`, the compile variables,
+transformers' version, an edited torch Python file, which `torch.mm`, a C++ builtin, does not run) leaves the
+control a neutral reference."""
+
+
+def thread_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Every variable of the runtimes' families, and DFLASHPIPE_CORES: what the fingerprint sees, read or not."""
     environ = os.environ if environ is None else environ
+    return {k: v for k, v in sorted(environ.items()) if k.startswith(THREAD_ENV_PREFIXES) or k == CORES_ENV}
+
+
+def read_by(runtimes: list[str] | None) -> tuple[str, ...]:
+    """The variable families `runtimes` read; every family when they are unknown (a record made before they
+    were observed): a variable that may be read is never dropped from what a stage depends on."""
+    if runtimes is None:
+        return THREAD_ENV_PREFIXES
+    return tuple(sorted({prefix for name in runtimes for prefix in RUNTIME_VARIABLES.get(name, ())}))
+
+
+def thread_facts(runtimes: list[str] | None = None, environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """What decides how fast the CPU runs this process's kernels and is not code: the variables the runtimes
+    torch computes through read (`runtimes`, from `_runtimes`; `env`) and the other ones seen (`other_env`), the
+    CPUs this process may run on (`os.sched_getaffinity`) and the cgroup's CPU quota (`cpu.max`: `<quota>
+    <period>` in microseconds, or `max <period>`). Read without torch; torch's own thread counts and which
+    runtimes it loads are loaded facts."""
+    seen, read = thread_environment(environ), read_by(runtimes)
+    env = {k: v for k, v in seen.items() if k == CORES_ENV or k.startswith(read)}
     try:
         affinity = _cpu_ranges(sorted(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not Linux
@@ -73,7 +122,8 @@ def thread_facts(environ: dict[str, str] | None = None) -> dict[str, Any]:
     except OSError:  # no cgroup v2 file here: no quota this process can see
         quota = NONE
     return {
-        "env": {k: v for k, v in sorted(environ.items()) if k.startswith(THREAD_ENV_PREFIXES) or k == CORES_ENV},
+        "env": env,
+        "other_env": {k: v for k, v in seen.items() if k not in env},
         "affinity": affinity,
         "cpu_quota": quota,
     }
@@ -295,7 +345,44 @@ def _loaded_facts() -> dict[str, Any]:
         "nccl": nccl or NONE,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
-    return {"torch": torch_facts, "gpu": _gpu_facts(), "threads": threads}
+    return {"torch": torch_facts, "gpu": _gpu_facts(), "threads": {**threads, "runtimes": _runtimes(torch)}}
+
+
+def _runtimes(torch) -> dict[str, list[str]]:
+    """The CPU runtimes (RUNTIME_VARIABLES' names) that torch computes through here, and numpy's BLAS: torch's
+    BLAS as its build says (`BLAS_INFO`), its OpenMP runtime as the library loaded into this process, oneDNN when
+    its build has it; numpy's BLAS as numpy's build says. What they read is what a stage's output can follow."""
+    found = []
+    blas = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
+    if blas:
+        found.append({"open": "openblas"}.get(blas.group(1), blas.group(1)))
+    if torch.backends.openmp.is_available():
+        openmp = _loaded_openmp()
+        found += [openmp] if openmp else ["libgomp", "libiomp5", "libomp"]  # not found: any may be the one
+    if torch.backends.mkldnn.is_available():
+        found.append("onednn")
+    numpy_blas = []
+    try:
+        import numpy as np
+
+        name = str(np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"])
+        numpy_blas.append(next((known for known in RUNTIME_VARIABLES if known in name), name))
+    except Exception:  # no numpy, or a build that does not say: nothing to record
+        pass
+    return {"torch": sorted(found), "numpy": numpy_blas}
+
+
+def _loaded_openmp() -> str | None:
+    """The OpenMP runtime loaded into this process (`/proc/self/maps`), as RUNTIME_VARIABLES names it."""
+    try:
+        maps = Path("/proc/self/maps").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    names = {Path(line.split()[-1]).name for line in maps.splitlines() if "/" in line}
+    for name in ("libgomp", "libiomp5", "libomp"):
+        if any(n.startswith(name + ".") or n.startswith(name + "-") for n in names):
+            return name
+    return None
 
 
 def _gpu_facts() -> dict[str, Any]:
@@ -332,7 +419,8 @@ def loaded_key(integrity: Integrity, environ: dict[str, str] | None = None) -> s
         "cpu": _cpu_identity(),
         "gpus": _gpu_identity(),
         "env": {k: v for k, v in sorted(environ.items()) if k.startswith(LOADED_ENV_PREFIXES)},
-        "threads": thread_facts(environ),  # torch's default thread counts follow them
+        # every thread variable seen (read_by(None)): torch's default counts and what it loads may follow any
+        "threads": thread_facts(None, environ),
     }
     return hashlib.sha256(canonical_json(parts)).hexdigest()
 
@@ -372,6 +460,40 @@ def _read_loaded(path: Path, key: str) -> dict[str, Any] | None:
     return record.get("facts") if isinstance(record, dict) and record.get("key") == key else None
 
 
+ABSENT = object()
+"""What `fact_at` gives for a key a fingerprint does not hold (never None: a fact may be null)."""
+
+
+def fact_at(facts: dict[str, Any], key: str) -> Any:
+    """The value of dotted `key` (`threads.env`, `torch.files_edited`) in a fingerprint, or ABSENT."""
+    node: Any = facts
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return ABSENT
+        node = node[part]
+    return node
+
+
+def fact_change(was: Any, now: Any, width: int = 60, gone: str = "absent") -> str:
+    """`was -> now` in words a line holds: of two dicts only the keys that differ (`OMP_NUM_THREADS unset -> 1`),
+    an absent earlier side as `absent` and an absent later one as `gone` (`removed`, for a fact this machine no
+    longer has), each value cut to `width` characters. Printed facts are shortened here; the record keeps them
+    whole."""
+
+    def short(value: Any, missing: str) -> str:
+        if value is ABSENT:
+            return missing
+        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+        return text if len(text) <= width else text[: width - 3] + "..."
+
+    if isinstance(was, dict) and isinstance(now, dict):  # a key missing from one side: unset there
+        keys = sorted(k for k in set(was) | set(now) if was.get(k, ABSENT) != now.get(k, ABSENT))
+        return "; ".join(
+            f"{k} {short(was.get(k, ABSENT), 'unset')} -> {short(now.get(k, ABSENT), 'unset')}" for k in keys
+        )
+    return f"{short(was, 'absent')} -> {short(now, gone)}"
+
+
 def fingerprint(hash_state: Path | None = None) -> dict[str, Any]:
     """Observe this machine. Same machine, same packages, same variables: same dict (with or without
     `hash_state`, which only saves re-hashing torch's unchanged files)."""
@@ -393,6 +515,7 @@ def observe(
         loaded = _loaded_facts()
         if loaded_state is not None:
             write_json_atomic(loaded_state, {"key": key, "facts": loaded})
+    threads = loaded.get("threads", {})
     torch_facts = {
         **loaded["torch"],
         "files_ok": not integrity.edited and not integrity.missing,
@@ -409,7 +532,7 @@ def observe(
         "triton": {"version": _version("triton")},
         "gpu": loaded["gpu"],
         "env": compile_environment(),
-        "threads": {**loaded.get("threads", {}), **thread_facts()},
+        "threads": {**threads, **thread_facts(threads.get("runtimes", {}).get("torch"))},
     }
     for package in VERSIONED_PACKAGES:
         facts[package] = {"version": _version(package)}
