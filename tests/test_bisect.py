@@ -129,3 +129,27 @@ def test_the_command_prints_the_report_and_a_bad_range_is_exit_2(ten_commits):
     proc = run(["dflashpipe", "bisect", "score", "HEAD", "good"], project, check=False)
     assert proc.returncode == 2 and proc.stderr.strip().startswith("error: HEAD is not an ancestor of good")
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_repeated_runs_pool_by_one_rule_a_rate_brought_to_one_machine_speed_by_its_control():
+    """bisect's probes and --verify's arms pool their runs by spread.pool and are judged by one rule, so the same
+    runs are moved for both or for neither. Two runs of one rate, the second on a machine 2x slower (its control
+    twice the time): each is first brought to the runs' mean machine speed, then pooled."""
+    from dflashpipe import spread
+    from dflashpipe.explain.history import Measured, moved
+    from dflashpipe.rerun.tree import pooled
+
+    quiet = Measured(100.0, spread.Spread(100.0, 95.0, 105.0, 4), spread.Control(3.0, 3.0))
+    busy = Measured(50.0, spread.Spread(50.0, 47.0, 52.0, 4), spread.Control(6.0, 6.0))
+    found = pooled("rows_per_s", [quiet, busy])
+    assert found.control == spread.Control(4.5, 4.5)
+    s = found.spread
+    assert (s.median, s.low, s.high, s.repeats) == pytest.approx((200 / 3, 188 / 3, 70.0, 8))
+    # against a run on the quiet machine: the rate's drop is the control's (1.5x), not a change
+    assert moved("rows_per_s", quiet, found) == (False, "machine")
+    # without controls the runs pool as they are: median of medians, widest range, every repeat
+    bare = [Measured(r.value, r.spread) for r in (quiet, busy)]
+    assert pooled("rows_per_s", bare).spread == spread.Spread(75.0, 47.0, 105.0, 8)
+    # a timed figure without a spread: each run one repeat; any other figure is deterministic: the last run
+    assert pooled("seconds", [Measured(2.0), Measured(3.0)]).spread == spread.Spread.of([2.0, 3.0])
+    assert pooled("score", [Measured(1), Measured(1)]) == Measured(1)

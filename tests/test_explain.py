@@ -89,6 +89,10 @@ def test_growing_the_data_hits_manifest_only_and_costs_are_attributed(committed)
     assert deltas["shards"] == (SHARDS, SHARDS + 1, ["params.yaml:data.num_samples"])
     assert next(m for m in report.metrics if m.key == "train_samples").change == pytest.approx(20 / N)
     md = to_markdown(report)
+    assert f"- (1) param data.num_samples: {N} -> {N + 20}  [dvc.lock@HEAD vs params.yaml]" in md
+    assert "  - invalidates manifest; downstream regenerate, tokenize, features, train, evaluate" in md
+    assert "train_samples" not in md  # no headline: behind --all, counted
+    md = to_markdown(report, full=True)
     assert f"`param params.yaml:data.num_samples: {N} -> {N + 20}` — hits manifest" in md
     assert "| target | unchanged |" in md and f"`train_samples` {N} -> {N + 20} (+{round(100 * 20 / N)}%)" in md
 
@@ -187,7 +191,7 @@ def test_a_compile_env_var_names_the_fingerprint_key_and_hits_warmup_not_data(co
     ]
     assert machine.invalid == [] and machine.edited == []
     assert verdicts(report) == quiet() and report.root_causes == []
-    first = to_markdown(report).split("### This machine\n")[1].splitlines()[0]
+    first = to_markdown(report, full=True).split("### This machine\n")[1].splitlines()[0]
     assert first.startswith(
         "- the fingerprint file is stale: env.TORCHINDUCTOR_MAX_AUTOTUNE now null (recorded 1); "
         "these stages are invalid on this machine: none ("
@@ -228,6 +232,25 @@ def test_two_experiments_compare_by_name_and_json_is_complete(committed):
     assert (data["a"], data["b"]) == ("HEAD", "fast")
     final_loss = next(m for m in data["metrics"] if m["key"] == "final_loss")
     assert final_loss["old"] != final_loss["new"] and final_loss["causes"] == ["params.yaml:train.lr"]
+
+
+def test_a_revision_whose_metrics_are_missing_or_unreadable_still_gets_every_stage_verdict(committed):
+    from dflashpipe.explain import answer, answer_lines
+
+    (committed / "metrics/bench.json").write_text("{ not json")
+    (committed / "metrics/eval.json").unlink()
+    run(["git", "add", "-A"], committed)
+    run(["git", "commit", "-qm", "metrics lost"], committed)
+    report = explain("HEAD~1", "HEAD", committed)
+    assert verdicts(report) == quiet() and report.root_causes == []  # dvc.lock is what decides them
+    (note,) = report.notes
+    assert note.startswith("metrics/bench.json@HEAD: not valid JSON (")
+    lines = [text for _, text in answer_lines(answer(report))]
+    assert f"note: {note}"[:97] in "\n".join(lines)
+    tau = next(text for text in lines if text.startswith("tau "))
+    assert tau.endswith("differs: recorded on one side only")
+    proc = run(["dflashpipe", "explain", "HEAD~1", "HEAD"], committed)
+    assert "Stages\n  unchanged: " in proc.stdout and "note: metrics/bench.json@HEAD" in proc.stdout
 
 
 def test_an_unknown_revision_is_a_clear_error(committed):
@@ -654,7 +677,7 @@ def test_compare_paths_name_the_changed_files_of_a_directory_and_skip_unchanged_
 
 def fingerprint_values(stages: dict, facts: dict) -> dict[str, object]:
     """lock_of's `values` for every fingerprint key the stages name, as `facts` (a fingerprint) holds them."""
-    from dflashpipe.explain.machine import ABSENT, _lookup
+    from dflashpipe.env import ABSENT, fact_at
 
     named = {
         k
@@ -663,7 +686,7 @@ def fingerprint_values(stages: dict, facts: dict) -> dict[str, object]:
         if isinstance(e, dict)
         for k in e.get(FINGERPRINT_PARAMS, [])
     }
-    return {f"{FINGERPRINT_PARAMS}:{k}": _lookup(facts, k) for k in named if _lookup(facts, k) is not ABSENT}
+    return {f"{FINGERPRINT_PARAMS}:{k}": fact_at(facts, k) for k in named if fact_at(facts, k) is not ABSENT}
 
 
 def test_a_stale_fingerprint_names_the_edited_torch_file_and_the_stages_it_invalidates(dag):
@@ -921,7 +944,7 @@ def test_a_forced_rebuild_of_the_compile_cache_is_equivalent_and_invalidates_not
     assert verdicts(report) == quiet() and report.root_causes == []
     assert by_stage["warmup"].note.startswith("data/compile rebuilt here, equivalent: other bytes, the same ")
     assert by_stage["train"].paths == [] and by_stage["bench"].paths == []
-    assert "| warmup | unchanged | data/compile rebuilt here, equivalent" in to_markdown(report)
+    assert "| warmup | unchanged | data/compile rebuilt here, equivalent" in to_markdown(report, full=True)
 
 
 def test_a_fingerprint_key_the_file_does_not_hold_yet_is_read_off_the_machine(dag):
@@ -955,3 +978,111 @@ def test_a_fingerprint_key_the_file_does_not_hold_yet_is_read_off_the_machine(da
     assert intra.evidence.endswith("this machine now (observed live; data/env/fingerprint.json lacks it: stale)")
     assert causes["threads.env"].stages == naming("threads.env")
     assert live.machine.invalid == readers
+
+
+def test_the_control_is_set_aside_only_by_a_fact_that_can_move_it(dag):
+    """A compile variable changed what train ran with, yet the control (an eager matmul) cannot follow it: a rate
+    that fell as far as the control rose is the machine's. The thread variables its matmul's runtimes read can
+    move it: then it is no neutral reference, and the figure is compared as it is."""
+    from dflashpipe.explain import MACHINE
+
+    quiet = {"low": 50.0, "high": 53.0, "repeats": 5, "machine": controlled(1.95, 0.4, 3.0, 3.2)}
+    loaded = {"low": 15.0, "high": 17.0, "repeats": 5, "machine": controlled(0.7, 3.9, 9.5, 10.1)}
+    for key, before, after, call in (
+        (f"{FINGERPRINT_PARAMS}:env", {}, {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"}, MACHINE),
+        (f"{FINGERPRINT_PARAMS}:threads.env", {}, {"OMP_NUM_THREADS": "1"}, CHANGE),
+        (f"{FINGERPRINT_PARAMS}:threads.torch_intra_op", 2, 1, CHANGE),
+    ):
+        found = deltas_between(
+            dag,
+            (lock_of(dag, values={key: before}), train_metrics(52.0, quiet)),
+            (lock_of(dag, values={key: after}), train_metrics(16.0, loaded)),
+        )["tokens_per_s"]
+        assert found.call == call, key
+        if call == MACHINE:
+            assert found.causes == [] and found.slowdown == pytest.approx(9.8 / 3.1)
+        else:
+            name = key.split(":", 1)[1]
+            assert found.control == f"control not applied: {name} changed what it runs on"
+            assert found.causes == [key] and found.slowdown is None
+
+
+def answer_of(dag, old: tuple, new: tuple, **report_fields):
+    """explain's Report and first screen between two hand-built (lock, metrics) revisions."""
+    from dflashpipe.explain import Report, answer_lines, metric_deltas
+    from dflashpipe.explain.answer import answer
+    from dflashpipe.explain.comparison import headlines_same
+
+    sa, sb = MetricsState("HEAD", dag, *old), MetricsState("new", dag, *new)
+    after = read_revision_state(sb)
+    found = compare(read_revision_state(sa), after, {}, None, "HEAD", "new")
+    metrics = metric_deltas(sa, sb, after, found)
+    report = Report("HEAD", "new", root_causes(found), found, metrics, **report_fields)
+    report.headlines_same = headlines_same(sa, sb, metrics)
+    return report, answer_lines(answer(report))
+
+
+def headline_metrics(tokens_per_s: float, spread: dict, loss: float, extra: int = 0) -> dict:
+    """The train and eval metrics files with the headline figures, and `extra` non-headline keys."""
+    train = {"tokens_per_s": tokens_per_s, "tokens_per_s_spread": spread, "final_loss": loss}
+    train |= {f"step_profile.share.part{i}": tokens_per_s + i for i in range(extra)}
+    return {"metrics/train/metrics.json": train, "metrics/eval.json": {"tau": 1.067}}
+
+
+def test_the_first_screen_is_the_causes_the_stages_and_the_headlines(dag):
+    quiet = {"low": 50.0, "high": 53.0, "repeats": 5, "machine": controlled(1.95, 0.4, 3.0, 3.2)}
+    loaded = {"low": 15.0, "high": 17.0, "repeats": 5, "machine": controlled(0.7, 3.9, 9.5, 10.1)}
+    rerun = {p: f"new md5({p})" for p in ("data/manifest", "data/regenerated", "data/tokens", "data/drafter")}
+    report, lines = answer_of(
+        dag,
+        (lock_of(dag, values={"data.num_samples": 2000}), headline_metrics(52.0, quiet, 9.70, extra=40)),
+        (lock_of(dag, rerun, {"data.num_samples": 2400}), headline_metrics(16.0, loaded, 9.71, extra=40)),
+    )
+    from dflashpipe.explain.render import DETAIL, FOOTER, INDENT, ITEM, SECTION, TITLE, WIDTH
+
+    downstream = [s for s in dag if verdicts(report)[s] == DOWNSTREAM]
+    assert lines[:4] == [
+        (TITLE, "What changed: HEAD -> new"),
+        (SECTION, "Causes"),
+        (ITEM, "(1) param data.num_samples: 2000 -> 2400  [dvc.lock@HEAD vs dvc.lock@new]"),
+        (DETAIL, f"invalidates manifest; downstream {', '.join(downstream)}"),
+    ]
+    assert (SECTION, "Stages") in lines and (ITEM, f"rerun: {', '.join(['manifest', *downstream])}") in lines
+    heads = lines[lines.index((SECTION, "Headlines")) + 1 :]
+    # the rate fell as far as the control rose: the machine, with the control's factor; the loss is deterministic
+    assert heads[0][1].startswith("train tokens/s  52 -> 16 (-69%)") and heads[0][1].endswith(
+        "machine: control 3.16x slower"
+    )
+    assert heads[1][1].startswith("final loss") and heads[1][1].endswith("differs: (1)")
+    assert heads[2] == (ITEM, "the same: tau")
+    # the 40 other figures that moved are behind --all, counted; nothing of them is on the first screen
+    assert heads[-1][0] == FOOTER and "40 more metrics that differ" in heads[-1][1]
+    assert not any("step_profile" in text for _, text in lines)
+    assert all(INDENT[level] + len(text) <= WIDTH for level, text in lines) and len(lines) <= 25
+
+
+def test_one_thread_variable_is_one_cause_of_the_machine_and_a_removed_fact_is_named(dag):
+    """OMP_NUM_THREADS moves two fingerprint keys (the variable, and torch's intra-op count that follows it): one
+    cause on the first screen, with the stages of both. A fact the machine no longer has (a library uninstalled)
+    is said to be removed, not crashed on."""
+    from dflashpipe.explain import Machine, Report, answer_lines
+    from dflashpipe.explain.answer import answer
+    from dflashpipe.explain.machine import Live, attribute_to_machine, fingerprint_changes, with_live_fingerprint
+
+    recorded = json.loads((ROOT / "data/env/fingerprint.json").read_text())
+    recorded["threads"] = {"torch_intra_op": 2, "torch_inter_op": 2, "env": {}, "affinity": "0-1", "cpu_quota": "none"}
+    now = json.loads(json.dumps(recorded))
+    now["threads"]["env"], now["threads"]["torch_intra_op"] = {"OMP_NUM_THREADS": "1"}, 1
+    del now["triton"]  # uninstalled: the fingerprint of this machine has no such group
+    live = Live(Machine(True, fingerprint_changes(recorded, now), [], [], "full check"), now)
+    lock = lock_of(dag, values=fingerprint_values(dag, recorded))
+    workspace = with_live_fingerprint(read_revision_state(LockState("workspace", dag, lock)), live, {})
+    found = compare(read_revision_state(LockState("HEAD", dag, lock)), workspace, {}, None, "HEAD", "workspace")
+    attribute_to_machine(found, live)
+    report = Report("HEAD", "workspace", root_causes(found), found, [], live.machine)
+    causes = [text for level, text in answer_lines(answer(report)) if " machine " in text]
+    assert causes == [
+        "(1) machine threads: env: OMP_NUM_THREADS unset -> 1; torch_intra_op: 2 -> 1",
+        f"(2) machine triton.version: {recorded['triton']['version']} -> removed  [dvc.lock@HEAD vs this machine]",
+    ]
+    assert set(verdicts(report)[s] for s in naming("threads.torch_intra_op") + naming("triton.version")) == {DIRECT}

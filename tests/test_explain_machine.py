@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import importlib.metadata as metadata
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 from dflashpipe import env
 from dflashpipe.explain import DIRECT, DOWNSTREAM, NOISE, explain, print_text, to_json, to_markdown
-from tests.conftest import copy_project, run
-from tests.test_explain import naming, quiet, verdicts
+from tests.conftest import copy_project, run, set_params
+from tests.test_explain import N, naming, quiet, verdicts
 
 EDITED = "torch/fx/_symbolic_trace.py"
 
@@ -58,13 +59,17 @@ def assert_one_story(report, project: Path, capsys, extra_env: dict | None = Non
     assert {s["stage"]: s["verdict"] for s in data["stages"]} == found
     assert [(c["kind"], c["what"]) for c in data["root_causes"]] == causes
     assert data["machine"]["invalid"] == report.machine.invalid
-    md = to_markdown(report)
+    md = to_markdown(report, full=True)
     assert "every stage's recorded inputs are the same" not in md
     for stage, verdict in found.items():
         assert f"| {stage} | {verdict} |" in md
     print_text(report)
     text = capsys.readouterr().out
-    assert "Root causes\n  nothing" not in text and "Root causes\n  • machine " in text
+    assert "Causes\n  nothing" not in text and "Causes\n  (1) machine " in text
+    rerun = text.split("\nStages\n", 1)[1].split("\nHeadlines\n", 1)[0].split("  unchanged: ", 1)[0]
+    assert rerun.startswith("  rerun: ") and all(stage in rerun for stage in report.machine.invalid)
+    print_text(report, full=True)
+    text = capsys.readouterr().out
     for stage in report.machine.invalid:
         assert f"{stage}: {DIRECT}" in text or f"{stage}: {DOWNSTREAM}" in text
     from dflashpipe.report import build
@@ -166,3 +171,84 @@ def test_bench_re_measured_with_one_thread_names_the_thread_change(committed, mo
     assert "threads.env {" in moved.machine and '"OMP_NUM_THREADS": "1"' in moved.machine
     assert moved.machine.startswith("the runs were recorded (dvc.lock) with ")
     assert "; while measuring: before CPU time/wall " in moved.machine
+
+
+def first_screen(report) -> list[tuple[int, str]]:
+    from dflashpipe.explain import answer, answer_lines
+
+    return answer_lines(answer(report))
+
+
+def test_the_seed_incident_replayed_names_exactly_its_four_causes_on_the_first_screen(committed, monkeypatch):
+    """The story this project exists for, on the tiny pipeline: the data grown, the compile cache deleted, a torch
+    file patched, a thread variable changed. The first screen names exactly those four causes, each with the stages
+    it invalidates, in at most 25 lines of 100 columns, and nothing else as a cause."""
+    from dflashpipe.explain.render import DETAIL, INDENT, ITEM, SECTION, WIDTH
+
+    recorded = json.loads((committed / "data/env/fingerprint.json").read_text())["threads"]
+    set_params(committed, data__num_samples=N + 20)
+    shutil.rmtree(committed / "data/compile")
+    edit_torch_file_as_the_check_sees_it(committed)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    lines = first_screen(explain("HEAD", "workspace", committed))
+    assert len(lines) <= 25 and all(INDENT[level] + len(text) <= WIDTH for level, text in lines)
+    causes = lines[lines.index((SECTION, "Causes")) + 1 : lines.index((SECTION, "Stages"))]
+    named = {text.split(":", 1)[0].split(") ", 1)[1]: i for i, (level, text) in enumerate(causes) if level == ITEM}
+    assert set(named) == {
+        "param data.num_samples",
+        "output data/compile of warmup",
+        "machine torch.files_edited",
+        "machine threads",
+    }, causes
+
+    def hits(name: str) -> str:
+        return causes[named[name] + 1][1]
+
+    grown = ["regenerate", "tokenize", "features", "train", "evaluate"]
+    assert hits("param data.num_samples") == f"invalidates manifest; downstream {', '.join(grown)}"
+    assert causes[named["output data/compile of warmup"]][1].endswith("missing; restorable: `dvc checkout`")
+    patched = naming("torch.files_edited")
+    assert hits("machine torch.files_edited") == f"invalidates {', '.join(patched)}; downstream tokenize"
+    assert f'machine torch.files_edited: [] -> ["{EDITED}"]' in causes[named["machine torch.files_edited"]][1]
+    threads = naming("threads.torch_intra_op") if recorded["torch_intra_op"] > 1 else naming("threads.env")
+    assert hits("machine threads") == f"invalidates {', '.join(threads)}"
+    assert ") machine threads: env: OMP_NUM_THREADS unset -> 1" in causes[named["machine threads"]][1]
+    assert all(level in (ITEM, DETAIL) for level, _ in causes)
+
+
+def test_a_variable_no_runtime_of_torch_reads_reruns_nothing_and_one_it_reads_reruns_its_readers(committed):
+    """OPENBLAS_* beside a torch that computes on MKL reaches only numpy's OpenBLAS, which no stage's output goes
+    through: recorded, invalidating nothing. OMP_NUM_THREADS is read by torch's OpenMP: the stages naming the
+    thread facts rerun, the rest stays."""
+    fingerprint = committed / "data/env/fingerprint.json"
+    runtimes = json.loads(fingerprint.read_text())["threads"]["runtimes"]["torch"]
+    if "openblas" in runtimes:
+        pytest.skip("this torch computes on OpenBLAS: its variables are read here")
+    openblas = {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "512"}
+    run(["dvc", "repro", "fingerprint"], committed, env=openblas)
+    threads = json.loads(fingerprint.read_text())["threads"]
+    assert threads["other_env"] == openblas and not set(openblas) & set(threads["env"])
+    assert set(json.loads(run(["dvc", "status", "--json"], committed).stdout)) == {"fingerprint"}
+    assert verdicts(explain("HEAD", "workspace", committed, machine=False)) == quiet()
+
+    intra = threads["torch_intra_op"]
+    run(["dvc", "repro", "fingerprint"], committed, env={"OMP_NUM_THREADS": "1"})
+    readers = naming("threads.torch_intra_op") if intra > 1 else naming("threads.env")
+    assert set(json.loads(run(["dvc", "status", "--json"], committed).stdout)) == {"fingerprint", *readers}
+    assert verdicts(explain("HEAD", "workspace", committed, machine=False)) == {
+        **quiet(),
+        **dict.fromkeys(readers, DIRECT),
+    }
+
+
+def test_a_stage_run_alone_under_other_threads_than_the_fingerprint_file_refuses_before_any_work(committed):
+    """`dvc repro -s bench` skips the fingerprint stage: bench would run at one thread while dvc.lock recorded the
+    file's thread facts. It refuses in one line, naming the key, both values and the fix, and nothing is locked."""
+    lock = (committed / "dvc.lock").read_bytes()
+    proc = run(["dvc", "repro", "-f", "-s", "bench"], committed, check=False, env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    (line,) = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("dflashpipe bench:")]
+    assert line.startswith("dflashpipe bench: error: data/env/fingerprint.json is stale: threads.")
+    assert "OMP_NUM_THREADS unset -> 1" in line
+    assert line.endswith("run `dvc repro` without -s/--single-item, or `dvc repro fingerprint` first")
+    assert (committed / "dvc.lock").read_bytes() == lock

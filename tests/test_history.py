@@ -249,7 +249,7 @@ def test_a_key_two_metrics_files_record_is_printed_with_its_file(toy_history, tm
     # explain names the figure the same way, though train's tokens_per_s did not change
     report = explain("HEAD~1", "HEAD", project)
     assert [(m.file, m.name) for m in report.metrics] == [("metrics/bench.json", "metrics/bench.json:tokens_per_s")]
-    assert "- `metrics/bench.json:tokens_per_s` 50.0 -> 60.0" in to_markdown(report)
+    assert "- `metrics/bench.json:tokens_per_s` 50.0 -> 60.0" in to_markdown(report, full=True)
 
 
 def _disk(project: Path) -> tuple[str, bytes]:

@@ -59,6 +59,9 @@ def explain(
     since: str = typer.Option(None, help="Compare this revision against the workspace."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     as_md: bool = typer.Option(False, "--md", help="Markdown, for pasting into an issue or PR."),
+    full: bool = typer.Option(
+        False, "--all", help="After the answer: every stage's reason, every metric, the evidence."
+    ),
     verify: str = typer.Option(
         None, help="A metric key: rerun the pipeline with each cause reaching it reverted alone to A, and measure."
     ),
@@ -72,11 +75,13 @@ def explain(
     if as_json:
         typer.echo(verifying.verification_json(result) if verify else explaining.to_json(result))
     elif as_md:
-        typer.echo((verifying.verification_markdown if verify else explaining.to_markdown)(result), nl=False)
+        typer.echo(
+            verifying.verification_markdown(result) if verify else explaining.to_markdown(result, full), nl=False
+        )
     elif verify:
         typer.echo("\n".join(verifying.verification_lines(result)))
     else:
-        explaining.print_text(result)
+        explaining.print_text(result, full)
 
 
 METRIC_OPTION = typer.Option(None, help="A metric key (or file:key) to follow; repeatable.")

@@ -51,7 +51,7 @@ def build(root: str | Path = ".") -> RunReport:
         headlines=_headlines(root, explained),
         charts=_charts(root),
         images=[(str(p.relative_to(root)), p.read_bytes()) for p in sorted((root / METRICS).rglob("*.png"))],
-        explain_md=to_markdown(explained) if explained else f"explain HEAD vs workspace failed: {error}\n",
+        explain_md=to_markdown(explained, full=True) if explained else f"explain HEAD vs workspace failed: {error}\n",
         error=error,
     )
 

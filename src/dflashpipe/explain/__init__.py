@@ -8,6 +8,7 @@ Stages come from dvc.yaml, so a new stage needs no change here.
 
 The package splits where the work does: `state` reads a state (the only module that
 touches files, git and DVC), `comparison` compares two states along the DAG (pure),
+`answer` picks the first screen out of a Report (the causes, the stages to rerun, the headline figures),
 `render` prints a Report, `machine` checks the live machine against the fingerprint file (with the
 fingerprint stage's own code), `history` walks the commits, and `report` holds the types all share. `explain()`
 below wires them together; `__all__` is the public API.
@@ -18,9 +19,26 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflashpipe.errors import DflashpipeError
-from dflashpipe.explain.comparison import compare, metric_deltas, root_causes, topological, upstream_of
+from dflashpipe.explain.answer import Answer, answer
+from dflashpipe.explain.comparison import (
+    compare,
+    headlines_same,
+    metric_deltas,
+    root_causes,
+    topological,
+    unreadable_metrics,
+    upstream_of,
+)
 from dflashpipe.explain.machine import attribute_to_machine, observe_machine, with_live_fingerprint
-from dflashpipe.explain.render import cause_line, machine_lines, metric_line, print_text, to_json, to_markdown
+from dflashpipe.explain.render import (
+    answer_lines,
+    cause_line,
+    machine_lines,
+    metric_line,
+    print_text,
+    to_json,
+    to_markdown,
+)
 from dflashpipe.explain.report import (
     ALWAYS,
     CHANGE,
@@ -48,6 +66,9 @@ from dflashpipe.revision import WORKSPACE, Revision, Revisions, Workspace, parse
 
 __all__ = [
     "ALWAYS",
+    "Answer",
+    "answer",
+    "answer_lines",
     "CHANGE",
     "MACHINE",
     "DIRECT",
@@ -106,7 +127,7 @@ def explain(a: str = "HEAD", b: str = WORKSPACE, root: str | Path = ".", machine
         if sa is not None and sb is not None:
             old, new = read_revision_state(sa), read_revision_state(sb)
             verdicts = compare(old, new, {}, LocalCache(root), a, b)
-            return Report(a, b, root_causes(verdicts), verdicts, metric_deltas(sa, sb, new, verdicts))
+            return _report(a, b, sa, sb, new, verdicts)
         from dvc.repo import Repo
 
         with Repo(str(root)) as repo:
@@ -121,8 +142,17 @@ def explain(a: str = "HEAD", b: str = WORKSPACE, root: str | Path = ".", machine
             verdicts = compare(old, new, recorded, repo.cache.local, a, b)
             if live is not None:
                 attribute_to_machine(verdicts, live)
-            metrics = metric_deltas(sa, sb, new, verdicts)
-    return Report(a, b, root_causes(verdicts), verdicts, metrics, live and live.machine)
+            return _report(a, b, sa, sb, new, verdicts, live and live.machine)
+
+
+def _report(a: str, b: str, sa: State, sb: State, new, verdicts, machine: Machine | None = None) -> Report:
+    """The verdicts with what they did to the metrics; a metrics file that does not parse is left out and said,
+    never a reason to withhold the stage verdicts."""
+    metrics = metric_deltas(sa, sb, new, verdicts)
+    report = Report(a, b, root_causes(verdicts), verdicts, metrics, machine)
+    report.notes = unreadable_metrics([sa, sb], new)
+    report.headlines_same = headlines_same(sa, sb, metrics)
+    return report
 
 
 def _fingerprint_keys(root: Path) -> dict[str, list[str]]:

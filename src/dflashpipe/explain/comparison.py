@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 
-from dflashpipe import pipeline, spread
+from dflashpipe import env, pipeline, spread
 from dflashpipe.artifacts import json_number
 from dflashpipe.compile.artifact import BUILT_FOR, REPORT
+from dflashpipe.errors import DflashpipeError
 from dflashpipe.explain.report import (
     ALWAYS,
     DIRECT,
@@ -32,8 +33,9 @@ from dflashpipe.explain.report import (
     display_names,
 )
 from dflashpipe.explain.state import State, cached_json, dir_listing, in_cache, read_revision_state
+from dflashpipe.headlines import HEADLINES
 from dflashpipe.pipeline import COMPILE, FINGERPRINT, lies_under
-from dflashpipe.revision import read_metrics
+from dflashpipe.revision import WORKSPACE, read_metrics
 
 LISTED_FILES = 5
 """How many changed files of one directory a path names before it says how many more there are."""
@@ -67,7 +69,9 @@ def compare(
             v.verdict, v.note = UNKNOWN, f"no dvc.lock entry for {name!r} at {a}: its inputs then are unknowable"
             continue
         if st.cmd != before.cmd:
-            v.causes.append(Cause("cmd", name, before.cmd, st.cmd, f"dvc.yaml stages.{name}.cmd"))
+            v.causes.append(
+                Cause("cmd", name, before.cmd, st.cmd, f"dvc.yaml stages.{name}.cmd", source=_source("cmd", a, b))
+            )
         for path in sorted(set(st.deps) | set(before.deps)):
             old_md5, new_md5 = before.deps.get(path), st.deps.get(path)
             if old_md5 == new_md5 or any(lies_under(path, o) for o in upstream_outs[name]):
@@ -80,6 +84,7 @@ def compare(
                     new_md5,
                     f"{before.where.get(f'dep:{path}', f'dvc.lock@{a} (not listed)')} vs "
                     f"{st.where.get(f'dep:{path}', f'{b} (not listed)')}",
+                    source=_source("dep", a, b),
                 )
             )
         for file in sorted(set(st.params) | set(before.params)):
@@ -94,6 +99,7 @@ def compare(
                             new_values.get(key),
                             f"{before.where.get(f'param:{file}:{key}', f'dvc.lock@{a}')} vs "
                             f"{st.where.get(f'param:{file}:{key}', b)}",
+                            source=_source("param", a, b, file),
                         )
                     )
         for u in ups[name]:
@@ -115,6 +121,8 @@ def compare(
             v.verdict, v.note = ALWAYS, "always_changed: it reruns on every `dvc repro` and observes the machine"
         elif v.causes:
             v.verdict = DIRECT
+            # it reruns anyway, but a lost output is a fact of its own (the compile cache gone: a cold compile)
+            v.causes.extend(_output_problems(st, recorded.get(name, {}), cache))
         elif v.upstream:
             v.verdict = DOWNSTREAM
         elif recorded:
@@ -126,6 +134,17 @@ def compare(
             v.note = "; ".join(n for n in same if n)
     _trace_paths(verdicts, old, new, ups, cache, workspace=bool(recorded))
     return [verdicts[n] for n in topological(new, ups)]
+
+
+def _source(kind: str, a: str, b: str, file: str = "") -> str:
+    """The evidence's name for a cause of `kind` between states `a` and `b`: what each side was read from."""
+
+    def side(state: str) -> str:
+        if state != WORKSPACE:
+            return f"dvc.yaml@{state}" if kind == "cmd" else f"dvc.lock@{state}"
+        return {"cmd": "dvc.yaml", "param": file}.get(kind, "the workspace")
+
+    return f"{side(a)} vs {side(b)}"
 
 
 def equivalent(out: str, was: str | None, now: str | None, cache) -> str:
@@ -233,6 +252,7 @@ def _output_problems(st: StageState, recorded: dict[str, str | None], cache) -> 
                 locked,
                 now or "missing",
                 f"dvc.lock (workspace) stages.{st.name}.outs md5 vs the workspace; {fix}",
+                source="dvc.lock vs the workspace",
             )
         )
     return problems
@@ -252,7 +272,7 @@ def root_causes(verdicts: list[Verdict]) -> list[Cause]:
                 json.dumps(c.new, sort_keys=True, default=str),
             )
             if key not in merged:
-                merged[key] = Cause(c.kind, c.what, c.old, c.new, c.evidence, [])
+                merged[key] = Cause(c.kind, c.what, c.old, c.new, c.evidence, [], c.source)
             merged[key].stages.append(v.stage)
     return list(merged.values())
 
@@ -260,17 +280,17 @@ def root_causes(verdicts: list[Verdict]) -> list[Cause]:
 def metric_deltas(sa: State, sb: State, new: dict[str, StageState], verdicts: list[Verdict]) -> list[MetricDelta]:
     by_stage = {v.stage: v for v in verdicts}
 
-    def causes_reaching(stage: str) -> list[str]:
-        found, todo, seen = [], [stage], set()
+    def causes_reaching(stage: str) -> list[Cause]:
+        found, todo, seen = {}, [stage], set()
         while todo:
             s = todo.pop()
             if s in seen:
                 continue
             seen.add(s)
-            found.extend(f"{c.what}" for c in by_stage[s].causes if by_stage[s].verdict == DIRECT)
+            found.update((c.what, c) for c in by_stage[s].causes if by_stage[s].verdict == DIRECT)
             # only through deps whose bytes changed: an upstream that reran to the same output is no path
             todo.extend(by_stage[s].linked)
-        return sorted(set(found))
+        return [found[what] for what in sorted(found)]
 
     recorded: list[dict[str, StageState]] = []  # each side's dvc.lock: what each measurement ran with
 
@@ -281,8 +301,9 @@ def metric_deltas(sa: State, sb: State, new: dict[str, StageState], verdicts: li
 
     deltas, keys_recorded = [], []
     for st in new.values():
+        reaching = causes_reaching(st.name) if st.metrics else []
         for path in st.metrics:
-            old, cur = read_metrics(sa, path), read_metrics(sb, path)
+            old, cur = readable_metrics(sa, path), readable_metrics(sb, path)
             keys_recorded += [(path, key) for key in {**old, **cur} if not _is_spread(key)]
             for key in sorted(set(old) | set(cur)):
                 o, n = old.get(key), cur.get(key)
@@ -290,15 +311,15 @@ def metric_deltas(sa: State, sb: State, new: dict[str, StageState], verdicts: li
                     continue  # a `<key>_spread` is read with its figure, below
                 was, now = json_number(o), json_number(n)
                 change = (now - was) / abs(was) if was and now is not None else None
-                delta = MetricDelta(path, key, o, n, change, st.name, causes_reaching(st.name))
+                delta = MetricDelta(path, key, o, n, change, st.name, [c.what for c in reaching])
                 if is_throughput(key, old, cur):
                     before, after = figure(old, key), figure(cur, key)
                     if not is_rate(key):  # a ratio of two paths timed in the same rounds: the machine cancels out
                         call = spread.compare(before, after)
-                    # what the stage ran on differs (threads, torch build): the control runs on it too, so it is
-                    # no neutral reference then, and the figure is compared as it is
-                    elif ran_on := [c for c in delta.causes if c.startswith(f"{FINGERPRINT}:")] or _fingerprint_moves(
-                        st.name, ran_with()
+                    # what the control runs on differs (its threads, its kernels, its device): it is no neutral
+                    # reference then, and the figure is compared as it is; any other fact leaves it one
+                    elif ran_on := [c.what for c in reaching if moves_the_control(c)] or _fingerprint_moves(
+                        st.name, ran_with(), control_only=True
                     ):
                         call = spread.compare(before, after)
                         delta.control = f"control not applied: {ran_on[0].split(':', 1)[-1]} changed what it runs on"
@@ -306,6 +327,8 @@ def metric_deltas(sa: State, sb: State, new: dict[str, StageState], verdicts: li
                         controls = control(old, key), control(cur, key)
                         call = spread.compare_rates(before, after, *controls)
                         delta.control = control_words(*controls, sa.label, sb.label)
+                        if None not in controls:
+                            delta.slowdown = spread.slowdown(*controls)
                     delta.call = UNMEASURED if call == "unmeasured" else call
                     delta.spread = f"before {_described(before)}; after {_described(after)}"
                     if delta.call in (NOISE, MACHINE):
@@ -317,6 +340,39 @@ def metric_deltas(sa: State, sb: State, new: dict[str, StageState], verdicts: li
     for delta in deltas:
         delta.name = names[delta.file, delta.key]
     return deltas
+
+
+def headlines_same(sa: State, sb: State, deltas: list[MetricDelta]) -> list[str]:
+    """The headline figures (`file:key`) both states record, with no delta between them."""
+    moved = {(d.file, d.key) for d in deltas}
+    files = {h.file for h in HEADLINES}
+    read = {f: (readable_metrics(sa, f), readable_metrics(sb, f)) for f in files}
+    return [
+        f"{h.file}:{h.key}"
+        for h in HEADLINES
+        if (h.file, h.key) not in moved and all(h.key in side for side in read[h.file])
+    ]
+
+
+def readable_metrics(state: State, path: str) -> dict:
+    """`read_metrics`, with a file that does not parse read as absent: the stage verdicts never depend on it, and
+    `unreadable_metrics` says which it was."""
+    try:
+        return read_metrics(state, path)
+    except DflashpipeError:
+        return {}
+
+
+def unreadable_metrics(states: list[State], new: dict[str, StageState]) -> list[str]:
+    """The metrics files of `states` that exist but do not parse, each as the one line read_metrics gives."""
+    found = []
+    for state in states:
+        for path in (p for st in new.values() for p in st.metrics):
+            try:
+                read_metrics(state, path)
+            except DflashpipeError as exc:
+                found.append(str(exc))
+    return found
 
 
 def _is_spread(key: str) -> bool:
@@ -392,14 +448,26 @@ def _machine_facts(stage: str, key: str, old: dict, cur: dict, recorded: list[di
     return "; ".join(said)
 
 
-def _fingerprint_moves(stage: str, recorded: list[dict[str, StageState]], values: bool = False) -> list[str]:
+def moves_the_control(c: Cause) -> bool:
+    """Whether a cause is a fingerprint key the control can follow (env.CONTROL_INPUTS), a live `machine` one or a
+    recorded param of the fingerprint file."""
+    prefix = f"{FINGERPRINT}:"
+    if c.kind == "param" and c.what.startswith(prefix):
+        return c.what[len(prefix) :] in env.CONTROL_INPUTS
+    return c.kind == "machine" and c.what in env.CONTROL_INPUTS
+
+
+def _fingerprint_moves(
+    stage: str, recorded: list[dict[str, StageState]], values: bool = False, control_only: bool = False
+) -> list[str]:
     """The fingerprint keys `stage`'s two dvc.lock entries (each side's) ran with that differ, with their two
-    values when `values`."""
+    values when `values`; only those that can move the control with `control_only`."""
     before, after = (r.get(stage) for r in recorded) if len(recorded) == 2 else (None, None)
     if before is None or after is None or not before.locked or not after.locked:
         return []
     was, now = before.params.get(str(FINGERPRINT), {}), after.params.get(str(FINGERPRINT), {})
     keys = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+    keys = [k for k in keys if k in env.CONTROL_INPUTS] if control_only else keys
     return [f"{k} {_compact(was.get(k))} -> {_compact(now.get(k))}" if values else k for k in keys]
 
 

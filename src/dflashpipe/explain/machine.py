@@ -85,18 +85,6 @@ def observe_machine(root: str | Path, distribution: str = "torch") -> Live:
     return Live(Machine(bool(changes), changes, [], edited, check), now)
 
 
-def _lookup(facts: dict[str, Any], key: str) -> Any:
-    node: Any = facts
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return ABSENT
-        node = node[part]
-    return node
-
-
-ABSENT = object()
-
-
 def _compact(value: Any) -> str:
     text = json.dumps(value, default=str)
     return text if len(text) <= 80 else text[:77] + "..."
@@ -120,12 +108,12 @@ def with_live_fingerprint(
             continue
         values, where = dict(st.params.get(file, {})), dict(st.where)
         for key in keys:
-            now, was = _lookup(live.facts, key), values.get(key, ABSENT)
-            if now is ABSENT:  # DVC reads a key the file lacks as absent
+            now, was = env.fact_at(live.facts, key), values.get(key, env.ABSENT)
+            if now is env.ABSENT:  # DVC reads a key the file lacks as absent
                 values.pop(key, None)
                 continue
             if now != was:
-                says = "lacks it" if was is ABSENT else f"still says {_compact(was)}"
+                says = "lacks it" if was is env.ABSENT else f"still says {_compact(was)}"
                 where[f"param:{file}:{key}"] = f"this machine now (observed live; {file} {says}: stale)"
             values[key] = now
         result[name] = replace(st, params={**st.params, file: values}, where=where)
@@ -146,6 +134,7 @@ def attribute_to_machine(verdicts: list[Verdict], live: Live) -> None:
             if key is None or not any(_covers(key, s) for s in stale):
                 continue
             c.kind, c.what = "machine", key
+            c.source = f"{c.source.split(' vs ')[0]} vs this machine"
             if edited and key.startswith("torch.files"):
                 c.evidence += f"; {edited}"
             hit.add(v.stage)

@@ -1,15 +1,21 @@
 """Rendering a Report: text for the terminal (rich), Markdown for an issue or PR, JSON for machines.
 
-Invariant: presentation only. Every statement printed is a field of the Report; nothing is computed or
-read here, so the three forms always agree.
+Text and Markdown open with the answer (`answer.Answer`: the root causes, what `dvc repro` will do with each
+stage, the headline figures with their verdicts) in at most WIDTH columns; `full` (`--all`) prints every verdict,
+every metric and the evidence in full after it. JSON is always the whole Report.
+
+Invariant: presentation only. Every statement printed is a field of the Report (or of its Answer, which only
+selects from it); nothing is read here, so the forms always agree.
 """
 
 from __future__ import annotations
 
 import json
+import textwrap
 from dataclasses import asdict
 from typing import Any
 
+from dflashpipe.explain.answer import Answer, answer
 from dflashpipe.explain.report import (
     DIRECT,
     DOWNSTREAM,
@@ -64,11 +70,22 @@ def to_json(report: Report) -> str:
     return json.dumps(asdict(report), indent=2, default=str)
 
 
-def to_markdown(report: Report) -> str:
-    lines = [f"## What changed: {report.a} -> {report.b}", ""]
+def to_markdown(report: Report, full: bool = False) -> str:
+    """The answer as Markdown; with `full`, every verdict, metric and piece of evidence after it."""
+    marks = {TITLE: "## ", SECTION: "### ", ITEM: "- ", DETAIL: "  - ", FOOTER: ""}
+    lines = []
+    for level, text in answer_lines(answer(report), full, width=None):
+        lines += ([""] if level in (SECTION, FOOTER) else []) + [marks[level] + text]
+    if full:
+        lines += ["", *_markdown_all(report)]
+    return "\n".join(lines) + "\n"
+
+
+def _markdown_all(report: Report) -> list[str]:
+    lines = []
     if report.machine is not None:
         lines += ["### This machine", *[f"- {line}" for line in machine_lines(report.machine)], ""]
-    lines.append("### Root causes")
+    lines.append("### Root causes, with their evidence")
     if not report.root_causes:
         lines.append(f"- {_no_causes(report)}")
     for c in report.root_causes:
@@ -82,7 +99,7 @@ def to_markdown(report: Report) -> str:
     for m in report.metrics:
         change, source = metric_line(m)
         lines.append(f"- `{m.name or m.key}` {change} ({source})")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def metric_line(m: MetricDelta) -> tuple[str, str]:
@@ -124,12 +141,113 @@ def verdict_reason(v: Verdict) -> str:
     return v.note
 
 
-def print_text(report: Report) -> None:
+WIDTH = 100
+"""Columns of the first screen: every line of the answer fits, long facts cut where they are printed."""
+TITLE, SECTION, ITEM, DETAIL, FOOTER = range(5)
+"""The levels of an answer line: text indents an item by 2 and a detail by 4, Markdown makes them a list."""
+INDENT = {TITLE: 0, SECTION: 0, ITEM: 2, DETAIL: 4, FOOTER: 0}
+
+
+def answer_lines(found: Answer, full: bool = False, width: int | None = WIDTH) -> list[tuple[int, str]]:
+    """The first screen as (level, text): a title, then the sections Causes, Stages and Headlines, and a last
+    line saying what --all adds. Each line fits `width` columns once indented (None: as long as it is)."""
+    lines: list[tuple[int, str]] = [(TITLE, f"What changed: {found.a} -> {found.b}"), (SECTION, "Causes")]
+
+    def add(level: int, text: str, wrap: bool = False) -> None:
+        if width is None:
+            lines.append((level, text))
+            return
+        room = width - INDENT[level]
+        if not wrap:
+            lines.append((level, text if len(text) <= room else text[: room - 3] + "..."))
+            return
+        first, *rest = textwrap.wrap(text, room, break_on_hyphens=False) or [text]
+        lines.append((level, first))
+        lines.extend((DETAIL if level == ITEM else level, part) for part in textwrap.wrap(" ".join(rest), room - 2))
+
+    if not found.causes:
+        add(ITEM, found.no_causes)
+    for n, c in enumerate(found.causes, 1):
+        if c.kind == "out":
+            add(ITEM, f"({n}) output {c.what} of {', '.join(c.stages)}: {c.change}; {c.note}")
+            continue
+        # what changed, from what to what, then the stages it invalidates; the evidence's name goes where it fits
+        item, source = f"({n}) {c.kind} {c.what}: {c.change}", f"[{c.source}]"
+        downstream = f"; downstream {', '.join(c.downstream)}" if c.downstream else ""
+        detail = f"invalidates {', '.join(c.stages)}{downstream}"
+        if width is None or INDENT[ITEM] + len(item) + 2 + len(source) <= width:
+            add(ITEM, f"{item}  {source}")
+            add(DETAIL, detail, wrap=True)
+        elif INDENT[DETAIL] + len(detail) + 2 + len(source) <= width:
+            add(ITEM, item)
+            add(DETAIL, f"{detail}  {source}")
+        else:
+            add(ITEM, item)
+            add(DETAIL, detail, wrap=True)
+            add(DETAIL, source)
+    lines.append((SECTION, "Stages"))
+    for label, names in (
+        ("rerun", found.rerun),
+        ("restore with `dvc checkout`", found.restore),
+        ("unknown (no record at the earlier side)", found.unknown),
+        ("frozen", found.frozen),
+        ("unchanged", found.unchanged),
+        ("always runs", found.always),
+    ):
+        if names:
+            add(ITEM, f"{label}: {', '.join(names)}", wrap=True)
+    lines.append((SECTION, "Headlines"))
+    if not found.headlines:
+        add(ITEM, "no headline figure differs")
+    moves = [_move(h.old, h.new, h.change) for h in found.headlines]
+    labels, widest = (
+        max((len(x) for x in column), default=0) for column in ([h.label for h in found.headlines], moves)
+    )
+    for h, move in zip(found.headlines, moves, strict=True):
+        add(ITEM, f"{h.label:<{labels}}  {move:<{widest}}  {h.verdict}: {h.why}")
+    if found.same:
+        add(ITEM, f"the same: {', '.join(found.same)}", wrap=True)
+    for note in found.notes:
+        add(ITEM, f"note: {note}")
+    if not full:
+        more = ["every stage's reason"]
+        if found.other_metrics:
+            more.append(f"{found.other_metrics} more metrics that differ")
+        if found.unread_facts:
+            more.append(f"{len(found.unread_facts)} machine facts no stage reads ({', '.join(found.unread_facts)})")
+        add(FOOTER, f"--all: {', '.join(more)}, the evidence in full; --json: all of it", wrap=True)
+    return lines
+
+
+def _move(old: Any, new: Any, change: float | None) -> str:
+    """`old -> new (+x%)`, each with the fewest significant digits (4 to 10) that tell two numbers apart."""
+    digits = 4
+    while digits < 10 and isinstance(old, float | int) and isinstance(new, float | int) and old != new:
+        if f"{old:.{digits}g}" != f"{new:.{digits}g}":
+            break
+        digits += 1
+    texts = [f"{v:.{digits}g}" if isinstance(v, float) else _short(v) for v in (old, new)]
+    return f"{texts[0]} -> {texts[1]}" + (f" ({change:+.0%})" if change is not None else "")
+
+
+def print_text(report: Report, full: bool = False) -> None:
+    """The answer; with `full` (`--all`), every verdict, metric and piece of evidence after it."""
     from rich.console import Console
     from rich.markup import escape
 
-    console = Console(highlight=False)
-    console.print(f"[bold]What changed: {report.a} -> {report.b}[/bold]")
+    console = Console(highlight=False, soft_wrap=True)  # the lines fit WIDTH: a narrower terminal wraps them itself
+    style = {TITLE: "bold", SECTION: "bold", FOOTER: "dim"}
+    for level, text in answer_lines(answer(report), full):
+        line = " " * INDENT[level] + escape(text)
+        console.print(f"[{style[level]}]{line}[/{style[level]}]" if level in style else line)
+    if full:
+        _print_all(report, console)
+
+
+def _print_all(report: Report, console) -> None:
+    from rich.markup import escape
+
+    console.print("\n[bold]In full[/bold]")
     for line in machine_lines(report.machine):
         console.print(f"[bold red]{escape(line)}[/bold red]" if report.machine.stale else f"[dim]{escape(line)}[/dim]")
     console.print("\n[bold]Root causes[/bold]")

@@ -41,12 +41,15 @@ class StageState:
 
 @dataclass
 class Cause:
-    kind: str  # "param", "dep", "cmd", "out"
+    kind: str  # "param", "dep", "cmd", "out", "machine"
     what: str  # the key or path
     old: Any
     new: Any
     evidence: str
+    """Where each side was read, in full (the lock entry, the file and key, the live observation)."""
     stages: list[str] = field(default_factory=list)
+    source: str = ""
+    """The evidence's name, short enough for the first screen: `dvc.lock@HEAD vs params.yaml`."""
 
 
 @dataclass
@@ -85,6 +88,8 @@ class MetricDelta:
     control: str = ""
     """For a rate: what the control measured beside it says, in words ("the machine was 3.3x slower at B:
     control 41 ms vs 12 ms"), or "no control" when a side recorded none."""
+    slowdown: float | None = None
+    """The control's factor (`spread.slowdown`, after over before) when it was applied to this rate."""
     name: str = ""
     """How it is printed: its key, or `file:key` where another metrics file records the same key."""
 
@@ -136,3 +141,7 @@ class Report:
     metrics: list[MetricDelta]
     machine: Machine | None = None
     """Set when one side is the workspace: the machine now may differ from what the fingerprint file says."""
+    notes: list[str] = field(default_factory=list)
+    """What could not be read and was left out (a metrics file that does not parse), one line each."""
+    headlines_same: list[str] = field(default_factory=list)
+    """The headline figures (`file:key`, headlines.HEADLINES) recorded on both sides with the same value."""

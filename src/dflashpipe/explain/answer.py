@@ -1,0 +1,250 @@
+"""The first screen of `dflashpipe explain`: the answer, before the evidence.
+
+A Report holds every fact explain found; a person asking "what changed, and what did it cost?" needs three:
+the root causes (what changed, from what to what, read from where) with the stages each one invalidates, what
+`dvc repro` will do with each stage, and what happened to the headline figures (`headlines.HEADLINES`, the one
+list) with their verdict. `answer` picks those out; everything else stays in the Report for `--all` and `--json`.
+
+Invariant: pure, like comparison.py: it reads only the Report. Facts are shortened where they are printed
+(`env.fact_change`), never here: a CauseLine keeps the Causes it stands for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflashpipe import env
+from dflashpipe.explain.report import (
+    ALWAYS,
+    CHANGE,
+    DIRECT,
+    DOWNSTREAM,
+    FROZEN,
+    MACHINE,
+    NOISE,
+    OUTPUTS,
+    RESTORABLE,
+    UNCHANGED,
+    UNKNOWN,
+    UNMEASURED,
+    Cause,
+    MetricDelta,
+    Report,
+    Verdict,
+)
+from dflashpipe.headlines import HEADLINES
+from dflashpipe.pipeline import FINGERPRINT, PARAMS_FILE
+
+
+@dataclass
+class CauseLine:
+    """One root cause as the first screen names it. The keys of one fingerprint group that moved together (one
+    `OMP_NUM_THREADS` moves `threads.env` and `threads.torch_intra_op`) are one cause: the machine's."""
+
+    kind: str
+    what: str
+    change: str
+    """`old -> new`, shortened for the screen (`env.fact_change`)."""
+    source: str
+    stages: list[str]
+    """The stages it changes directly, in DAG order."""
+    downstream: list[str]
+    """The stages invalidated through those (DAG order)."""
+    note: str = ""
+    causes: list[Cause] = field(default_factory=list)
+
+
+@dataclass
+class HeadlineLine:
+    label: str
+    name: str
+    """The metric as the rest of the report prints it (`tau`, `metrics/bench.json:tokens_per_s`)."""
+    old: Any
+    new: Any
+    change: float | None
+    verdict: str
+    """change, noise, machine or unmeasured for a timed figure (the control applied to a rate); differs for
+    any other, whose stages are deterministic."""
+    why: str
+
+
+@dataclass
+class Answer:
+    a: str
+    b: str
+    causes: list[CauseLine]
+    rerun: list[str]
+    """Stages `dvc repro` will run: changed directly or invalidated downstream (DAG order)."""
+    restore: list[str]
+    """Stages whose outputs are only missing, and `dvc checkout` brings them back."""
+    unknown: list[str]
+    unchanged: list[str]
+    always: list[str]
+    frozen: list[str]
+    headlines: list[HeadlineLine]
+    same: list[str]
+    """Headline figures recorded on both sides, equal."""
+    other_metrics: int
+    """Metric deltas that are not headlines: behind --all."""
+    unread_facts: list[str]
+    """Machine facts that differ from the fingerprint file but that no stage reads (the header's, behind --all)."""
+    no_causes: str = ""
+    """Why there is no cause, when there is none."""
+    notes: list[str] = field(default_factory=list)
+
+
+def answer(report: Report) -> Answer:
+    by_stage = {v.stage: v for v in report.stages}
+    order = [v.stage for v in report.stages]
+    rerun = [v.stage for v in report.stages if v.verdict in (DIRECT, DOWNSTREAM)]
+    restore = [v.stage for v in report.stages if v.verdict == OUTPUTS and _restorable(v)]
+    rerun += [v.stage for v in report.stages if v.verdict == OUTPUTS and v.stage not in restore]
+    causes = _cause_lines(report.root_causes, by_stage, order)
+    numbers = {c.what: n for n, line in enumerate(causes, 1) for c in line.causes}
+    headlines, same, shown = _headlines(report, numbers)
+    machine = report.machine
+    return Answer(
+        a=report.a,
+        b=report.b,
+        causes=causes,
+        rerun=[s for s in order if s in rerun],
+        restore=restore,
+        unknown=[v.stage for v in report.stages if v.verdict == UNKNOWN],
+        unchanged=[v.stage for v in report.stages if v.verdict == UNCHANGED],
+        always=[v.stage for v in report.stages if v.verdict == ALWAYS],
+        frozen=[v.stage for v in report.stages if v.verdict == FROZEN],
+        headlines=headlines,
+        same=same,
+        other_metrics=sum(1 for m in report.metrics if (m.file, m.key) not in shown),
+        unread_facts=[c.what for c in machine.changes if not c.stages] if machine is not None else [],
+        no_causes=_no_causes(report) if not report.root_causes else "",
+        notes=list(report.notes),
+    )
+
+
+def _restorable(v: Verdict) -> bool:
+    return all(c.kind == "out" and c.evidence.endswith(RESTORABLE) for c in v.causes)
+
+
+def _group(c: Cause) -> str | None:
+    """The fingerprint group a machine-side cause belongs to (`threads`), None for any other cause."""
+    prefix = f"{FINGERPRINT}:"
+    key = c.what[len(prefix) :] if c.kind == "param" and c.what.startswith(prefix) else c.what
+    if c.kind == "machine" or c.what.startswith(prefix):
+        return key.split(".", 1)[0]
+    return None
+
+
+def _cause_lines(causes: list[Cause], by_stage: dict[str, Verdict], order: list[str]) -> list[CauseLine]:
+    groups: dict[tuple, list[Cause]] = {}
+    for c in causes:
+        group = _group(c)
+        groups.setdefault((c.kind, group) if group else (c.kind, c.what), []).append(c)
+    lines = []
+    for (kind, name), members in groups.items():
+        stages = [s for s in order if any(s in c.stages for c in members)]
+        if len(members) == 1:
+            c = members[0]
+            what, change = _printed(c), _change(c)
+        else:  # one fingerprint group: each key's own move, the group's prefix said once
+            members.sort(key=_printed)
+            what = name
+            change = "; ".join(f"{_printed(c).split('.', 1)[-1]}: {_change(c)}" for c in members)
+        note = ""
+        if kind == "out":
+            note = "restorable: `dvc checkout`" if members[0].evidence.endswith(RESTORABLE) else "not in the cache"
+        lines.append(
+            CauseLine(
+                kind, what, change, members[0].source, stages, _downstream(stages, by_stage, order), note, members
+            )
+        )
+    return lines
+
+
+def _printed(c: Cause) -> str:
+    return named(c.what) if c.kind == "param" else c.what
+
+
+def named(what: str) -> str:
+    """A param as the first screen prints it: params.yaml's keys bare, the fingerprint file's by their key."""
+    for prefix in (f"{PARAMS_FILE}:", f"{FINGERPRINT}:"):
+        if what.startswith(prefix):
+            return what[len(prefix) :]
+    return what
+
+
+def _change(c: Cause) -> str:
+    if c.kind == "out":
+        return "missing" if c.new == "missing" else "other bytes than dvc.lock records"
+    if c.kind in ("dep", "cmd"):
+        return "edited" if c.old is not None and c.new is not None else "added" if c.old is None else "removed"
+    if c.kind == "machine":  # a fact this machine no longer has (a library uninstalled) is removed
+        return env.fact_change(
+            env.ABSENT if c.old is None else c.old, env.ABSENT if c.new is None else c.new, gone="removed"
+        )
+    return env.fact_change(c.old, c.new)
+
+
+def _downstream(hit: list[str], by_stage: dict[str, Verdict], order: list[str]) -> list[str]:
+    """The stages invalidated through `hit`: downstream verdicts whose changed upstream is one of them, or one of
+    those, transitively."""
+    reached = set(hit)
+    for name in order:  # upstream first: one pass reaches the whole closure
+        v = by_stage[name]
+        if v.verdict == DOWNSTREAM and reached & set(v.upstream):
+            reached.add(name)
+    return [s for s in order if s in reached and s not in hit]
+
+
+def _headlines(report: Report, numbers: dict[str, int]) -> tuple[list[HeadlineLine], list[str], set[tuple[str, str]]]:
+    """The headline figures that moved (with their verdicts, naming causes by their number on the screen), those
+    recorded equal on both sides (labels), and the (file, key) of the moved ones."""
+    deltas = {(m.file, m.key): m for m in report.metrics}
+    moved, same, shown = [], [], set()
+    for h in HEADLINES:
+        label = h.label.split(" (", 1)[0]
+        m = deltas.get((h.file, h.key))
+        if m is None:
+            if f"{h.file}:{h.key}" in report.headlines_same:
+                same.append(label)
+            continue
+        shown.add((h.file, h.key))
+        if m.old is None or m.new is None:
+            moved.append(HeadlineLine(label, m.name, m.old, m.new, None, "differs", "recorded on one side only"))
+        else:
+            moved.append(HeadlineLine(label, m.name, m.old, m.new, m.change, *_verdict(m, numbers)))
+    return moved, same, shown
+
+
+def _verdict(m: MetricDelta, numbers: dict[str, int]) -> tuple[str, str]:
+    """(verdict, why): the noise call with the control's factor, and the causes on the figure's path by number."""
+    listed = sorted(f"({numbers[c]})" for c in m.causes if c in numbers)
+    causes = " ".join(listed + [named(c) for c in m.causes if c not in numbers]) or "no changed input reaches it"
+    if m.call is None:  # deterministic: any move is a change of its inputs
+        return "differs", causes
+    if m.call == MACHINE:
+        return MACHINE, f"control {_factor(m.slowdown)}"
+    if m.call == NOISE:
+        return NOISE, "ranges overlap"
+    if m.call == UNMEASURED:
+        return "unmeasured", "no spread recorded"
+    assert m.call == CHANGE
+    if m.control.startswith("control not applied"):
+        return CHANGE, f"{causes}; control set aside"
+    if m.slowdown is not None:
+        return CHANGE, f"{causes}; beyond the control's {_factor(m.slowdown)}"
+    return CHANGE, causes
+
+
+def _factor(slowdown: float | None) -> str:
+    if slowdown is None:
+        return "not applied"
+    return f"{slowdown:.2f}x slower" if slowdown >= 1 else f"{1 / slowdown:.2f}x faster"
+
+
+def _no_causes(report: Report) -> str:
+    unknown = [v.stage for v in report.stages if v.verdict == UNKNOWN]
+    if unknown:
+        return f"none found, but unknowable for {', '.join(unknown)} (no record of them at {report.a})"
+    return "nothing: every stage's recorded inputs are the same"
