@@ -246,7 +246,7 @@ def test_a_revision_whose_metrics_are_missing_or_unreadable_still_gets_every_sta
     (note,) = report.notes
     assert note.startswith("metrics/bench.json@HEAD: not valid JSON (")
     lines = [text for _, text in answer_lines(answer(report))]
-    assert f"note: {note}"[:97] in "\n".join(lines)
+    assert any(text.startswith("note: metrics/bench.json@HEAD: not valid JSON (") for text in lines)
     tau = next(text for text in lines if text.startswith("tau "))
     assert tau.endswith("differs: recorded on one side only")
     proc = run(["dflashpipe", "explain", "HEAD~1", "HEAD"], committed)

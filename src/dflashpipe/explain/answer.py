@@ -101,6 +101,10 @@ def answer(report: Report) -> Answer:
     restore = [v.stage for v in report.stages if v.verdict == OUTPUTS and _restorable(v)]
     rerun += [v.stage for v in report.stages if v.verdict == OUTPUTS and v.stage not in restore]
     causes = _cause_lines(report.root_causes, by_stage, order)
+    edited = report.machine.edited if report.machine is not None else []
+    for line in causes:  # an edited torch file: which of its definitions changed, when a copy of the wheel says
+        if line.kind == "machine" and line.what.startswith("torch.files") and edited:
+            line.note = "; ".join(f"{f.path}: {_definitions(f.functions)}" for f in edited)
     numbers = {c.what: n for n, line in enumerate(causes, 1) for c in line.causes}
     headlines, same, shown = _headlines(report, numbers)
     machine = report.machine
@@ -118,9 +122,15 @@ def answer(report: Report) -> Answer:
         same=same,
         other_metrics=sum(1 for m in report.metrics if (m.file, m.key) not in shown),
         unread_facts=[c.what for c in machine.changes if not c.stages] if machine is not None else [],
-        no_causes=_no_causes(report) if not report.root_causes else "",
+        no_causes=no_causes(report) if not report.root_causes else "",
         notes=list(report.notes),
     )
+
+
+def _definitions(functions: list[str] | None) -> str:
+    if functions is None:
+        return "no copy of the wheel to name the changed definitions"
+    return "changed " + (", ".join(functions) or "only whitespace or comments")
 
 
 def _restorable(v: Verdict) -> bool:
@@ -187,12 +197,13 @@ def _change(c: Cause) -> str:
 
 
 def _downstream(hit: list[str], by_stage: dict[str, Verdict], order: list[str]) -> list[str]:
-    """The stages invalidated through `hit`: downstream verdicts whose changed upstream is one of them, or one of
-    those, transitively."""
+    """The stages invalidated through `hit`: those whose changed upstream is one of them, or one of those,
+    transitively; a stage another cause changes directly is invalidated through `hit` as well (growing the data
+    reaches train whether or not a thread variable changed too)."""
     reached = set(hit)
     for name in order:  # upstream first: one pass reaches the whole closure
         v = by_stage[name]
-        if v.verdict == DOWNSTREAM and reached & set(v.upstream):
+        if v.verdict in (DIRECT, DOWNSTREAM) and reached & set(v.upstream):
             reached.add(name)
     return [s for s in order if s in reached and s not in hit]
 
@@ -243,7 +254,7 @@ def _factor(slowdown: float | None) -> str:
     return f"{slowdown:.2f}x slower" if slowdown >= 1 else f"{1 / slowdown:.2f}x faster"
 
 
-def _no_causes(report: Report) -> str:
+def no_causes(report: Report) -> str:
     unknown = [v.stage for v in report.stages if v.verdict == UNKNOWN]
     if unknown:
         return f"none found, but unknowable for {', '.join(unknown)} (no record of them at {report.a})"

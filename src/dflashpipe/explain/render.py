@@ -15,7 +15,7 @@ import textwrap
 from dataclasses import asdict
 from typing import Any
 
-from dflashpipe.explain.answer import Answer, answer
+from dflashpipe.explain.answer import Answer, answer, no_causes
 from dflashpipe.explain.report import (
     DIRECT,
     DOWNSTREAM,
@@ -23,7 +23,6 @@ from dflashpipe.explain.report import (
     NOISE,
     OUTPUTS,
     UNCHANGED,
-    UNKNOWN,
     Cause,
     Machine,
     MetricDelta,
@@ -87,7 +86,7 @@ def _markdown_all(report: Report) -> list[str]:
         lines += ["### This machine", *[f"- {line}" for line in machine_lines(report.machine)], ""]
     lines.append("### Root causes, with their evidence")
     if not report.root_causes:
-        lines.append(f"- {_no_causes(report)}")
+        lines.append(f"- {no_causes(report)}")
     for c in report.root_causes:
         lines.append(f"- `{cause_line(c)}` — hits {', '.join(c.stages)}  \n  evidence: `{c.evidence}`")
     lines += ["", "### Stages (DAG order)", "", "| stage | verdict | why |", "|---|---|---|"]
@@ -118,13 +117,6 @@ def metric_line(m: MetricDelta) -> tuple[str, str]:
     spread += f"; {m.control}" if m.control else ""
     machine = f"; recorded machine facts: {m.machine}" if m.machine else ""
     return f"{m.old} -> {m.new}{pct}{call}", f"{m.file}, stage {m.stage}; changed inputs: {why}{spread}{machine}"
-
-
-def _no_causes(report: Report) -> str:
-    unknown = [v.stage for v in report.stages if v.verdict == UNKNOWN]
-    if unknown:
-        return f"none found, but unknowable for {', '.join(unknown)} (no record of them at {report.a})"
-    return "nothing: every stage's recorded inputs are the same"
 
 
 def verdict_reason(v: Verdict) -> str:
@@ -185,6 +177,8 @@ def answer_lines(found: Answer, full: bool = False, width: int | None = WIDTH) -
             add(ITEM, item)
             add(DETAIL, detail, wrap=True)
             add(DETAIL, source)
+        if c.note:
+            add(DETAIL, c.note)
     lines.append((SECTION, "Stages"))
     for label, names in (
         ("rerun", found.rerun),
@@ -200,9 +194,8 @@ def answer_lines(found: Answer, full: bool = False, width: int | None = WIDTH) -
     if not found.headlines:
         add(ITEM, "no headline figure differs")
     moves = [_move(h.old, h.new, h.change) for h in found.headlines]
-    labels, widest = (
-        max((len(x) for x in column), default=0) for column in ([h.label for h in found.headlines], moves)
-    )
+    labels = max((len(h.label) for h in found.headlines), default=0)
+    widest = max((len(move) for move in moves), default=0)
     for h, move in zip(found.headlines, moves, strict=True):
         add(ITEM, f"{h.label:<{labels}}  {move:<{widest}}  {h.verdict}: {h.why}")
     if found.same:
@@ -212,9 +205,10 @@ def answer_lines(found: Answer, full: bool = False, width: int | None = WIDTH) -
     if not full:
         more = ["every stage's reason"]
         if found.other_metrics:
-            more.append(f"{found.other_metrics} more metrics that differ")
+            more.append(f"{found.other_metrics} more {'metric' if found.other_metrics == 1 else 'metrics'} that differ")
         if found.unread_facts:
-            more.append(f"{len(found.unread_facts)} machine facts no stage reads ({', '.join(found.unread_facts)})")
+            facts = "fact" if len(found.unread_facts) == 1 else "facts"
+            more.append(f"{len(found.unread_facts)} machine {facts} no stage reads ({', '.join(found.unread_facts)})")
         add(FOOTER, f"--all: {', '.join(more)}, the evidence in full; --json: all of it", wrap=True)
     return lines
 
@@ -252,7 +246,7 @@ def _print_all(report: Report, console) -> None:
         console.print(f"[bold red]{escape(line)}[/bold red]" if report.machine.stale else f"[dim]{escape(line)}[/dim]")
     console.print("\n[bold]Root causes[/bold]")
     if not report.root_causes:
-        console.print(f"  {escape(_no_causes(report))}")
+        console.print(f"  {escape(no_causes(report))}")
     for c in report.root_causes:
         console.print(f"  • {escape(cause_line(c))}  [dim]hits {', '.join(c.stages)}[/dim]")
         console.print(f"    [dim]evidence: {escape(c.evidence)}[/dim]")
