@@ -260,4 +260,4 @@ def _print_all(report: Report, console) -> None:
         console.print("  no metric differs")
     for m in report.metrics:
         change, source = metric_line(m)
-        console.print(f"  • {escape(m.name or m.key)} {change}  [dim]{escape(source)}[/dim]")
+        console.print(f"  • {escape(m.name or m.key)} {escape(change)}  [dim]{escape(source)}[/dim]")

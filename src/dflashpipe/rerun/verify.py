@@ -218,8 +218,12 @@ def _run_arms(found: Verification, planned, root, revs, workspace, stages, cache
             opened = {}
             for arm in arms:
                 bar.set_postfix_str(f"preparing {arm.dir.name}")
-                opened[arm.dir] = trees.enter_context(ScratchTree(root, base_rev, arm.dir, cache))
-                _prepare(arm, opened[arm.dir], root, workspace, kept_missing, a_rev, found.stage, upstream)
+                try:
+                    opened[arm.dir] = trees.enter_context(ScratchTree(root, base_rev, arm.dir, cache))
+                except DflashpipeError as exc:  # no tree (git refused the worktree): this arm reports it
+                    arm.error = " ".join(str(exc).split())
+                else:
+                    _prepare(arm, opened[arm.dir], root, workspace, kept_missing, a_rev, found.stage, upstream)
                 bar.update(1)
             for _ in range(found.runs):
                 for arm in arms:
