@@ -89,6 +89,9 @@ class Answer:
     """Metric deltas that are not headlines: behind --all."""
     unread_facts: list[str]
     """Machine facts that differ from the fingerprint file but that no stage reads (the header's, behind --all)."""
+    uncaused: list[str] = field(default_factory=list)
+    """Each stage to rerun that no cause reaches, by its first file-level path (an upstream rerun, forced, that
+    rewrote a file the stage reads: `evaluate <- metrics/bench.json (bench: unchanged)`)."""
     no_causes: str = ""
     """Why there is no cause, when there is none."""
     notes: list[str] = field(default_factory=list)
@@ -124,7 +127,17 @@ def answer(report: Report) -> Answer:
         unread_facts=[c.what for c in machine.changes if not c.stages] if machine is not None else [],
         no_causes=no_causes(report) if not report.root_causes else "",
         notes=list(report.notes),
+        uncaused=_uncaused(rerun, causes, by_stage),
     )
+
+
+def _uncaused(rerun: list[str], causes: list[CauseLine], by_stage: dict[str, Verdict]) -> list[str]:
+    reached = {s for c in causes for s in (*c.stages, *c.downstream)}
+    found = []
+    for name in (s for s in rerun if s not in reached):
+        v = by_stage[name]
+        found.append(v.paths[0] if v.paths else f"{name} <- upstream {', '.join(v.upstream)}")
+    return found
 
 
 def _definitions(functions: list[str] | None) -> str:

@@ -138,6 +138,8 @@ WIDTH = 100
 TITLE, SECTION, ITEM, DETAIL, FOOTER = range(5)
 """The levels of an answer line: text indents an item by 2 and a detail by 4, Markdown makes them a list."""
 INDENT = {TITLE: 0, SECTION: 0, ITEM: 2, DETAIL: 4, FOOTER: 0}
+LISTED = 3
+"""How many of the machine facts no stage reads the last line names, before it says how many more."""
 
 
 def answer_lines(found: Answer, full: bool = False, width: int | None = WIDTH) -> list[tuple[int, str]]:
@@ -190,6 +192,9 @@ def answer_lines(found: Answer, full: bool = False, width: int | None = WIDTH) -
     ):
         if names:
             add(ITEM, f"{label}: {', '.join(names)}", wrap=True)
+        if names and label == "rerun":
+            for path in found.uncaused:  # what makes it rerun when no cause above reaches it
+                add(DETAIL, path)
     lines.append((SECTION, "Headlines"))
     if not found.headlines:
         add(ITEM, "no headline figure differs")
@@ -205,10 +210,12 @@ def answer_lines(found: Answer, full: bool = False, width: int | None = WIDTH) -
     if not full:
         more = ["every stage's reason"]
         if found.other_metrics:
-            more.append(f"{found.other_metrics} more {'metric' if found.other_metrics == 1 else 'metrics'} that differ")
+            one = found.other_metrics == 1
+            more.append(f"{found.other_metrics} more {'metric that differs' if one else 'metrics that differ'}")
         if found.unread_facts:
-            facts = "fact" if len(found.unread_facts) == 1 else "facts"
-            more.append(f"{len(found.unread_facts)} machine {facts} no stage reads ({', '.join(found.unread_facts)})")
+            facts, named = "fact" if len(found.unread_facts) == 1 else "facts", found.unread_facts[:LISTED]
+            others = f" and {len(found.unread_facts) - LISTED} more" if len(found.unread_facts) > LISTED else ""
+            more.append(f"{len(found.unread_facts)} machine {facts} no stage reads ({', '.join(named)}{others})")
         add(FOOTER, f"--all: {', '.join(more)}, the evidence in full; --json: all of it", wrap=True)
     return lines
 
