@@ -1086,3 +1086,17 @@ def test_one_thread_variable_is_one_cause_of_the_machine_and_a_removed_fact_is_n
         f"(2) machine triton.version: {recorded['triton']['version']} -> removed  [dvc.lock@HEAD vs this machine]",
     ]
     assert set(verdicts(report)[s] for s in naming("threads.torch_intra_op") + naming("triton.version")) == {DIRECT}
+
+
+def test_a_stage_rerun_by_no_cause_says_why_on_the_first_screen(dag):
+    """bench forced beside a busy neighbour: no input changed, but its metrics file has new timings, and
+    evaluate reads it. The first screen names no cause, and says what makes evaluate rerun."""
+    from dflashpipe.explain import Report, answer, answer_lines
+    from dflashpipe.explain.render import DETAIL, ITEM
+
+    found = compared(dag, lock_of(dag), lock_of(dag, {"metrics/bench.json": "md5(new timings)"}))
+    report = Report("HEAD", "new", root_causes(found), found, [])
+    lines = answer_lines(answer(report))
+    assert (ITEM, "nothing: every stage's recorded inputs are the same") in lines
+    rerun = lines.index((ITEM, "rerun: evaluate"))
+    assert lines[rerun + 1] == (DETAIL, "evaluate <- metrics/bench.json (bench: unchanged)")
