@@ -1047,7 +1047,7 @@ def test_the_first_screen_is_the_causes_the_stages_and_the_headlines(dag):
         (ITEM, "(1) param data.num_samples: 2000 -> 2400  [dvc.lock@HEAD vs dvc.lock@new]"),
         (DETAIL, f"invalidates manifest; downstream {', '.join(downstream)}"),
     ]
-    assert (SECTION, "Stages") in lines and (ITEM, f"rerun: {', '.join(['manifest', *downstream])}") in lines
+    assert (SECTION, "Stages") in lines and (ITEM, f"invalidated: {', '.join(['manifest', *downstream])}") in lines
     heads = lines[lines.index((SECTION, "Headlines")) + 1 :]
     # the rate fell as far as the control rose: the machine, with the control's factor; the loss is deterministic
     assert heads[0][1].startswith("train tokens/s  52 -> 16 (-69%)") and heads[0][1].endswith(
@@ -1098,5 +1098,5 @@ def test_a_stage_rerun_by_no_cause_says_why_on_the_first_screen(dag):
     report = Report("HEAD", "new", root_causes(found), found, [])
     lines = answer_lines(answer(report))
     assert (ITEM, "nothing: every stage's recorded inputs are the same") in lines
-    rerun = lines.index((ITEM, "rerun: evaluate"))
+    rerun = lines.index((ITEM, "invalidated: evaluate"))
     assert lines[rerun + 1] == (DETAIL, "evaluate <- metrics/bench.json (bench: unchanged)")

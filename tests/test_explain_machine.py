@@ -68,7 +68,7 @@ def assert_one_story(report, project: Path, capsys, extra_env: dict | None = Non
     text = capsys.readouterr().out
     assert "Causes\n  nothing" not in text and "Causes\n  (1) machine " in text
     rerun = text.split("\nStages\n", 1)[1].split("\nHeadlines\n", 1)[0].split("  unchanged: ", 1)[0]
-    assert rerun.startswith("  rerun: ") and all(stage in rerun for stage in report.machine.invalid)
+    assert rerun.startswith("  invalidated: ") and all(stage in rerun for stage in report.machine.invalid)
     print_text(report, full=True)
     text = capsys.readouterr().out
     for stage in report.machine.invalid:

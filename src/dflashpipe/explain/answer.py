@@ -75,7 +75,8 @@ class Answer:
     b: str
     causes: list[CauseLine]
     rerun: list[str]
-    """Stages `dvc repro` will run: changed directly or invalidated downstream (DAG order)."""
+    """Stages whose inputs differ from the earlier side's record, directly or downstream (DAG order): what `dvc
+    repro` reruns, or, after it, what it reran."""
     restore: list[str]
     """Stages whose outputs are only missing, and `dvc checkout` brings them back."""
     unknown: list[str]
@@ -244,7 +245,7 @@ def _headlines(report: Report, numbers: dict[str, int]) -> tuple[list[HeadlineLi
 def _verdict(m: MetricDelta, numbers: dict[str, int]) -> tuple[str, str]:
     """(verdict, why): the noise call with the control's factor, and the causes on the figure's path by number."""
     listed = sorted(f"({numbers[c]})" for c in m.causes if c in numbers)
-    causes = " ".join(listed + [named(c) for c in m.causes if c not in numbers]) or "no changed input reaches it"
+    causes = " ".join(listed + [named(c) for c in m.causes if c not in numbers]) or "no cause above"
     if m.call is None:  # deterministic: any move is a change of its inputs
         return "differs", causes
     if m.call == MACHINE:
@@ -255,9 +256,9 @@ def _verdict(m: MetricDelta, numbers: dict[str, int]) -> tuple[str, str]:
         return "unmeasured", "no spread recorded"
     assert m.call == CHANGE
     if m.control.startswith("control not applied"):
-        return CHANGE, f"{causes}; control set aside"
+        return CHANGE, f"{causes}, the control set aside"
     if m.slowdown is not None:
-        return CHANGE, f"{causes}; beyond the control's {_factor(m.slowdown)}"
+        return CHANGE, f"{causes}, beyond the control's {_factor(m.slowdown)}"
     return CHANGE, causes
 
 

@@ -183,7 +183,7 @@ def answer_lines(found: Answer, full: bool = False, width: int | None = WIDTH) -
             add(DETAIL, c.note)
     lines.append((SECTION, "Stages"))
     for label, names in (
-        ("rerun", found.rerun),
+        ("invalidated", found.rerun),
         ("restore with `dvc checkout`", found.restore),
         ("unknown (no record at the earlier side)", found.unknown),
         ("frozen", found.frozen),
@@ -192,7 +192,7 @@ def answer_lines(found: Answer, full: bool = False, width: int | None = WIDTH) -
     ):
         if names:
             add(ITEM, f"{label}: {', '.join(names)}", wrap=True)
-        if names and label == "rerun":
+        if names and label == "invalidated":
             for path in found.uncaused:  # what makes it rerun when no cause above reaches it
                 add(DETAIL, path)
     lines.append((SECTION, "Headlines"))
@@ -202,7 +202,7 @@ def answer_lines(found: Answer, full: bool = False, width: int | None = WIDTH) -
     labels = max((len(h.label) for h in found.headlines), default=0)
     widest = max((len(move) for move in moves), default=0)
     for h, move in zip(found.headlines, moves, strict=True):
-        add(ITEM, f"{h.label:<{labels}}  {move:<{widest}}  {h.verdict}: {h.why}")
+        add(ITEM, f"{h.label:<{labels}}  {move:<{widest}}  {h.verdict}: {h.why}", wrap=True)
     if found.same:
         add(ITEM, f"the same: {', '.join(found.same)}", wrap=True)
     for note in found.notes:
