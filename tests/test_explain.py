@@ -1100,3 +1100,28 @@ def test_a_stage_rerun_by_no_cause_says_why_on_the_first_screen(dag):
     assert (ITEM, "nothing: every stage's recorded inputs are the same") in lines
     rerun = lines.index((ITEM, "invalidated: evaluate"))
     assert lines[rerun + 1] == (DETAIL, "evaluate <- metrics/bench.json (bench: unchanged)")
+
+
+def test_a_live_machine_cause_is_blamed_for_no_recorded_figure(dag):
+    """OMP_NUM_THREADS set in this shell is what the next `dvc repro` runs with; the figures both sides recorded
+    were measured with what their dvc.lock entries say. So it invalidates stages but moves no recorded metric, and
+    a rate that fell with the control is still the machine's."""
+    from dflashpipe.explain import MACHINE, Machine, metric_deltas
+    from dflashpipe.explain.machine import Live, attribute_to_machine, fingerprint_changes, with_live_fingerprint
+
+    recorded = json.loads((ROOT / "data/env/fingerprint.json").read_text())
+    recorded["threads"] = {"torch_intra_op": 2, "torch_inter_op": 2, "env": {}, "affinity": "0-1", "cpu_quota": "none"}
+    now = json.loads(json.dumps(recorded))
+    now["threads"]["env"] = {"OMP_NUM_THREADS": "1"}
+    live = Live(Machine(True, fingerprint_changes(recorded, now), [], [], "full check"), now)
+    quiet = {"low": 50.0, "high": 53.0, "repeats": 5, "machine": controlled(1.95, 0.4, 3.0, 3.2)}
+    loaded = {"low": 15.0, "high": 17.0, "repeats": 5, "machine": controlled(0.7, 3.9, 9.5, 10.1)}
+    lock = lock_of(dag, values=fingerprint_values(dag, recorded))
+    sa, sb = MetricsState("HEAD", dag, lock, train_metrics(52.0, quiet)), MetricsState("ws", dag, lock, {})
+    sb._metrics = train_metrics(16.0, loaded)
+    workspace = with_live_fingerprint(read_revision_state(sb), live, {})
+    found = compare(read_revision_state(sa), workspace, {}, None, "HEAD", "workspace")
+    attribute_to_machine(found, live)
+    assert {c.kind for c in root_causes(found)} == {"machine"}
+    (m,) = (d for d in metric_deltas(sa, sb, workspace, found) if d.key == "tokens_per_s")
+    assert (m.call, m.causes) == (MACHINE, [])

@@ -244,7 +244,7 @@ def _headlines(report: Report, numbers: dict[str, int]) -> tuple[list[HeadlineLi
 
 def _verdict(m: MetricDelta, numbers: dict[str, int]) -> tuple[str, str]:
     """(verdict, why): the noise call with the control's factor, and the causes on the figure's path by number."""
-    listed = sorted(f"({numbers[c]})" for c in m.causes if c in numbers)
+    listed = [f"({n})" for n in sorted({numbers[c] for c in m.causes if c in numbers})]
     causes = " ".join(listed + [named(c) for c in m.causes if c not in numbers]) or "no cause above"
     if m.call is None:  # deterministic: any move is a change of its inputs
         return "differs", causes

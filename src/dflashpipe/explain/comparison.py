@@ -287,7 +287,11 @@ def metric_deltas(sa: State, sb: State, new: dict[str, StageState], verdicts: li
             if s in seen:
                 continue
             seen.add(s)
-            found.update((c.what, c) for c in by_stage[s].causes if by_stage[s].verdict == DIRECT)
+            # a `machine` cause is what `dvc repro` will run with here, not what a recorded figure was measured
+            # with (each side's dvc.lock says that): it moves no recorded metric
+            found.update(
+                (c.what, c) for c in by_stage[s].causes if by_stage[s].verdict == DIRECT and c.kind != "machine"
+            )
             # only through deps whose bytes changed: an upstream that reran to the same output is no path
             todo.extend(by_stage[s].linked)
         return [found[what] for what in sorted(found)]
@@ -449,12 +453,9 @@ def _machine_facts(stage: str, key: str, old: dict, cur: dict, recorded: list[di
 
 
 def moves_the_control(c: Cause) -> bool:
-    """Whether a cause is a fingerprint key the control can follow (env.CONTROL_INPUTS), a live `machine` one or a
-    recorded param of the fingerprint file."""
+    """Whether a cause is a recorded fingerprint key the control can follow (env.CONTROL_INPUTS)."""
     prefix = f"{FINGERPRINT}:"
-    if c.kind == "param" and c.what.startswith(prefix):
-        return c.what[len(prefix) :] in env.CONTROL_INPUTS
-    return c.kind == "machine" and c.what in env.CONTROL_INPUTS
+    return c.kind == "param" and c.what.startswith(prefix) and c.what[len(prefix) :] in env.CONTROL_INPUTS
 
 
 def _fingerprint_moves(
