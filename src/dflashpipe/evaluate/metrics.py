@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from dflashpipe import plots as plotting
 from dflashpipe.artifacts import write_bytes_atomic, write_json_atomic
+from dflashpipe.evaluate import lossless
 from dflashpipe.evaluate.prompts import HELD_OUT, TRAIN, EvalPrompt
 from dflashpipe.evaluate.speculative import STEP_PARTS, Decoded
 from dflashpipe.spread import Busy, Spread
@@ -23,14 +26,53 @@ PLOT_IMAGES = ("tau_per_source", "slot_acceptance")
 class PromptResult:
     prompt: EvalPrompt
     target: Decoded
-    """Target-only greedy decoding: the tokens every speculative run must reproduce."""
+    """Target-only greedy decoding: the tokens every speculative run must reproduce, or depart from only at a
+    near-tie (dflashpipe.evaluate.lossless)."""
     speculative: Decoded
+    dtype: torch.dtype
+    """What the target computed in: float32 expects exact equality with `target`."""
+    violations: list[int] = field(init=False)
+    """Positions where the speculative run emitted a token its own verify forward did not choose."""
+    divergence: lossless.Divergence | None = field(init=False)
+    """The first position where it left `target`'s tokens, judged; None when they agree."""
+
+    def __post_init__(self) -> None:
+        spec, plain = self.speculative, self.target
+        self.violations = lossless.exact_violations(spec.tokens, spec.verified)
+        self.divergence = lossless.judge(plain.tokens, plain.logits, spec.tokens, spec.logits, self.dtype)
+        spec.logits, plain.logits = [], []  # judged: a prompt's rows (tokens x vocab, twice) need not stay
 
     @property
-    def first_divergence(self) -> int | None:
-        a, b = self.target.tokens, self.speculative.tokens
-        index = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-        return index if index is not None or len(a) == len(b) else min(len(a), len(b))
+    def lossless(self) -> bool:
+        return not self.violations and (self.divergence is None or self.divergence.verdict == lossless.NUMERICS)
+
+    def record(self) -> dict:
+        """The prompt's contract entry in metrics/eval.json."""
+        return {
+            "id": self.prompt.sample_id,
+            "split": self.prompt.split,
+            "source": self.prompt.source,
+            "exact": not self.violations,
+            "not_verified_at": self.violations,
+            "divergence": self.divergence.to_json() if self.divergence else None,
+        }
+
+
+def lossless_record(results: list[PromptResult]) -> dict:
+    """The contract over every prompt decoded: `lossless`, how many matched plain greedy exactly, and each
+    prompt that did not (its first divergence, margins and verdict) or that broke exactness."""
+    departed = [r for r in results if r.violations or r.divergence is not None]
+    return {
+        "lossless": all(r.lossless for r in results),
+        "contract": {
+            "prompts": len(results),
+            "exact": sum(not r.violations for r in results),
+            "equal_to_plain": sum(r.divergence is None for r in results),
+            "numerics": sum(r.divergence is not None and r.divergence.verdict == lossless.NUMERICS for r in results),
+            "bugs": sum(not r.lossless for r in results),
+            "departures": [r.record() for r in departed],
+        },
+    }
 
 
 def _per_token(decoded: list[Decoded]) -> float:
@@ -126,7 +168,6 @@ def eval_metrics(
     gave the decoding, and the control beside it, recorded with each rate."""
     results = [r for r in everything if r.prompt.split == HELD_OUT]
     spec = [r.speculative for r in results]
-    mismatched = [r for r in everything if r.first_divergence is not None]
     sources = sorted({r.prompt.source for r in results})
     per_source = {s: _summary([r for r in results if r.prompt.source == s]) for s in sources}
     histogram = {str(a): sum(d.accepted.count(a) for d in spec) for a in range(block_size)}
@@ -137,11 +178,7 @@ def eval_metrics(
             **decode_rates([r.target for r in results]).record("target", busy=busy),
             **decode_rates(spec).record("speculative", busy=busy),
         },
-        "lossless": not mismatched,
-        "mismatched_prompts": [
-            {"id": r.prompt.sample_id, "split": r.prompt.split, "first_divergence": r.first_divergence}
-            for r in mismatched
-        ],
+        **lossless_record(everything),
         "per_source": per_source,
         "slot_acceptance": slot_acceptance(spec, block_size),
         "accepted_histogram": histogram,
