@@ -535,7 +535,8 @@ def test_a_proposal_accepted_too_many_fails_evaluate_naming_prompt_position_and_
     )
     work, drafter_dir = tiny["work"], tmp_path / "drafter"
     # an untrained drafter, so that steps reject proposals (the fitted one drafts these prompts whole)
-    untrained = DFlashDrafter.for_target(tiny["target"], tiny["chat"].tokenizer, MODEL, torch.Generator().manual_seed(1))
+    seed = torch.Generator().manual_seed(1)
+    untrained = DFlashDrafter.for_target(tiny["target"], tiny["chat"].tokenizer, MODEL, seed)
     untrained.save_pretrained(drafter_dir, dtype=torch.bfloat16)
     write_file_listing(drafter_dir)  # as train publishes it: evaluate checks the listing first
     with pytest.raises(ContractError) as failed:

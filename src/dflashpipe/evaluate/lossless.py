@@ -81,13 +81,6 @@ class Divergence:
     def to_json(self) -> dict:
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
-    def describe(self) -> str:
-        return (
-            f"position {self.position}: plain greedy chose token {self.plain_token}, speculative {self.speculative_token}"
-            f" (plain margin {self.margin:.4g}, speculative margin {self.reverse_margin:.4g}, tolerance "
-            f"{self.tolerance:.4g}): {self.verdict}"
-        )
-
 
 def judge(
     plain_tokens: list[int],
