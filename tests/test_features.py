@@ -39,7 +39,7 @@ def layout_for(train_inputs, model=MODEL) -> FeatureLayout:
 
 
 def test_stored_features_are_what_the_online_trainer_computes_for_the_same_rows(train_inputs, offline):
-    from dflashpipe.target import Target
+    from dflashpipe.target.adapter import Target
     from dflashpipe.train.loop import target_inputs
 
     out, run = offline

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dflashpipe.evaluate.speculative import prefill
-from dflashpipe.target import Target
+from dflashpipe.target.adapter import Target
 from dflashpipe.train import loop
 from dflashpipe.train.data import collate
 from tests.conftest import ROOT

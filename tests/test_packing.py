@@ -13,7 +13,7 @@ import torch
 
 from dflashpipe.model.anchors import anchor_candidates
 from dflashpipe.model.loss import block_labels
-from dflashpipe.target import target_features_and_predictions, target_layer_features
+from dflashpipe.target.layers import target_features_and_predictions, target_layer_features
 from dflashpipe.tokens.shards import load_tokens
 from dflashpipe.train.data import OPEN_ROWS, BatchPlan, collate, epoch_order, pack_rows
 from tests.test_model import eager_flex

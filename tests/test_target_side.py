@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflashpipe.model.features import target_features
-from dflashpipe.target import target_features_and_predictions, target_layer_features
+from dflashpipe.target.layers import target_features_and_predictions, target_layer_features
 from dflashpipe.tokens.shards import TokenData, TokenShard, load_tokens
 from dflashpipe.train.data import collate
 

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from dflashpipe.errors import DflashpipeError
 from dflashpipe.incremental import SUMMARY_FILE, InputShard, ShardedOutput
+from dflashpipe.target.layers import target_layer_features
 from dflashpipe.train.data import collate, pack_rows
 from dflashpipe.train.features import (
     STORED_DTYPE,
@@ -71,7 +72,8 @@ def shard_features(
         batch = collate(data, chunk, layout.seq_len, 0)
         began = time.perf_counter()
         with torch.no_grad():
-            feats = target.layer_features(
+            feats = target_layer_features(
+                target.model,
                 batch.input_ids.to(device),
                 batch.attention_mask.to(device),
                 layout.layer_ids,
@@ -146,7 +148,7 @@ def compute_features(
     check_disk(out_dir, todo_tokens * layout.bytes_per_token)
     rates: list[float] = []
     if todo:
-        from dflashpipe.target import Target
+        from dflashpipe.target.adapter import Target
         from dflashpipe.threads import thread_budget
 
         thread_budget({"target": 1}).apply("target", device)  # one computing thread: every core it may use

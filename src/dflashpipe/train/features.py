@@ -6,7 +6,7 @@ epoch pays the target's forward again; on the CPU that forward is most of a step
 target's cost is paid once, and an epoch after the first costs only the drafter.
 
 What is stored, for each sequence of a token shard, is exactly what the online trainer hands the
-drafter for it: the chosen layers' hidden states (`dflashpipe.target.Target.layer_features`) of its
+drafter for it: the chosen layers' hidden states (`dflashpipe.target.layers.target_layer_features`) of its
 first `model.seq_len` tokens (train cuts a longer sequence there), the document attending only
 within itself, computed in the target's compute dtype and stored as bfloat16 (2 bytes x layers x
 hidden a token: 2,304 bytes on SmolLM2-135M with 2 layers; 40 KB on Qwen3-8B with 5, which is why

@@ -48,7 +48,8 @@ from dflashpipe.compile.warmup import autocast, compiled_step, feature_dtype, ru
 from dflashpipe.model import DFlashDrafter, DraftLoss, TargetHead, sample_anchor_positions
 from dflashpipe.model.loss import prediction_positions
 from dflashpipe.params import ModelParams, TrainParams
-from dflashpipe.target import Target
+from dflashpipe.target.adapter import Target
+from dflashpipe.target.layers import target_features_and_predictions, target_layer_features
 from dflashpipe.threads import ThreadBudget
 from dflashpipe.train.checkpoint import Checkpoint
 from dflashpipe.train.data import Batch, BatchPlan, collate, held_out, pack_rows, without
@@ -223,9 +224,9 @@ def target_inputs(
     documents, positions = batch.document_ids.to(device), batch.position_ids.to(device)
     with torch.no_grad():
         if model.distill == "none":
-            return target.layer_features(ids, attention, layer_ids, documents, positions), None
+            return target_layer_features(target.model, ids, attention, layer_ids, documents, positions), None
         at = prediction_positions(anchors, model.block_size, model.seq_len).to(device)
-        return target.features_and_predictions(ids, attention, layer_ids, at, documents, positions)
+        return target_features_and_predictions(target.model, ids, attention, layer_ids, at, documents, positions)
 
 
 @dataclass(frozen=True)
