@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from dflashpipe.errors import DflashpipeError, SourceError
-from dflashpipe.features import check_disk, compute_features
+from dflashpipe.features.run import check_disk, compute_features
+from dflashpipe.features.shards import FeatureLayout, FeatureStore
+from dflashpipe.packing import collate
 from dflashpipe.params import ModelParams, build
 from dflashpipe.pipeline import StageKey
 from dflashpipe.tokens.shards import load_tokens
-from dflashpipe.train.data import BatchPlan, collate
-from dflashpipe.train.features import FeatureLayout, FeatureStore
+from dflashpipe.train.data import BatchPlan
 from tests.tiny import model_params
 
 MODEL = build(ModelParams, model_params(), "model")

@@ -153,7 +153,7 @@ def tiny_target(
 def tiny_config(target: LlamaForCausalLM, layers: int = 2, block_size: int = 4, n_target: int = 3) -> DFlashConfig:
     """A drafter config for `target`, built by hand (not from ModelParams): the tests choose every shape."""
     from dflashpipe.model import DFlashConfig
-    from dflashpipe.model.features import spaced_target_layer_ids
+    from dflashpipe.model.target_layers import spaced_target_layer_ids
 
     c = target.config
     return DFlashConfig(

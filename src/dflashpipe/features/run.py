@@ -1,6 +1,6 @@
 """The features stage: bring data/features to one shard of the target's hidden states per token shard.
 
-The format, its reuse check and the reader train uses are dflashpipe.train.features; this module computes
+The format, its reuse check and the reader train uses are features/shards.py; this module computes
 and writes them under the incremental protocol (dflashpipe.incremental): a shard is reused only under the key
 it was written for (every dep and param dvc.yaml lists for the stage, less data/tokens, plus its own token
 shard's sha256) and only if it hashes to what it stored, so growing the data computes only the new shards.
@@ -21,10 +21,7 @@ import torch
 from tqdm import tqdm
 
 from dflashpipe.errors import DflashpipeError
-from dflashpipe.incremental import SUMMARY_FILE, InputShard, ShardedOutput
-from dflashpipe.target.layers import target_layer_features
-from dflashpipe.train.data import collate, pack_rows
-from dflashpipe.train.features import (
+from dflashpipe.features.shards import (
     STORED_DTYPE,
     FeatureLayout,
     kept_lengths,
@@ -33,6 +30,9 @@ from dflashpipe.train.features import (
     stored_shard,
     write_shard,
 )
+from dflashpipe.incremental import SUMMARY_FILE, InputShard, ShardedOutput
+from dflashpipe.packing import collate, pack_rows
+from dflashpipe.target.layers import target_layer_features
 
 if TYPE_CHECKING:
     from dflashpipe.params import ModelParams
