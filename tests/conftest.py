@@ -114,7 +114,7 @@ def smollm2_tokenizer_dir(tmp_path_factory) -> Path:
     """The real SmolLM2 tokenizer (with its chat template), read once from the shipped GGUF."""
     from transformers import AutoTokenizer
 
-    from dflashpipe.target import resolve_source
+    from dflashpipe.target.materialise import resolve_source
 
     src = resolve_source(SMOLLM2, ROOT)
     out = tmp_path_factory.mktemp("smollm2-tokenizer")
@@ -134,7 +134,7 @@ def train_inputs(tmp_path_factory, tiny_target_dir) -> Path:
     tokens (target/, manifest/, tokens/). Read-only for the tests that share it: outputs go beside them."""
     from dflashpipe.data.manifest import build_manifest
     from dflashpipe.params import TargetParams
-    from dflashpipe.target import materialise_target
+    from dflashpipe.target.materialise import materialise_target
     from dflashpipe.tokens.run import tokenize_manifest
 
     work = tmp_path_factory.mktemp("train-inputs")

@@ -24,7 +24,7 @@ from dflashpipe.evaluate.speculative import (
 from dflashpipe.model import DFlashDrafter, TargetHead, sample_anchor_positions, target_features
 from dflashpipe.pipeline import METRICS
 from dflashpipe.spread import Spread
-from dflashpipe.target import stop_token_ids
+from dflashpipe.target.adapter import stop_token_ids
 from tests.conftest import copy_project, run, set_params
 from tests.tiny import manifest_params, source, tiny_model_params
 
@@ -57,7 +57,8 @@ def fit_to_target(drafter: DFlashDrafter, target, sequences: list[list[int]], pr
 def tiny(tmp_path_factory, tiny_target_dir):
     from dflashpipe.data.manifest import build_manifest
     from dflashpipe.params import TargetParams
-    from dflashpipe.target import load_materialised_target, materialise_target
+    from dflashpipe.target.adapter import load_materialised_target
+    from dflashpipe.target.materialise import materialise_target
     from dflashpipe.tokens.chat import load_chat_tokenizer
 
     work = tmp_path_factory.mktemp("evaluate")

@@ -7,7 +7,7 @@ import torch
 
 from dflashpipe.errors import SourceError
 from dflashpipe.params import TargetParams
-from dflashpipe.target import materialise_target
+from dflashpipe.target.materialise import materialise_target
 from tests.conftest import SMOLLM2
 
 
@@ -84,7 +84,7 @@ def test_the_embedded_smollm2_gguf_becomes_a_deterministic_reloadable_model(tmp_
     ],
 )
 def test_compute_target_dtype_decides_the_dtype_on_each_device(choice, device, expected):
-    from dflashpipe.target import compute_dtype
+    from dflashpipe.target.dtype import compute_dtype
 
     assert compute_dtype(device, choice) == expected
 
@@ -96,7 +96,7 @@ def test_the_drafter_takes_its_feature_dtype_from_the_target_it_borrows_from(tin
 
     from dflashpipe.compile.warmup import feature_dtype, step_inputs
     from dflashpipe.model import DFlashDrafter
-    from dflashpipe.target import Target
+    from dflashpipe.target.adapter import Target
     from tests.tiny import tiny_model_params
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
@@ -111,7 +111,8 @@ def test_the_drafter_takes_its_feature_dtype_from_the_target_it_borrows_from(tin
 def test_continuous_batching_gives_each_prompt_its_own_greedy_reply():
     """Rows leave as their replies end and the next prompts take their places (cache rows joined, padding
     trimmed): each reply is the one its prompt gets decoded alone, with the batch full until the prompts run out."""
-    from dflashpipe.target import Target
+    from dflashpipe.target.adapter import Target
+    from dflashpipe.target.batching import greedy_replies
     from tests.tiny import tiny_target
 
     target = Target(tiny_target(seed=3))
@@ -119,10 +120,10 @@ def test_continuous_batching_gives_each_prompt_its_own_greedy_reply():
     lengths = torch.randint(3, 40, (11,), generator=generator).tolist()
     prompts = [torch.randint(1, 90, (n,), generator=generator).tolist() for n in lengths]
     stop = [5, 16, 17, 48]
-    alone = [target.greedy_replies([p], 24, stop)[0] for p in prompts]
+    alone = [greedy_replies(target, [p], 24, stop)[0] for p in prompts]
     assert len({len(r.tokens) for r in alone}) > 3 and 0 < sum(r.stopped for r in alone) < len(alone)
     widths: list[int] = []
-    together = target.greedy_replies(prompts, 24, stop, on_token=widths.append, batch_size=4)
+    together = greedy_replies(target, prompts, 24, stop, on_token=widths.append, batch_size=4)
     assert together == alone
     # full until the prompts ran out: 4 rows a forward (a prefill of newcomers counts only them), then the tail
     decoded = sum(len(r.tokens) + r.stopped for r in alone)

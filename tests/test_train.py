@@ -14,12 +14,13 @@ import pytest
 from safetensors.torch import load_file
 
 from dflashpipe.errors import DflashpipeError, ParamsError
+from dflashpipe.packing import pack_rows
 from dflashpipe.params import TopologyParams
 from dflashpipe.pipeline import COMPILE, TRAIN_STATE, StageKey
 from dflashpipe.threads import thread_budget
 from dflashpipe.tokens.shards import load_tokens
 from dflashpipe.train.checkpoint import checkpoint_key, mismatch
-from dflashpipe.train.data import BatchPlan, epoch_order, pack_rows
+from dflashpipe.train.data import BatchPlan, epoch_order
 from dflashpipe.train.loop import replica_mismatches
 from dflashpipe.train.topology import check_topology
 from tests.conftest import ROOT
@@ -282,7 +283,7 @@ def test_the_flop_formulas_count_what_torch_counts_with_causal_attention_halved(
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from dflashpipe.target import target_layer_features
+    from dflashpipe.target.layers import target_layer_features
     from dflashpipe.train.flops import drafter_forward_flops, target_forward_flops
     from tests.tiny import random_batch, tiny_drafter, tiny_target
 

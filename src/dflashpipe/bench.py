@@ -25,7 +25,7 @@ from dflashpipe.model import DFlashDrafter
 from dflashpipe.params import CompileParams, ModelParams
 from dflashpipe.pipeline import StageKey
 from dflashpipe.spread import Measuring, Spread, clock
-from dflashpipe.target import compute_dtype
+from dflashpipe.target.dtype import compute_dtype
 from dflashpipe.threads import ThreadBudget, thread_budget
 
 REPEATS = 5

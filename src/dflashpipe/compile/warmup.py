@@ -14,7 +14,7 @@ from dflashpipe.model import DFlashDrafter, DraftLoss, sample_anchor_positions
 from dflashpipe.model.attention import resolve_backend
 from dflashpipe.params import CompileParams, ModelParams
 from dflashpipe.pipeline import StageKey
-from dflashpipe.target import Target
+from dflashpipe.target.adapter import Target
 from dflashpipe.threads import ThreadBudget
 
 

@@ -28,7 +28,7 @@ from dflashpipe.kernels import rows_first
 from dflashpipe.model import DFlashDrafter, TargetHead
 from dflashpipe.params import ComputeParams, EvaluateParams
 from dflashpipe.spread import SUFFIX, Measuring
-from dflashpipe.target import Target
+from dflashpipe.target.adapter import Target
 from dflashpipe.threads import thread_budget
 
 

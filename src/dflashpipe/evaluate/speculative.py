@@ -34,7 +34,7 @@ import torch
 
 from dflashpipe.model import DFlashDrafter, DraftContext
 from dflashpipe.spread import clock
-from dflashpipe.target import Target
+from dflashpipe.target.adapter import Target
 
 
 class Drafter(Protocol):

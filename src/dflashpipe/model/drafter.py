@@ -263,7 +263,7 @@ class DFlashDrafter(nn.Module):
         """Training step's forward: features [B, S, n*H], ids and loss_mask [B, S], anchors and valid [B, A];
         for packed rows, document_ids and position_ids [B, S] (block_hidden); when distilling, the target's
         final (normed) hidden states [B, A, bs-1, H] where it predicts each slot's token
-        (features.target_features_and_predictions)."""
+        (target.layers.target_features_and_predictions)."""
         if self.gamma is None:
             raise ValueError("this drafter was built without gamma: pass gamma=params.model.gamma to train it")
         hidden = self.block_hidden(features, input_ids, anchors, document_ids, position_ids)

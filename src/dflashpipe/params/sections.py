@@ -113,7 +113,7 @@ class ModelParams:
     """The DFlash drafter: its architecture, its training shapes and its attention backend.
 
     The shapes are static on purpose: whole sequences are packed into rows of `seq_len` tokens
-    (train/data.py) and every row gets `num_anchors` blocks (unused ones masked out), so one
+    (dflashpipe.packing) and every row gets `num_anchors` blocks (unused ones masked out), so one
     compiled flex_attention serves a whole run.
     """
 

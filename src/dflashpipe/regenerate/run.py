@@ -124,7 +124,7 @@ class InProcessReplier(Replier):
     ) -> None:
         import torch
 
-        from dflashpipe.target import Target
+        from dflashpipe.target.adapter import Target
 
         super().__init__(params.batch_size)
         for device in devices:
@@ -143,7 +143,9 @@ class InProcessReplier(Replier):
     def answer(self, prompts: Sequence[Sequence[int]], progress: Callable[[int], None]) -> list[Answer]:
         """Continuous batching on each target copy: the prompts sorted by length, cut into batch_size groups,
         group j going to copy j mod n (so what a copy decodes does not depend on thread timing); each copy keeps
-        batch_size rows decoding, a finished reply's row taken by its next prompt (Target.greedy_replies)."""
+        batch_size rows decoding, a finished reply's row taken by its next prompt (target.batching.greedy_replies)."""
+        from dflashpipe.target.batching import greedy_replies
+
         order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
         groups = [order[k : k + self.batch_size] for k in range(0, len(order), self.batch_size)]
         answers: list[Answer | None] = [None] * len(prompts)
@@ -153,7 +155,8 @@ class InProcessReplier(Replier):
             self.threads.apply("target", self.targets[w].device)  # in the worker's own thread
             mine = [i for group in groups[w :: len(self.targets)] for i in group]
             window = RateWindow(self.batch_size * RATE_WINDOW_STEPS, self.rates)
-            replies = self.targets[w].greedy_replies(
+            replies = greedy_replies(
+                self.targets[w],
                 [prompts[i] for i in mine],
                 self.max_new_tokens,
                 self.stop,

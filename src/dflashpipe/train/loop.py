@@ -47,17 +47,19 @@ from dflashpipe.compile.guard import CompileGuard
 from dflashpipe.compile.warmup import autocast, compiled_step, feature_dtype, run_step_once
 from dflashpipe.model import DFlashDrafter, DraftLoss, TargetHead, sample_anchor_positions
 from dflashpipe.model.loss import prediction_positions
+from dflashpipe.packing import Batch, collate, pack_rows
 from dflashpipe.params import ModelParams, TrainParams
-from dflashpipe.target import Target
+from dflashpipe.target.adapter import Target
+from dflashpipe.target.layers import target_features_and_predictions, target_layer_features
 from dflashpipe.threads import ThreadBudget
 from dflashpipe.train.checkpoint import Checkpoint
-from dflashpipe.train.data import Batch, BatchPlan, collate, held_out, pack_rows, without
+from dflashpipe.train.data import BatchPlan, held_out, without
 from dflashpipe.train.state import StepRecord, TrainInputs, TrainState, simulated_tau
 from dflashpipe.train.topology import Topology, train_threads
 
 if TYPE_CHECKING:  # only an annotation: training imports no pyarrow (the GPU check's machine has none)
+    from dflashpipe.features.shards import FeatureStore
     from dflashpipe.tokens.shards import TokenData
-    from dflashpipe.train.features import FeatureStore
 
 POLL_S = 0.05
 
@@ -223,9 +225,9 @@ def target_inputs(
     documents, positions = batch.document_ids.to(device), batch.position_ids.to(device)
     with torch.no_grad():
         if model.distill == "none":
-            return target.layer_features(ids, attention, layer_ids, documents, positions), None
+            return target_layer_features(target.model, ids, attention, layer_ids, documents, positions), None
         at = prediction_positions(anchors, model.block_size, model.seq_len).to(device)
-        return target.features_and_predictions(ids, attention, layer_ids, at, documents, positions)
+        return target_features_and_predictions(target.model, ids, attention, layer_ids, at, documents, positions)
 
 
 @dataclass(frozen=True)
