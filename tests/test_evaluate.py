@@ -557,14 +557,19 @@ def test_bfloat16_decoding_is_exact_and_any_divergence_from_plain_greedy_is_a_ne
     differently, so the two outputs may part at a near-tie; every token must still be its verify forward's argmax,
     and every parting must be numerics by the contract's measure."""
     from dflashpipe.evaluate.lossless import NUMERICS
-    from dflashpipe.evaluate.metrics import PromptResult
+    from dflashpipe.evaluate.metrics import PromptResult, eval_metrics
+    from dflashpipe.target.adapter import Target
 
     target = copy.deepcopy(tiny["target"]).to(torch.bfloat16)  # the fixture's float32 target stays as it is
     drafter = DFlashDrafter.from_pretrained(
         tiny["work"] / "drafter", TargetHead.of(target), dtype=torch.bfloat16, attention="sdpa"
     ).eval()
-    results = decode_prompts(target, drafter, tiny["prompts"], MAX_NEW, tiny["stop"])
+    # speedup divides by the fastest plain decoding this CPU has, float32 (target.dtype), never by a slower one
+    fastest = Target(tiny["target"])
+    results = decode_prompts(target, drafter, tiny["prompts"], MAX_NEW, tiny["stop"], fastest=fastest)
     assert all(isinstance(r, PromptResult) and r.dtype == torch.bfloat16 for r in results)
+    assert all(r.baseline is r.fastest and r.fastest_dtype == torch.float32 for r in results)
+    assert eval_metrics(results, 4)[0]["baseline"] == {"decoding": "plain greedy, one sequence", "dtype": "float32"}
     assert all(not r.violations for r in results)
     departed = [r.divergence for r in results if r.divergence is not None]
     assert all(d.verdict == NUMERICS and d.margin <= d.tolerance for d in departed), departed

@@ -74,19 +74,32 @@ def test_the_embedded_smollm2_gguf_becomes_a_deterministic_reloadable_model(tmp_
     assert "Paris" in tokenizer.decode(out[0, prompt["input_ids"].shape[1] :])
 
 
-@pytest.mark.parametrize(
-    ("choice", "device", "expected"),
-    [
-        ("auto", "cpu", torch.float32),
-        ("auto", "cuda:3", torch.bfloat16),
-        ("bfloat16", "cpu", torch.bfloat16),
-        ("float32", "cuda", torch.float32),
-    ],
-)
-def test_compute_target_dtype_decides_the_dtype_on_each_device(choice, device, expected):
+def test_compute_target_dtype_is_the_devices_native_dtype_per_kind_of_work_and_the_fingerprint_records_it():
+    from dflashpipe.env import fingerprint
+    from dflashpipe.kernels import bfloat16_native
     from dflashpipe.target.dtype import compute_dtype
 
-    assert compute_dtype(device, choice) == expected
+    native = bfloat16_native("cpu")  # AMX or AVX512-BF16 (an AVX2-only CPU emulates bfloat16)
+    assert compute_dtype("cpu", "auto", "batched") == (torch.bfloat16 if native else torch.float32)
+    assert compute_dtype("cpu", "auto", "decode") == torch.float32  # one sequence: float32 measured faster
+    assert compute_dtype("cpu", "bfloat16", "decode") == torch.bfloat16  # an explicit choice holds for every kind
+    assert compute_dtype("cuda:3", "float32") == torch.float32
+    recorded = fingerprint()["target_dtype"]
+    assert recorded["cpu"] == {kind: str(compute_dtype("cpu", "auto", kind))[6:] for kind in ("batched", "decode")}
+    assert ("cuda" in recorded) == torch.cuda.is_available()
+
+
+def test_bfloat16_on_a_device_that_cannot_compute_it_is_one_line_naming_key_device_and_support():
+    from dflashpipe.errors import ParamsError
+    from dflashpipe.kernels import bfloat16_native
+    from dflashpipe.target.dtype import compute_dtype
+
+    if bfloat16_native("cuda"):
+        pytest.skip("this machine's GPU computes bfloat16")
+    with pytest.raises(ParamsError, match=r"compute.target_dtype = bfloat16: cuda:0 \(.*\) cannot compute bfloat16"):
+        compute_dtype("cuda:0", "bfloat16")
+    with pytest.raises(ParamsError, match="expected auto, float32 or bfloat16"):
+        compute_dtype("cpu", "float16")
 
 
 def test_the_drafter_takes_its_feature_dtype_from_the_target_it_borrows_from(tiny_target_dir):
@@ -100,7 +113,9 @@ def test_the_drafter_takes_its_feature_dtype_from_the_target_it_borrows_from(tin
     from tests.tiny import tiny_model_params
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
-    for choice, dtype in (("bfloat16", torch.bfloat16), ("auto", torch.float32)):
+    from dflashpipe.target.dtype import compute_dtype
+
+    for choice, dtype in (("bfloat16", torch.bfloat16), ("auto", compute_dtype("cpu", "auto"))):
         target = Target.load(tiny_target_dir, "cpu", choice)
         assert next(target.model.parameters()).dtype == dtype
         drafter = DFlashDrafter.for_target(target.model, tokenizer, tiny_model_params())

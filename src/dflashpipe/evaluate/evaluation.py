@@ -29,6 +29,7 @@ from dflashpipe.model import DFlashDrafter, TargetHead
 from dflashpipe.params import ComputeParams, EvaluateParams
 from dflashpipe.spread import SUFFIX, Measuring
 from dflashpipe.target.adapter import Target
+from dflashpipe.target.dtype import compute_dtype
 from dflashpipe.threads import thread_budget
 
 
@@ -45,16 +46,21 @@ def decode_prompts(
     max_new_tokens: int,
     stop: list[int],
     draft_tokens: int = 0,
+    fastest: Target | None = None,
 ) -> list[PromptResult]:
     """Each prompt: one prefill, then target-only greedy and speculative decoding from copies of it.
 
     The speculative run is profiled (STEP_PARTS) in the same run on the CPU, where reading the clock costs
-    nothing; on CUDA the profile's syncs would slow the timed run, so an extra run is profiled instead."""
+    nothing; on CUDA the profile's syncs would slow the timed run, so an extra run is profiled instead.
+    `fastest`: the target in the dtype this device decodes fastest in, when `target` computes in another; its
+    plain decoding is then what speedup divides by (the lossless contract still compares `target`'s own)."""
     proposer, target = DFlashProposer(drafter), Target.of(target)
     layers, inline = proposer.target_layer_ids, target.device.type != "cuda"
     if prompts:  # one untimed run, so that first-call costs (allocator, kernels) land in no measurement
         warm = prefill(target, prompts[0].prompt_ids, layers)
         target_generate(target, warm.fork(), min(max_new_tokens, 8), stop)
+        if fastest is not None:
+            target_generate(fastest, prefill(fastest, prompts[0].prompt_ids), min(max_new_tokens, 8), stop)
         speculative_generate(target, proposer, warm, min(max_new_tokens, 8), stop, draft_tokens=draft_tokens)
     results = []
     # progress on stderr, as regenerate and train show theirs: a prompt decodes twice (three times on CUDA)
@@ -70,7 +76,12 @@ def decode_prompts(
         speculative = speculative_generate(target, proposer, start, max_new_tokens, stop, inline, draft_tokens)
         if profiled is not None:
             speculative.profile = profiled.profile
-        results.append(PromptResult(prompt, baseline, speculative, target.dtype))
+        plain = (
+            None
+            if fastest is None
+            else target_generate(fastest, prefill(fastest, prompt.prompt_ids), max_new_tokens, stop)
+        )
+        results.append(PromptResult(prompt, baseline, speculative, target.dtype, plain, fastest and fastest.dtype))
         rates = [run.decode_tokens / run.decode_s for run in (baseline, speculative) if run.decode_s > 0]
         if len(rates) == 2:
             bar.set_postfix_str(f"target {rates[0]:.1f} tok/s, speculative {rates[1]:.1f} tok/s", refresh=False)
@@ -141,7 +152,11 @@ def evaluate_drafter(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     threads = thread_budget({"decode": 1})  # one decoding thread: every core this process may use
     threads.apply("decode", device)
-    target = Target.load(target_dir, device, inputs.compute.target_dtype, decoding=True)
+    # one sequence at a time: the decode kind's dtype (target.dtype); speedup divides by the fastest plain decoding
+    # this device has (compute.target_dtype: auto's decode dtype), loaded a second time only when it differs
+    target = Target.load(target_dir, device, inputs.compute.target_dtype, decoding=True, kind="decode")
+    fastest_dtype = compute_dtype(device, "auto", "decode")
+    fastest = None if fastest_dtype == target.dtype else Target.load(target_dir, device, "auto", True, "decode")
     chat = load_chat_tokenizer(target_dir)
     # sdpa for decoding: every step has a new context length, which a compiled flex kernel would recompile for.
     # Drafts in the target's dtype, as engines serve it: bf16 on CUDA; on the CPU the bf16 weights in float32.
@@ -165,7 +180,9 @@ def evaluate_drafter(
     verified = p.draft_tokens + 1 if p.draft_tokens else block_size  # positions of a verify forward
     stop = target.stop_token_ids(chat.tokenizer)  # the same end of turn as regeneration
     with Measuring(device) as window:  # what the machine gave the decoding, and the control beside it
-        results = decode_prompts(target, drafter, prompts + train_prompts, p.max_new_tokens, stop, p.draft_tokens)
+        results = decode_prompts(
+            target, drafter, prompts + train_prompts, p.max_new_tokens, stop, p.draft_tokens, fastest
+        )
     decoding, tables = eval_metrics(results, verified, window.busy)
     metrics_dir.mkdir(parents=True, exist_ok=True)
     metrics = {
@@ -192,7 +209,7 @@ def evaluate_drafter(
     sides, profile = metrics["train_vs_held_out"], metrics["step_profile"]
     print(
         f"evaluate: {metrics['prompts']} held-out prompts, tau {metrics['tau']:.3f}, "
-        f"speedup {metrics['speedup']:.3f}x, "
+        f"speedup {metrics['speedup']:.3f}x (against plain decoding in {metrics['baseline']['dtype']}), "
         f"decode {metrics['decode_tokens_per_s']['speculative']:.1f} tok/s (target alone "
         f"{metrics['decode_tokens_per_s']['target']:.1f}), lossless: {metrics['lossless']}; baseline: {note}",
         flush=True,

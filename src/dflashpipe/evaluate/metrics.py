@@ -31,6 +31,9 @@ class PromptResult:
     speculative: Decoded
     dtype: torch.dtype
     """What the target computed in: float32 expects exact equality with `target`."""
+    fastest: Decoded | None = None
+    """Plain decoding in the dtype this device decodes fastest in, where `target` ran in another (else None)."""
+    fastest_dtype: torch.dtype | None = None
     violations: list[int] = field(init=False)
     """Positions where the speculative run emitted a token its own verify forward did not choose."""
     divergence: lossless.Divergence | None = field(init=False)
@@ -40,7 +43,14 @@ class PromptResult:
         spec, plain = self.speculative, self.target
         self.violations = lossless.exact_violations(spec.tokens, spec.verified)
         self.divergence = lossless.judge(plain.tokens, plain.logits, spec.tokens, spec.logits, self.dtype)
-        spec.logits, plain.logits = [], []  # judged: a prompt's rows (tokens x vocab, twice) need not stay
+        for run in (spec, plain, self.fastest):  # judged: a prompt's rows (tokens x vocab) need not stay
+            if run is not None:
+                run.logits = []
+
+    @property
+    def baseline(self) -> Decoded:
+        """The plain decoding that speedup and a step's cost divide by: the fastest this device has."""
+        return self.fastest or self.target
 
     @property
     def lossless(self) -> bool:
@@ -56,6 +66,12 @@ class PromptResult:
             "not_verified_at": self.violations,
             "divergence": self.divergence.to_json() if self.divergence else None,
         }
+
+
+def _baseline_dtype(results: list[PromptResult]) -> str | None:
+    """The dtype the plain decoding that speedup divides by ran in (None: no prompt decoded)."""
+    dtypes = {str(r.fastest_dtype or r.dtype).removeprefix("torch.") for r in results}
+    return dtypes.pop() if len(dtypes) == 1 else None
 
 
 def lossless_record(results: list[PromptResult]) -> dict:
@@ -100,7 +116,7 @@ def tau_over_prompts(decoded: list[Decoded]) -> dict:
 def _summary(results: list[PromptResult]) -> dict:
     spec = [r.speculative for r in results]
     steps = sum(len(d.produced) for d in spec)
-    base, ours = _per_token([r.target for r in results]), _per_token(spec)
+    base, ours = _per_token([r.baseline for r in results]), _per_token(spec)
     return {
         "prompts": len(results),
         "new_tokens": sum(len(d.tokens) for d in spec),
@@ -133,13 +149,13 @@ def step_profile(results: list[PromptResult]) -> dict:
     loop and clocks between them), and a step's cost in plain decode steps (seconds per verify step over
     the same prompt's seconds per target-only token). Medians over prompts with their spread: a share
     is a ratio within one run, so a busier machine moves it less than it moves seconds."""
-    runs = [r for r in results if r.speculative.profile.get("step") and r.target.decode_tokens]
+    runs = [r for r in results if r.speculative.profile.get("step") and r.baseline.decode_tokens]
     if not runs:
         return {"prompts": 0}
     shares = {part: [r.speculative.profile[part] / r.speculative.profile["step"] for r in runs] for part in STEP_PARTS}
     shares["other"] = [1 - sum(shares[part][i] for part in STEP_PARTS) for i in range(len(runs))]
     cost = [
-        (r.speculative.profile["step"] / len(r.speculative.produced)) / (r.target.decode_s / r.target.decode_tokens)
+        (r.speculative.profile["step"] / len(r.speculative.produced)) / (r.baseline.decode_s / r.baseline.decode_tokens)
         for r in runs
     ]
     return {
@@ -173,9 +189,11 @@ def eval_metrics(
     histogram = {str(a): sum(d.accepted.count(a) for d in spec) for a in range(block_size)}
     metrics = {
         **_summary(results),
+        # what speedup, step_over_decode_step and decode_tokens_per_s.target divide by or are
+        "baseline": {"decoding": "plain greedy, one sequence", "dtype": _baseline_dtype(everything)},
         # the median over prompts, with its spread: {target, target_spread, speculative, speculative_spread}
         "decode_tokens_per_s": {
-            **decode_rates([r.target for r in results]).record("target", busy=busy),
+            **decode_rates([r.baseline for r in results]).record("target", busy=busy),
             **decode_rates(spec).record("speculative", busy=busy),
         },
         **lossless_record(everything),
