@@ -155,7 +155,8 @@ def test_tokenize_trains_on_the_very_sequence_the_target_read_and_wrote(tmp_path
     token, for every reply of every row (later turns included: their prompts hold the earlier replies' own ids)."""
     import numpy as np
 
-    from dflashpipe.target import Target
+    from dflashpipe.target.adapter import Target
+    from dflashpipe.target.batching import greedy_replies
     from dflashpipe.tokens.shards import load_tokens
 
     chat_jsonl(tmp_path / "chats.jsonl", 40)
@@ -169,7 +170,7 @@ def test_tokenize_trains_on_the_very_sequence_the_target_read_and_wrote(tmp_path
         ids, mask = (np.asarray(a, dtype=np.int64) for a in data.sequence(i))
         starts = np.flatnonzero(np.diff(np.concatenate([[0], mask])) == 1)
         for first in starts:
-            (again,) = target.greedy_replies([ids[:first].tolist()], REGENERATE.max_new_tokens, stop)
+            (again,) = greedy_replies(target, [ids[:first].tolist()], REGENERATE.max_new_tokens, stop)
             assert list(again.tokens) == ids[first : first + len(again.tokens)].tolist(), (i, first)
             replies += 1
     assert replies > len(data)  # later turns were checked too
