@@ -51,11 +51,8 @@ def resolve_run(profile: str | None, sets: list[str], root: Path) -> Run:
     raw = _read_yaml(root / PARAMS_FILE)
     overrides = profile_overrides(profile, root) if profile else {}
     for item in sets:
-        key, eq, text = item.partition("=")
-        section, _, name = key.partition(".")
-        if not eq or section not in SECTIONS or not name:
-            raise PlanError(f"-S {item}: expected section.key=value with a section of {sorted(SECTIONS)}")
-        overrides[key] = yaml.safe_load(text)
+        key, value = parse_set(item)
+        overrides[key] = value
     label = " over ".join(filter(None, (profile, PARAMS_FILE))) + "".join(f" -S {s}" for s in sets)
     for key, value in overrides.items():
         section, _, name = key.partition(".")
@@ -65,6 +62,23 @@ def resolve_run(profile: str | None, sets: list[str], root: Path) -> Run:
     except ParamsError as exc:
         raise PlanError(f"{label}: {str(exc).removeprefix(PARAMS_FILE + ': ')}") from None
     return Run(label, params, overrides)
+
+
+def parse_set(item: str) -> tuple[str, Any]:
+    """`section.key=value` in the grammar `dvc exp run -S` parses (Hydra's override grammar: 1e-3 is a number)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        override = OverridesParser.create().parse_overrides([item])[0]
+        key, value = override.key_or_group, override.value()
+    except HydraException as exc:
+        first = str(exc).splitlines()[0]
+        raise PlanError(f"-S {item}: not a section.key=value override in `dvc exp run -S`'s grammar ({first})") from None
+    section, _, name = key.partition(".")
+    if section not in SECTIONS or not name or "." in name:
+        raise PlanError(f"-S {item}: expected section.key=value with a section of {sorted(SECTIONS)}")
+    return key, value
 
 
 # -- the target's config --------------------------------------------------------------------------
