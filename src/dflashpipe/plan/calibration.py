@@ -51,21 +51,25 @@ class Calibration:
 
 
 def calibrate(run: Run, devices: DeviceChoice, root: Path, config: TargetConfig) -> Calibration:
-    on_cpu = {role: getattr(devices, role).name == "cpu" for role in ("target", "drafter")}
-    gpu = published_mfus(SPECFORGE_QWEN3_8B, root) if not all(on_cpu.values()) else None
-    cpu = measured_here(run, devices, root, config) if any(on_cpu.values()) else None
-    pick = {role: (cpu if on_cpu[role] else gpu) for role in on_cpu}
-    if gpu is not None and devices.drafter.name.lower() != SPECFORGE_QWEN3_8B.device.lower():
-        elsewhere = f"; assumed the same on {devices.drafter.name}"
-        gpu = dataclasses.replace(
-            gpu,
-            target=dataclasses.replace(gpu.target, source=gpu.target.source + elsewhere),
-            drafter=dataclasses.replace(gpu.drafter, source=gpu.drafter.source + elsewhere),
-        )
-        pick = {role: (cpu if on_cpu[role] else gpu) for role in on_cpu}
-    read = cpu.read if on_cpu["target"] else Figure(DISK_READ, "assumed: one NVMe drive's sequential read per node")
-    notes = tuple(n for c in {id(x): x for x in pick.values()}.values() for n in c.notes)
-    return Calibration(pick["target"].target, pick["drafter"].drafter, read, notes)
+    """Each side's MFU from the measurements of its device's kind: this CPU's own records, or the published GPU run
+    (carried to another GPU as an assumption, said so)."""
+    gpus = [d for d in (devices.target, devices.drafter) if d.name != "cpu"]
+    gpu = cpu = None
+    if gpus:
+        gpu = published_mfus(SPECFORGE_QWEN3_8B, root)
+        if gpus[0].name.lower() != SPECFORGE_QWEN3_8B.device.lower():
+            carried = f"; assumed the same on {gpus[0].name}"
+            gpu = dataclasses.replace(
+                gpu,
+                target=dataclasses.replace(gpu.target, source=gpu.target.source + carried),
+                drafter=dataclasses.replace(gpu.drafter, source=gpu.drafter.source + carried),
+            )
+    if len(gpus) < 2:
+        cpu = measured_here(run, devices, root, config)
+    target = cpu if devices.target.name == "cpu" else gpu
+    drafter = cpu if devices.drafter.name == "cpu" else gpu
+    notes = target.notes + (drafter.notes if drafter is not target else ())
+    return Calibration(target.target, drafter.drafter, target.read, notes)
 
 
 # -- published: SpecForge on H200 ------------------------------------------------------------------
@@ -110,7 +114,7 @@ def published_mfus(pub: PublishedRun, root: Path) -> Calibration:
             f"{where}: {pub.trainer_samples_per_s:g} samples/s per trainer {pub.device} in the pipeline x "
             f"{drafter_flops / 1e12:.3g} TFLOP a sample",
         ),
-        Figure(DISK_READ, "assumed"),
+        Figure(DISK_READ, "assumed: one NVMe drive's sequential read per node"),
         (
             f"SpecForge's trainer alone reached MFU {pub.trainer_mfu_alone} (its own FLOP count): "
             f"{alone:.3g} samples/s by this count, {pub.trainer_samples_per_s / alone:.0%} of which it kept in the "

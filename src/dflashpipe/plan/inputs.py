@@ -74,7 +74,7 @@ def parse_set(item: str) -> tuple[str, Any]:
         key, value = override.key_or_group, override.value()
     except HydraException as exc:
         first = str(exc).splitlines()[0]
-        raise PlanError(f"-S {item}: not a section.key=value override in `dvc exp run -S`'s grammar ({first})") from None
+        raise PlanError(f"-S {item}: not a section.key=value in the grammar of `dvc exp run -S` ({first})") from None
     section, _, name = key.partition(".")
     if section not in SECTIONS or not name or "." in name:
         raise PlanError(f"-S {item}: expected section.key=value with a section of {sorted(SECTIONS)}")

@@ -47,9 +47,13 @@ def plan_lines(p: Plan) -> list[str]:
         lines.append(f"  stored features read at {_si(cal.read.value, 'B/s')}  [{cal.read.source}]")
     lines += [f"  note: {n}" for n in cal.notes]
     lines.append(f"memory per device (estimates; {_reserve()} of each device kept in reserve)")
+    alike: dict[tuple, list[str]] = {}  # devices holding the same workers and terms: one line
     for d in p.memory:
-        terms = ", ".join(f"{t.name} {_gib(t.bytes)}" for t in sorted(d.terms, key=lambda t: -t.bytes) if t.bytes)
-        lines.append(f"  {d.device} ({'+'.join(d.roles)}): {_gib(d.total)} of {_gib(d.usable)}: {terms}")
+        alike.setdefault((d.roles, d.terms, d.usable), []).append(d.device)
+    for (roles, terms, usable), names in alike.items():
+        total = sum(t.bytes for t in terms)
+        listed = ", ".join(f"{t.name} {_gib(t.bytes)}" for t in sorted(terms, key=lambda t: -t.bytes) if t.bytes)
+        lines.append(f"  {', '.join(names)} ({'+'.join(roles)}): {_gib(total)} of {_gib(usable)} each: {listed}")
     lines.append(
         f"  largest that fits: model.seq_len {p.fit.seq_len} at compile.micro_batch {run.compile.micro_batch}; "
         f"compile.micro_batch {p.fit.micro_batch} at model.seq_len {s}"
