@@ -28,7 +28,7 @@ from dflashpipe.plan.inputs import (
 )
 from dflashpipe.plan.memory import DeviceMemory, Fit, device_memory, largest_fit
 from dflashpipe.plan.model import Models, Shapes
-from dflashpipe.plan.render import plan_json, plan_lines
+from dflashpipe.plan.render import gib, plan_json, plan_lines
 from dflashpipe.plan.throughput import Side, Split, Transfer, Wall, balanced, bound, sides, splits, transfer, wall
 
 __all__ = ["Plan", "PlanError", "make_plan", "plan_json", "plan_lines"]
@@ -134,11 +134,7 @@ def refuse_what_does_not_fit(run: Run, memory: list[DeviceMemory], fit: Fit) -> 
             if s
         )
     raise PlanError(
-        f"{run.label} does not fit {d.device} ({d.kind.name}, {_gib(d.usable)} usable): its {' and '.join(d.roles)} "
-        f"worker(s) need {_gib(d.total)} (largest term: {d.largest.name}, {_gib(d.largest.bytes)}); the largest "
+        f"{run.label} does not fit {d.device} ({d.kind.name}, {gib(d.usable)} usable): its {' and '.join(d.roles)} "
+        f"worker(s) need {gib(d.total)} (largest term: {d.largest.name}, {gib(d.largest.bytes)}); the largest "
         f"setting that fits: {largest}"
     )
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:,.1f} GiB"

@@ -1,5 +1,5 @@
 """What a plan is computed from: the run's params (params.yaml, a profile laid over it, `-S` values), the target's
-config.json, the devices (a published row, the user's own file, or this CPU measured now) and the data's size.
+config.json, the devices (a published row, the user's own file, or this CPU, measured) and the data's size.
 
 Every failure is one PlanError naming the file, the key and the fix.
 """
@@ -47,7 +47,7 @@ class Run:
 
 
 def resolve_run(profile: str | None, sets: list[str], root: Path) -> Run:
-    """params.yaml under `root`, with `profile` laid over it and then `sets` (`section.key=value`, a YAML value)."""
+    """params.yaml under `root`, with `profile` laid over it and then `sets` (`section.key=value`, as `-S`)."""
     raw = _read_yaml(root / PARAMS_FILE)
     overrides = profile_overrides(profile, root) if profile else {}
     for item in sets:

@@ -48,6 +48,7 @@ class Models:
                 DFlashConfig.for_target(config, model, mask_token_id=0),  # its value changes no shape
                 TargetHead.of(target),
                 attention="sdpa",  # a module choice made per call; the weights are the same
+                final_norm=model.final_norm,  # trained or not: one of the drafter's parameters
                 distill=model.distill,
             )
         return cls(target, drafter)

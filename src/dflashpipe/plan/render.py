@@ -17,7 +17,7 @@ def _si(n: float, unit: str = "") -> str:
     return f"{n:.3g}{unit}"
 
 
-def _gib(n: float) -> str:
+def gib(n: float) -> str:
     return f"{n / 2**30:,.1f} GiB"
 
 
@@ -38,7 +38,7 @@ def plan_lines(p: Plan) -> list[str]:
         link = f", link {_si(d.link_bytes_per_s, 'B/s')} one way" if d.link_bytes_per_s else ""
         lines.append(
             f"  {role:8} {d.name}: bf16 {_si(d.bf16_flops, 'FLOP/s')}, fp32 {_si(d.fp32_flops, 'FLOP/s')}, "
-            f"{_gib(d.memory_bytes)}{link}  [{d.source}]"
+            f"{gib(d.memory_bytes)}{link}  [{d.source}]"
         )
     lines.append("calibration")
     lines.append(f"  target MFU {cal.target.value:.3g}  [{cal.target.source}]")
@@ -52,8 +52,8 @@ def plan_lines(p: Plan) -> list[str]:
         alike.setdefault((d.roles, d.terms, d.usable), []).append(d.device)
     for (roles, terms, usable), names in alike.items():
         total = sum(t.bytes for t in terms)
-        listed = ", ".join(f"{t.name} {_gib(t.bytes)}" for t in sorted(terms, key=lambda t: -t.bytes) if t.bytes)
-        lines.append(f"  {', '.join(names)} ({'+'.join(roles)}): {_gib(total)} of {_gib(usable)} each: {listed}")
+        listed = ", ".join(f"{t.name} {gib(t.bytes)}" for t in sorted(terms, key=lambda t: -t.bytes) if t.bytes)
+        lines.append(f"  {', '.join(names)} ({'+'.join(roles)}): {gib(total)} of {gib(usable)} each: {listed}")
     lines.append(
         f"  largest that fits: model.seq_len {p.fit.seq_len} at compile.micro_batch {run.compile.micro_batch}; "
         f"compile.micro_batch {p.fit.micro_batch} at model.seq_len {s}"
