@@ -97,7 +97,8 @@ def load(args):
 
     from dflashpipe.evaluate.prompts import eval_prompts
     from dflashpipe.model import DFlashDrafter, TargetHead
-    from dflashpipe.target import compute_dtype, load_materialised_target, stop_token_ids
+    from dflashpipe.target.adapter import load_materialised_target, stop_token_ids
+    from dflashpipe.target.dtype import compute_dtype
     from dflashpipe.tokens.chat import load_chat_tokenizer
 
     target = load_materialised_target(args.data / "target", "cpu", compute_dtype("cpu", "auto"))
@@ -131,7 +132,7 @@ def compare_parts(args) -> None:
     import torch
 
     from dflashpipe.evaluate import speculative as loop
-    from dflashpipe.target import Target
+    from dflashpipe.target.adapter import Target
 
     model, drafter, prompts, stop = load(args)
     target, layers = Target(model), drafter.config.target_layer_ids
@@ -210,7 +211,8 @@ def compare_rows(args, counts=(1, 2, 4, 8, 16), repeats=5) -> None:
     import torch
 
     from dflashpipe.kernels import RowsFirstLinear
-    from dflashpipe.target import compute_dtype, load_materialised_target
+    from dflashpipe.target.adapter import load_materialised_target
+    from dflashpipe.target.dtype import compute_dtype
 
     model = load_materialised_target(args.data / "target", "cpu", compute_dtype("cpu", "auto"))
     # every decoder layer's: their weights stream from memory as in a forward (one layer's would sit in cache)
@@ -246,7 +248,7 @@ def compare_rows(args, counts=(1, 2, 4, 8, 16), repeats=5) -> None:
 def compare_draft_tokens(args) -> None:
     from dflashpipe.evaluate import speculative as loop
     from dflashpipe.kernels import rows_first
-    from dflashpipe.target import Target
+    from dflashpipe.target.adapter import Target
 
     counts = [int(c) for c in args.draft_tokens.split(",")]
     model, drafter, prompts, stop = load(args)
@@ -335,7 +337,8 @@ def compare_revisions(args) -> None:
     from dflashpipe.evaluate import speculative as after
     from dflashpipe.evaluate.prompts import eval_prompts
     from dflashpipe.model import DFlashDrafter, TargetHead
-    from dflashpipe.target import compute_dtype, load_materialised_target, stop_token_ids
+    from dflashpipe.target.adapter import load_materialised_target, stop_token_ids
+    from dflashpipe.target.dtype import compute_dtype
     from dflashpipe.tokens.chat import load_chat_tokenizer
 
     before = module_at(args.before, "src/dflashpipe/evaluate/speculative.py", "speculative_before")

@@ -8,7 +8,7 @@ quiet rounds and resumed (SIGCONT) for the busy ones, alternating, so both kinds
 machine otherwise. Each round times, in this process, at the thread count dflashpipe.threads gives one
 worker (or `--threads`):
 - decode: 32 greedy tokens after a prompt at batch 1 (evaluate's plain decoding, Target.decode_step);
-- replies: 16 greedy replies of 32 tokens, continuously batched (regenerate, Target.greedy_replies);
+- replies: 16 greedy replies of 32 tokens, continuously batched (regenerate, target.batching.greedy_replies);
 - features: the target's layers over 4 rows x 512 tokens (the features stage, train's online target).
 - train: one training step (forward + backward, eager) of each of train's drafter replicas, each in its own
   thread at the drafter threads' budgeted count, side by side as train runs them (offline features: no
@@ -84,7 +84,9 @@ def main() -> None:
     import torch
 
     from dflashpipe.evaluate.prompts import eval_prompts
-    from dflashpipe.target import Target
+    from dflashpipe.target.adapter import Target
+    from dflashpipe.target.batching import greedy_replies
+    from dflashpipe.target.layers import target_layer_features
     from dflashpipe.threads import thread_budget
     from dflashpipe.tokens.chat import load_chat_tokenizer
 
@@ -109,12 +111,12 @@ def main() -> None:
         return 32
 
     def replies() -> int:
-        made = target.greedy_replies(prompts, 32, [], batch_size=16)
+        made = greedy_replies(target, prompts, 32, [], batch_size=16)
         return sum(len(r.tokens) for r in made)
 
     def features() -> int:
         with torch.no_grad():
-            target.layer_features(rows, torch.ones_like(rows), layers)
+            target_layer_features(target.model, rows, torch.ones_like(rows), layers)
         return rows.numel()
 
     train = replicas(args.data / "target")

@@ -138,16 +138,16 @@ def _context_mask_sees_anchor():
 
 
 def _layer_one_early():
-    from dflashpipe.target import Target
+    from dflashpipe.train import loop
 
-    original = Target.layer_features
+    original = loop.target_layer_features
 
-    def layer_features(self, input_ids, attention_mask, layer_ids, *rest):
+    def target_layer_features(model, input_ids, attention_mask, layer_ids, *rest):
         if min(layer_ids) < 1:
             raise ValueError(f"layer ids {list(layer_ids)}: the misalignment needs every id >= 1")
-        return original(self, input_ids, attention_mask, [i - 1 for i in layer_ids], *rest)
+        return original(model, input_ids, attention_mask, [i - 1 for i in layer_ids], *rest)
 
-    return _patched(Target, "layer_features", layer_features)
+    return _patched(loop, "target_layer_features", target_layer_features)  # the trainer's pass, not decoding's
 
 
 def _other_mask_token():
@@ -308,7 +308,7 @@ def decode(run: OverfitRun, target_dir: Path, drafter_dir: Path, prompts_dir: Pa
     from dflashpipe.evaluate.metrics import eval_metrics
     from dflashpipe.evaluate.prompts import HELD_OUT, TRAIN, eval_prompts
     from dflashpipe.model import DFlashDrafter, TargetHead
-    from dflashpipe.target import Target
+    from dflashpipe.target.adapter import Target
     from dflashpipe.tokens.chat import load_chat_tokenizer
     from dflashpipe.tokens.shards import load_tokens
 

@@ -9,7 +9,7 @@ rotating order (a machine that gets busier slows each alike):
 - `batches`: the stage before this change: batches of 16, each decoded until its longest reply ends (a
   finished row leaves, none joins), torch's linear layers;
 - `continuous`: the stage now: 16 rows kept decoding, a finished row's place taken by the next prompt
-  (Target.greedy_replies with batch_size), the linear layers in kernels.RowsFirstLinear's form;
+  (target.batching.greedy_replies with batch_size), the linear layers in kernels.RowsFirstLinear's form;
 - `generate`: transformers' `model.generate` on the same batches of 16, left-padded, greedy.
 And a 2048 x 2048 float32 matmul, whose rate is the machine's in that round: each run's tokens/s x FLOPs a
 token (2 x the weights of every linear layer, LM head included; attention over the context not counted)
@@ -49,7 +49,8 @@ def main() -> None:
 
     from dflashpipe.evaluate.prompts import TRAIN, eval_prompts
     from dflashpipe.kernels import RowsFirstLinear
-    from dflashpipe.target import Target
+    from dflashpipe.target.adapter import Target
+    from dflashpipe.target.batching import greedy_replies
     from dflashpipe.threads import thread_budget
     from dflashpipe.tokens.chat import load_chat_tokenizer
 
@@ -70,11 +71,11 @@ def main() -> None:
 
     def before():
         form(torch.nn.Linear)
-        return [r.tokens for b in batches for r in target.greedy_replies(b, limit, stop)]
+        return [r.tokens for b in batches for r in greedy_replies(target, b, limit, stop)]
 
     def continuous():
         form(RowsFirstLinear)
-        return [r.tokens for r in target.greedy_replies(prompts, limit, stop, batch_size=BATCH)]
+        return [r.tokens for r in greedy_replies(target, prompts, limit, stop, batch_size=BATCH)]
 
     def generate():
         form(torch.nn.Linear)
@@ -144,7 +145,7 @@ def main() -> None:
         ratio = [c / o for c, o in zip(rates["continuous"], rates[name], strict=True)]
         print(f"continuous / {name} (same round): {spread(ratio)}")
     form(RowsFirstLinear)
-    alone = [target.greedy_replies([p], limit, stop)[0].tokens for p in prompts]
+    alone = [greedy_replies(target, [p], limit, stop)[0].tokens for p in prompts]
     for name in runs:
         differ = sum(tuple(x) != tuple(y) for x, y in zip(replies[name], alone, strict=True))
         print(f"{name:10s} replies differing from each prompt decoded alone: {differ} of {len(prompts)}")

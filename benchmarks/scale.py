@@ -123,8 +123,9 @@ def vm(field: str) -> str:
 
 def memory_child(tokens_dir: str, mode: str, batches: int) -> None:
     """Load the tokens (mapped, or flat as before), collate `batches` batches; print the peak RSS as JSON."""
+    from dflashpipe.packing import collate
     from dflashpipe.tokens.shards import TokenData, TokenShard, load_tokens, read_shard
-    from dflashpipe.train.data import BatchPlan, collate
+    from dflashpipe.train.data import BatchPlan
 
     before_load = vm("VmRSS")
     began = time.perf_counter()

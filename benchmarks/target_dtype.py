@@ -4,9 +4,9 @@
 
 Loads data/target/ twice (the same stored weights, computed in each dtype) and times, in interleaved
 repeats whose order alternates (a machine that gets busier slows both alike):
-- features: one forward of 4 rows x 512 tokens through the drafter's layers (Target.layer_features,
+- features: one forward of 4 rows x 512 tokens through the drafter's layers (target.layers.target_layer_features,
   what the features stage and train's online worker run), on token ids of the eval prompts repeated;
-- replies: a batch of 16 greedy replies of 32 tokens to the first 16 eval prompts (Target.greedy_replies,
+- replies: a batch of 16 greedy replies of 32 tokens to the first 16 eval prompts (target.batching.greedy_replies,
   what regenerate runs), and how many of the 16 replies differ between the dtypes;
 - step: one decode step at batch 1 after a prompt (Target.decode_step, evaluate's baseline step).
 Prints per-repeat bfloat16 / float32 time ratios, their median and range, as JSON. Needs data/target and
@@ -38,6 +38,9 @@ def cases(target, prompts: list[list[int]], layer_ids: list[int], stop: list[int
     """name -> a function that runs the case once on `target` (and returns what it made)."""
     import torch
 
+    from dflashpipe.target.batching import greedy_replies
+    from dflashpipe.target.layers import target_layer_features
+
     stream = [t for p in prompts for t in p]
     stream = (stream * (2048 // len(stream) + 1))[:2048]
     rows = torch.tensor(stream).view(4, 512)
@@ -50,10 +53,10 @@ def cases(target, prompts: list[list[int]], layer_ids: list[int], stop: list[int
 
     def features():
         with torch.no_grad():
-            return target.layer_features(rows, mask, layer_ids)
+            return target_layer_features(target.model, rows, mask, layer_ids)
 
     def replies():
-        return [r.tokens for r in target.greedy_replies(prompts[:16], 32, stop)]
+        return [r.tokens for r in greedy_replies(target, prompts[:16], 32, stop)]
 
     def step():
         with torch.no_grad():
@@ -74,9 +77,9 @@ def main() -> None:
     import torch
 
     from dflashpipe.evaluate.prompts import eval_prompts
-    from dflashpipe.model.features import spaced_target_layer_ids
+    from dflashpipe.model.target_layers import spaced_target_layer_ids
     from dflashpipe.params import load_params
-    from dflashpipe.target import Target
+    from dflashpipe.target.adapter import Target
     from dflashpipe.tokens.chat import load_chat_tokenizer
 
     torch.set_num_threads(args.threads)

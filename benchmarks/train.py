@@ -311,7 +311,7 @@ def budget_vs_none(steps: int, repeats: int, data: Path, neighbour: bool, omp_pa
 
 def features_side_by_side(steps: int, repeats: int, data: Path) -> None:
     sys.path.insert(0, str(ROOT / "src"))
-    from dflashpipe.features import compute_features
+    from dflashpipe.features.run import compute_features
     from dflashpipe.params import load_params
 
     p = load_params(ROOT)

@@ -29,7 +29,8 @@ def measure(mode: str, steps: int) -> dict:
     from dflashpipe.model import DFlashDrafter
     from dflashpipe.params import load_params
     from dflashpipe.pipeline import COMPILE, TARGET, reuse_key
-    from dflashpipe.target import compute_dtype, load_materialised_target
+    from dflashpipe.target.adapter import load_materialised_target
+    from dflashpipe.target.dtype import compute_dtype
 
     p = load_params(ROOT)
     with tempfile.TemporaryDirectory() as tmp:

@@ -32,10 +32,12 @@ SLOWEST_FIRST = (
     "tests/test_gpu_check.py",  # 93 s, none of it on pipeline_run: the other worker's start
     "tests/reliability/test_killed.py",  # 156 s
     "tests/test_train.py",  # 104 s
+    "tests/test_sharing.py",  # ~60 s quiet (126 + 101 s at a load of 7 on 2 cores, 2026-12-05): on pipeline_run
     "tests/test_overfit.py",  # 81 s
     "tests/reliability/test_deterministic.py",  # 72 s
     "tests/test_compile.py",  # 62 s
     "tests/test_explain_machine.py",  # 51 s
+    "tests/test_multinode.py",  # ~20 s quiet (51 s at a load of 7): two train runs, one of them two torchrun agents
     "tests/test_regenerate.py",  # 45 s
     "tests/test_target.py",  # 43 s
     "tests/reliability/test_concurrent.py",  # 38 s
@@ -114,7 +116,7 @@ def smollm2_tokenizer_dir(tmp_path_factory) -> Path:
     """The real SmolLM2 tokenizer (with its chat template), read once from the shipped GGUF."""
     from transformers import AutoTokenizer
 
-    from dflashpipe.target import resolve_source
+    from dflashpipe.target.materialise import resolve_source
 
     src = resolve_source(SMOLLM2, ROOT)
     out = tmp_path_factory.mktemp("smollm2-tokenizer")
@@ -134,7 +136,7 @@ def train_inputs(tmp_path_factory, tiny_target_dir) -> Path:
     tokens (target/, manifest/, tokens/). Read-only for the tests that share it: outputs go beside them."""
     from dflashpipe.data.manifest import build_manifest
     from dflashpipe.params import TargetParams
-    from dflashpipe.target import materialise_target
+    from dflashpipe.target.materialise import materialise_target
     from dflashpipe.tokens.run import tokenize_manifest
 
     work = tmp_path_factory.mktemp("train-inputs")

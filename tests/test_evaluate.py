@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 
@@ -23,7 +24,7 @@ from dflashpipe.evaluate.speculative import (
 from dflashpipe.model import DFlashDrafter, TargetHead, sample_anchor_positions, target_features
 from dflashpipe.pipeline import METRICS
 from dflashpipe.spread import Spread
-from dflashpipe.target import stop_token_ids
+from dflashpipe.target.adapter import stop_token_ids
 from tests.conftest import copy_project, run, set_params
 from tests.tiny import manifest_params, source, tiny_model_params
 
@@ -56,7 +57,8 @@ def fit_to_target(drafter: DFlashDrafter, target, sequences: list[list[int]], pr
 def tiny(tmp_path_factory, tiny_target_dir):
     from dflashpipe.data.manifest import build_manifest
     from dflashpipe.params import TargetParams
-    from dflashpipe.target import load_materialised_target, materialise_target
+    from dflashpipe.target.adapter import load_materialised_target
+    from dflashpipe.target.materialise import materialise_target
     from dflashpipe.tokens.chat import load_chat_tokenizer
 
     work = tmp_path_factory.mktemp("evaluate")
@@ -284,10 +286,10 @@ def test_eval_metrics_split_train_from_held_out_and_profile_the_step():
     def result(split: str, source: str, accepted: list[int], seconds: float) -> PromptResult:
         tokens = list(range(1 + sum(a + 1 for a in accepted)))
         parts = dict.fromkeys(STEP_PARTS, 0.05 * seconds)
-        spec = Decoded(tokens, seconds, 0.0, accepted, [a + 1 for a in accepted], [4] * len(accepted))
+        spec = Decoded(tokens, seconds, 0.0, accepted, [a + 1 for a in accepted], [4] * len(accepted), verified=tokens)
         spec.profile = {**parts, "draft": 0.5 * seconds, "step": seconds}
-        plain = Decoded(tokens, 0.5 * (len(tokens) - 1), 0.0)  # 0.5 s per decode token
-        return PromptResult(EvalPrompt(f"{split}-{source}", source, [1], split), plain, spec)
+        plain = Decoded(tokens, 0.5 * (len(tokens) - 1), 0.0, verified=tokens)  # 0.5 s per decode token
+        return PromptResult(EvalPrompt(f"{split}-{source}", source, [1], split), plain, spec, torch.float32)
 
     results = [
         result(HELD_OUT, "a", [0, 0, 1], 3.0),  # tau 4/3
@@ -489,7 +491,8 @@ def test_dvc_repro_evaluate_writes_metrics_that_dvc_shows(pipeline_run, tmp_path
     dvc_project = copy_project(pipeline_run, tmp_path / "project")  # its run is committed as HEAD
     metrics = json.loads((dvc_project / METRICS / "eval.json").read_text())
     assert metrics["lossless"] is True and metrics["tau"] >= 1.0 and metrics["train"]["tokens_per_s"] > 0
-    assert {p["source"] for p in metrics["mismatched_prompts"]} == set()
+    contract = metrics["contract"]  # float32: every prompt exact and equal to plain greedy decoding
+    assert contract["departures"] == [] and contract["exact"] == contract["equal_to_plain"] == contract["prompts"] > 0
     assert "train_step" not in metrics  # the bench stage times the step now (tests/test_bench.py)
     for path in ("target", "speculative"):
         decode = Spread.read(metrics["decode_tokens_per_s"], path)
@@ -510,6 +513,67 @@ def test_dvc_repro_evaluate_writes_metrics_that_dvc_shows(pipeline_run, tmp_path
     for name in ("decode_tokens_per_s", "train_tokens_per_s", "train_step_tokens_per_s"):
         figure = report["metrics"][name]  # both sides measured with repeats: the spreads (and controls) decide
         assert figure["verdict"] != "unmeasured" and min(figure["repeats"].values()) >= 2, (name, figure)
+
+
+def test_a_proposal_accepted_too_many_fails_evaluate_naming_prompt_position_and_tokens(tiny, tmp_path, monkeypatch):
+    """The planted bug: the acceptance rule takes one proposal more than the target verified. Every emitted token
+    is checked against its own verify forward's argmax, so the stage fails, whatever the numerics."""
+    from dflashpipe.artifacts import write_file_listing
+    from dflashpipe.evaluate import evaluation, speculative
+    from dflashpipe.evaluate.lossless import ContractError
+    from dflashpipe.params import ComputeParams, EvaluateParams
+
+    honest = speculative.accepted_proposals
+    monkeypatch.setattr(
+        speculative, "accepted_proposals", lambda wanted, verified: min(honest(wanted, verified) + 1, len(wanted))
+    )
+    (tmp_path / "train.json").write_text(json.dumps({"tokens_per_s": 1.0, "compile": {}}))
+    inputs = evaluation.EvaluateInputs(
+        evaluate=EvaluateParams(
+            num_prompts=1, max_new_tokens=12, max_prompt_tokens=400, baseline="none", max_regression=0.2
+        ),
+        compute=ComputeParams(target_dtype="float32"),
+    )
+    work, drafter_dir = tiny["work"], tmp_path / "drafter"
+    # an untrained drafter, so that steps reject proposals (the fitted one drafts these prompts whole)
+    seed = torch.Generator().manual_seed(1)
+    untrained = DFlashDrafter.for_target(tiny["target"], tiny["chat"].tokenizer, MODEL, seed)
+    untrained.save_pretrained(drafter_dir, dtype=torch.bfloat16)
+    write_file_listing(drafter_dir)  # as train publishes it: evaluate checks the listing first
+    with pytest.raises(ContractError) as failed:
+        evaluation.evaluate_drafter(
+            inputs, drafter_dir, work / "target", work / "manifest", tmp_path / "train.json",
+            tmp_path / "bench.json", tmp_path / "metrics", root=tmp_path,
+        )  # fmt: skip
+    message = str(failed.value)
+    assert "not the verify forward's argmax" in message and "left plain greedy decoding at position" in message
+    assert "prompt " in message and "instead of" in message and "margin" in message, message
+    contract = json.loads((tmp_path / "metrics" / "eval.json").read_text())["contract"]
+    assert contract["bugs"] == contract["prompts"] and all(d["not_verified_at"] for d in contract["departures"])
+
+
+def test_bfloat16_decoding_is_exact_and_any_divergence_from_plain_greedy_is_a_near_tie(tiny):
+    """The target in bfloat16, as CUDA serves it: the verify forward (a block) and a decode step (one row) round
+    differently, so the two outputs may part at a near-tie; every token must still be its verify forward's argmax,
+    and every parting must be numerics by the contract's measure."""
+    from dflashpipe.evaluate.lossless import NUMERICS
+    from dflashpipe.evaluate.metrics import PromptResult, eval_metrics
+    from dflashpipe.target.adapter import Target
+
+    target = copy.deepcopy(tiny["target"]).to(torch.bfloat16)  # the fixture's float32 target stays as it is
+    drafter = DFlashDrafter.from_pretrained(
+        tiny["work"] / "drafter", TargetHead.of(target), dtype=torch.bfloat16, attention="sdpa"
+    ).eval()
+    # speedup divides by the fastest plain decoding this CPU has, float32 (target.dtype), never by a slower one
+    fastest = Target(tiny["target"])
+    results = decode_prompts(target, drafter, tiny["prompts"], MAX_NEW, tiny["stop"], fastest=fastest)
+    assert all(isinstance(r, PromptResult) and r.dtype == torch.bfloat16 for r in results)
+    assert all(r.baseline is r.fastest and r.fastest_dtype == torch.float32 for r in results)
+    assert eval_metrics(results, 4)[0]["baseline"] == {"decoding": "plain greedy, one sequence", "dtype": "float32"}
+    assert all(not r.violations for r in results)
+    departed = [r.divergence for r in results if r.divergence is not None]
+    assert all(d.verdict == NUMERICS and d.margin <= d.tolerance for d in departed), departed
+    print(f"bfloat16: {len(departed)} of {len(results)} prompts left plain greedy decoding, all at a near-tie")
 
 
 def test_decoding_shows_its_progress_on_stderr(tiny, capsys):

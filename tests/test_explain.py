@@ -152,18 +152,18 @@ def test_a_deleted_compile_cache_is_restored_by_checkout_without_recompiling(com
 
 
 def test_an_edited_source_file_hits_the_stages_that_list_it(committed):
-    with open(committed / "src/dflashpipe/target.py", "a") as fh:
+    with open(committed / "src/dflashpipe/target/adapter.py", "a") as fh:
         fh.write("\n# an edit\n")
     report = explain("HEAD", "workspace", committed)
-    # target.py materialises the target (target) and loads it (warmup, train, evaluate list it too);
-    # tokenize only reads the target's output, so it is downstream.
-    listed = listing("src/dflashpipe/target.py")
-    assert {"target", "warmup", "train", "evaluate"} <= set(listed)
+    # the adapter loads and runs the target (regenerate, warmup, train, evaluate list it, among others);
+    # tokenize only reads regenerate's output, so it is downstream.
+    listed = listing("src/dflashpipe/target/adapter.py")
+    assert {"regenerate", "warmup", "train", "evaluate"} <= set(listed)
     assert verdicts(report) == {**quiet(), **dict.fromkeys(listed, DIRECT), "tokenize": DOWNSTREAM}
     ((kind, what, old, new, stages),) = roots(report)
-    assert (kind, what, stages) == ("dep", "src/dflashpipe/target.py", tuple(listed))
+    assert (kind, what, stages) == ("dep", "src/dflashpipe/target/adapter.py", tuple(listed))
     assert old != new
-    assert "dvc.lock@HEAD stages.target.deps[" in report.root_causes[0].evidence
+    assert "dvc.lock@HEAD stages.regenerate.deps[" in report.root_causes[0].evidence
 
 
 def test_a_compile_env_var_names_the_fingerprint_key_and_hits_warmup_not_data(committed):
@@ -393,19 +393,19 @@ def test_compare_a_train_param_hits_train_and_evaluate_only(dag):
 
 
 def test_compare_an_edited_source_file_hits_the_stages_listing_it_and_their_downstream(dag):
-    found = compared(dag, lock_of(dag), lock_of(dag, md5={"src/dflashpipe/target.py": "edited"}))
+    found = compared(dag, lock_of(dag), lock_of(dag, md5={"src/dflashpipe/target/adapter.py": "edited"}))
     assert verdict_map(found) == {
         **quiet(),
-        **dict.fromkeys(listing("src/dflashpipe/target.py"), DIRECT),
+        **dict.fromkeys(listing("src/dflashpipe/target/adapter.py"), DIRECT),
         "tokenize": DOWNSTREAM,
     }
     assert cause_tuples(found) == [
         (
             "dep",
-            "src/dflashpipe/target.py",
-            "md5(src/dflashpipe/target.py)",
+            "src/dflashpipe/target/adapter.py",
+            "md5(src/dflashpipe/target/adapter.py)",
             "edited",
-            tuple(listing("src/dflashpipe/target.py")),
+            tuple(listing("src/dflashpipe/target/adapter.py")),
         )
     ]
 

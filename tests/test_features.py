@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from dflashpipe.errors import DflashpipeError, SourceError
-from dflashpipe.features import check_disk, compute_features
+from dflashpipe.features.run import check_disk, compute_features
+from dflashpipe.features.shards import FeatureLayout, FeatureStore
+from dflashpipe.packing import collate
 from dflashpipe.params import ModelParams, build
 from dflashpipe.pipeline import StageKey
 from dflashpipe.tokens.shards import load_tokens
-from dflashpipe.train.data import BatchPlan, collate
-from dflashpipe.train.features import FeatureLayout, FeatureStore
+from dflashpipe.train.data import BatchPlan
 from tests.tiny import model_params
 
 MODEL = build(ModelParams, model_params(), "model")
@@ -39,7 +40,7 @@ def layout_for(train_inputs, model=MODEL) -> FeatureLayout:
 
 
 def test_stored_features_are_what_the_online_trainer_computes_for_the_same_rows(train_inputs, offline):
-    from dflashpipe.target import Target
+    from dflashpipe.target.adapter import Target
     from dflashpipe.train.loop import target_inputs
 
     out, run = offline

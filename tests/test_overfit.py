@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from dflashpipe.evaluate.speculative import prefill
-from dflashpipe.target import Target
+from dflashpipe.packing import collate
+from dflashpipe.target.adapter import Target
 from dflashpipe.train import loop
-from dflashpipe.train.data import collate
 from tests.conftest import ROOT
 from tests.tiny import VOCAB, random_batch, tiny_drafter, tiny_model_params, tiny_target, write_talking_target
 
@@ -99,7 +99,7 @@ def test_a_block_that_sees_its_own_anchor_in_training_is_caught_by_the_training_
 
 
 class Documents:
-    """Token sequences as train/data.collate reads them (TokenData.sequence)."""
+    """Token sequences as packing.collate reads them (TokenData.sequence)."""
 
     def __init__(self, sequences: list[list[int]]) -> None:
         self.sequences = sequences

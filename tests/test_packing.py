@@ -13,9 +13,10 @@ import torch
 
 from dflashpipe.model.anchors import anchor_candidates
 from dflashpipe.model.loss import block_labels
-from dflashpipe.target import target_features_and_predictions, target_layer_features
+from dflashpipe.packing import OPEN_ROWS, collate, pack_rows
+from dflashpipe.target.layers import target_features_and_predictions, target_layer_features
 from dflashpipe.tokens.shards import load_tokens
-from dflashpipe.train.data import OPEN_ROWS, BatchPlan, collate, epoch_order, pack_rows
+from dflashpipe.train.data import BatchPlan, epoch_order
 from tests.test_model import eager_flex
 from tests.test_target_side import tiny_target as hf_target
 from tests.tiny import VOCAB, random_target, target_config, tiny_drafter

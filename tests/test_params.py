@@ -83,6 +83,7 @@ def test_a_stage_cannot_read_a_section_it_does_not_declare(project):
             r"duplicate source names \['sharegpt'\]",
         ),
         (lambda d: d["target"].update(dtype="int8"), r"target.dtype = 'int8': allowed values"),
+        (lambda d: d["compile"].update(enabled="yes"), r"compile.enabled = 'yes': allowed values are \['auto'\]"),
         (lambda d: d.update(extra={"a": 1}), r"unknown section\(s\) \['extra'\]"),
         (lambda d: d.pop("target"), r"missing section\(s\) \['target'\]"),
     ],
@@ -91,6 +92,25 @@ def test_bad_params_name_the_key_the_value_and_what_is_allowed(project, change, 
     edit(project / "params.yaml", change)
     with pytest.raises(ParamsError, match=message):
         load_params(project)
+
+
+@pytest.mark.parametrize(
+    ("enabled", "drafters", "compiles"),
+    [
+        ("auto", ["cpu", "cpu"], False),
+        ("auto", ["cuda:5", "cuda:6"], True),
+        (True, ["cpu"], True),
+        (False, ["cuda"], False),
+    ],
+)
+def test_compile_auto_compiles_where_the_drafter_runs_on_cuda(project, enabled, drafters, compiles):
+    def change(d):
+        d["compile"]["enabled"] = enabled
+        d["topology"].update(drafter_devices=drafters, target_devices=["cpu"])
+
+    edit(project / "params.yaml", change)
+    for stage in ("warmup", "train", "bench"):  # every stage that reads compile.* sees the decision, never `auto`
+        assert load_stage_params(stage, project).compile.enabled is compiles
 
 
 def test_unparsable_yaml_is_a_clear_error(project):

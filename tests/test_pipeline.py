@@ -239,9 +239,12 @@ def test_the_import_walk_finds_what_a_stage_runs():
     # the walk itself must be able to see a gap: train runs its package's modules and the model
     code = stage_code(ROOT / "stages/train.py")
     # through the model package's __init__ (it re-exports), and lazily imported modules too
-    assert {"src/dflashpipe/model/__init__.py", "src/dflashpipe/model/mask.py", "src/dflashpipe/target.py"} <= code
+    assert {"src/dflashpipe/model/__init__.py", "src/dflashpipe/model/mask.py"} <= code
+    assert "src/dflashpipe/target/adapter.py" in code
     assert not any(f"src/{m.replace('.', '/')}.py" in code for m in INFRASTRUCTURE)
-    assert not covered("src/dflashpipe/target.py", ["src/dflashpipe/train"])
+    # the target package's modules, each by itself: train runs the adapter, never the target stage's code
+    assert "src/dflashpipe/target/materialise.py" not in code and "src/dflashpipe/target/batching.py" not in code
+    assert not covered("src/dflashpipe/target/adapter.py", ["src/dflashpipe/train"])
     assert covered("src/dflashpipe/train/loop.py", ["src/dflashpipe/train"])
 
 

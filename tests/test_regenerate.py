@@ -149,6 +149,33 @@ def test_the_target_answers_every_turn_in_process_and_from_an_endpoint_alike(tmp
     assert short.summary["counts"]["replies"] < counts["replies"]
 
 
+def test_tokenize_trains_on_the_very_sequence_the_target_read_and_wrote(tmp_path, talking_target):
+    """Each regenerated reply reaches its token row as the ids the target produced, after the ids it read: run
+    the target greedily on a row's tokens before a supervised reply and it writes that reply again, token for
+    token, for every reply of every row (later turns included: their prompts hold the earlier replies' own ids)."""
+    import numpy as np
+
+    from dflashpipe.target.adapter import Target
+    from dflashpipe.target.batching import greedy_replies
+    from dflashpipe.tokens.shards import load_tokens
+
+    chat_jsonl(tmp_path / "chats.jsonl", 40)
+    regenerate_manifest(REGENERATE, ["cpu"], manifest(tmp_path, 30), talking_target, tmp_path / "here", STAGE_KEY)
+    tokens = tokenize_manifest(PARAMS, tmp_path / "here", talking_target, tmp_path / "tokens", KEY)
+    assert tokens.summary["mask_method"] == {"carried": tokens.summary["samples_out"]}
+    target = Target.load(talking_target, "cpu", "float32")
+    stop = target.model.generation_config.eos_token_id
+    data, replies = load_tokens(tmp_path / "tokens"), 0
+    for i in range(len(data)):
+        ids, mask = (np.asarray(a, dtype=np.int64) for a in data.sequence(i))
+        starts = np.flatnonzero(np.diff(np.concatenate([[0], mask])) == 1)
+        for first in starts:
+            (again,) = greedy_replies(target, [ids[:first].tolist()], REGENERATE.max_new_tokens, stop)
+            assert list(again.tokens) == ids[first : first + len(again.tokens)].tolist(), (i, first)
+            replies += 1
+    assert replies > len(data)  # later turns were checked too
+
+
 def test_an_unreachable_endpoint_is_one_error_naming_the_url(tmp_path, talking_target):
     chat_jsonl(tmp_path / "chats.jsonl", 10)
     with socket.socket() as s:  # a port nothing listens on

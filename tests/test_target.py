@@ -7,7 +7,7 @@ import torch
 
 from dflashpipe.errors import SourceError
 from dflashpipe.params import TargetParams
-from dflashpipe.target import materialise_target
+from dflashpipe.target.materialise import materialise_target
 from tests.conftest import SMOLLM2
 
 
@@ -74,19 +74,32 @@ def test_the_embedded_smollm2_gguf_becomes_a_deterministic_reloadable_model(tmp_
     assert "Paris" in tokenizer.decode(out[0, prompt["input_ids"].shape[1] :])
 
 
-@pytest.mark.parametrize(
-    ("choice", "device", "expected"),
-    [
-        ("auto", "cpu", torch.float32),
-        ("auto", "cuda:3", torch.bfloat16),
-        ("bfloat16", "cpu", torch.bfloat16),
-        ("float32", "cuda", torch.float32),
-    ],
-)
-def test_compute_target_dtype_decides_the_dtype_on_each_device(choice, device, expected):
-    from dflashpipe.target import compute_dtype
+def test_compute_target_dtype_is_the_devices_native_dtype_per_kind_of_work_and_the_fingerprint_records_it():
+    from dflashpipe.env import fingerprint
+    from dflashpipe.kernels import bfloat16_native
+    from dflashpipe.target.dtype import compute_dtype
 
-    assert compute_dtype(device, choice) == expected
+    native = bfloat16_native("cpu")  # AMX or AVX512-BF16 (an AVX2-only CPU emulates bfloat16)
+    assert compute_dtype("cpu", "auto", "batched") == (torch.bfloat16 if native else torch.float32)
+    assert compute_dtype("cpu", "auto", "decode") == torch.float32  # one sequence: float32 measured faster
+    assert compute_dtype("cpu", "bfloat16", "decode") == torch.bfloat16  # an explicit choice holds for every kind
+    assert compute_dtype("cuda:3", "float32") == torch.float32
+    recorded = fingerprint()["target_dtype"]
+    assert recorded["cpu"] == {kind: str(compute_dtype("cpu", "auto", kind))[6:] for kind in ("batched", "decode")}
+    assert ("cuda" in recorded) == torch.cuda.is_available()
+
+
+def test_bfloat16_on_a_device_that_cannot_compute_it_is_one_line_naming_key_device_and_support():
+    from dflashpipe.errors import ParamsError
+    from dflashpipe.kernels import bfloat16_native
+    from dflashpipe.target.dtype import compute_dtype
+
+    if bfloat16_native("cuda"):
+        pytest.skip("this machine's GPU computes bfloat16")
+    with pytest.raises(ParamsError, match=r"compute.target_dtype = bfloat16: cuda:0 \(.*\) cannot compute bfloat16"):
+        compute_dtype("cuda:0", "bfloat16")
+    with pytest.raises(ParamsError, match="expected auto, float32 or bfloat16"):
+        compute_dtype("cpu", "float16")
 
 
 def test_the_drafter_takes_its_feature_dtype_from_the_target_it_borrows_from(tiny_target_dir):
@@ -94,24 +107,27 @@ def test_the_drafter_takes_its_feature_dtype_from_the_target_it_borrows_from(tin
     target's loaded weights, not through a second rule."""
     from transformers import AutoTokenizer
 
-    from dflashpipe.compile.warmup import feature_dtype, step_inputs
+    from dflashpipe.compile.warmup import step_inputs
     from dflashpipe.model import DFlashDrafter
-    from dflashpipe.target import Target
+    from dflashpipe.target.adapter import Target
     from tests.tiny import tiny_model_params
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
-    for choice, dtype in (("bfloat16", torch.bfloat16), ("auto", torch.float32)):
+    from dflashpipe.target.dtype import compute_dtype
+
+    for choice, dtype in (("bfloat16", torch.bfloat16), ("auto", compute_dtype("cpu", "auto"))):
         target = Target.load(tiny_target_dir, "cpu", choice)
         assert next(target.model.parameters()).dtype == dtype
         drafter = DFlashDrafter.for_target(target.model, tokenizer, tiny_model_params())
-        assert feature_dtype(drafter) == dtype
-        assert step_inputs(drafter, tiny_model_params(), 1, torch.device("cpu"))[0].dtype == dtype
+        assert drafter.feature_dtype == dtype
+        assert step_inputs(drafter, tiny_model_params(), 1, torch.device("cpu")).features.dtype == dtype
 
 
 def test_continuous_batching_gives_each_prompt_its_own_greedy_reply():
     """Rows leave as their replies end and the next prompts take their places (cache rows joined, padding
     trimmed): each reply is the one its prompt gets decoded alone, with the batch full until the prompts run out."""
-    from dflashpipe.target import Target
+    from dflashpipe.target.adapter import Target
+    from dflashpipe.target.batching import greedy_replies
     from tests.tiny import tiny_target
 
     target = Target(tiny_target(seed=3))
@@ -119,10 +135,10 @@ def test_continuous_batching_gives_each_prompt_its_own_greedy_reply():
     lengths = torch.randint(3, 40, (11,), generator=generator).tolist()
     prompts = [torch.randint(1, 90, (n,), generator=generator).tolist() for n in lengths]
     stop = [5, 16, 17, 48]
-    alone = [target.greedy_replies([p], 24, stop)[0] for p in prompts]
+    alone = [greedy_replies(target, [p], 24, stop)[0] for p in prompts]
     assert len({len(r.tokens) for r in alone}) > 3 and 0 < sum(r.stopped for r in alone) < len(alone)
     widths: list[int] = []
-    together = target.greedy_replies(prompts, 24, stop, on_token=widths.append, batch_size=4)
+    together = greedy_replies(target, prompts, 24, stop, on_token=widths.append, batch_size=4)
     assert together == alone
     # full until the prompts ran out: 4 rows a forward (a prefill of newcomers counts only them), then the tail
     decoded = sum(len(r.tokens) + r.stopped for r in alone)

@@ -88,7 +88,8 @@ def write_talking_target(out: Path, tokenizer_dir: Path) -> Path:
     import torch
     from transformers import AutoTokenizer
 
-    from dflashpipe.target import Target
+    from dflashpipe.target.adapter import Target
+    from dflashpipe.target.batching import greedy_replies
     from dflashpipe.tokens.chat import load_chat_tokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -103,7 +104,7 @@ def write_talking_target(out: Path, tokenizer_dir: Path) -> Path:
         ).ids
         for i in range(12)
     ]
-    replies = Target(model).greedy_replies(prompts, 6, [tokenizer.eos_token_id])
+    replies = greedy_replies(Target(model), prompts, 6, [tokenizer.eos_token_id])
     common = Counter(r.tokens[3] for r in replies).most_common(1)[0][0]  # ends some replies after 3 tokens
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, common]
     model.save_pretrained(out)
@@ -152,7 +153,7 @@ def tiny_target(
 def tiny_config(target: LlamaForCausalLM, layers: int = 2, block_size: int = 4, n_target: int = 3) -> DFlashConfig:
     """A drafter config for `target`, built by hand (not from ModelParams): the tests choose every shape."""
     from dflashpipe.model import DFlashConfig
-    from dflashpipe.model.features import spaced_target_layer_ids
+    from dflashpipe.model.target_layers import spaced_target_layer_ids
 
     c = target.config
     return DFlashConfig(

@@ -303,6 +303,9 @@ were observed under (git-ignored, beside the hash state). Importing torch takes 
 those facts are a function of `loaded_key`'s inputs, so a reader whose key matches may reuse them. The
 fingerprint stage never does: it always imports torch, and rewrites this record."""
 
+LOADED_GROUPS = frozenset({"torch", "gpu", "threads", "target_dtype"})
+"""The fingerprint's groups that need torch imported (`_loaded_facts`)."""
+
 LOADED_ENV_PREFIXES = ("CUDA_", "NVIDIA_", "ATEN_", "HIP_", "ROCR_", "ROCM_", "LD_")
 """Variables that choose devices (CUDA_VISIBLE_DEVICES), a CPU kernel set (ATEN_CPU_CAPABILITY) or the shared
 libraries torch loads (LD_LIBRARY_PATH, LD_PRELOAD): part of the loaded facts' key."""
@@ -322,6 +325,8 @@ def _loaded_facts() -> dict[str, Any]:
     """What needs torch imported: the build, its libraries, the CPU kernel set, the GPUs, its thread counts."""
     threads = _torch_threads()  # first: it knows whether this process imported torch before
     import torch
+
+    from dflashpipe.kernels import native_dtypes  # imports torch: here, where torch is imported anyway
 
     if torch.version.cuda:
         build = f"cuda-{torch.version.cuda}"
@@ -345,7 +350,10 @@ def _loaded_facts() -> dict[str, Any]:
         "nccl": nccl or NONE,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
-    return {"torch": torch_facts, "gpu": _gpu_facts(), "threads": {**threads, "runtimes": _runtimes(torch)}}
+    devices = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+    dtypes = {device: native_dtypes(device) for device in devices}
+    threads = {**threads, "runtimes": _runtimes(torch)}
+    return {"torch": torch_facts, "gpu": _gpu_facts(), "threads": threads, "target_dtype": dtypes}
 
 
 def _runtimes(torch) -> dict[str, list[str]]:
@@ -457,7 +465,12 @@ def _read_loaded(path: Path, key: str) -> dict[str, Any] | None:
         record = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return record.get("facts") if isinstance(record, dict) and record.get("key") == key else None
+    facts = record.get("facts") if isinstance(record, dict) and record.get("key") == key else None
+    # a record written by code that observed fewer facts (no target_dtype, no runtimes) is observed again, not
+    # read with holes
+    if not isinstance(facts, dict) or not facts.keys() >= LOADED_GROUPS:
+        return None
+    return facts if isinstance(facts["threads"], dict) and "runtimes" in facts["threads"] else None
 
 
 ABSENT = object()
@@ -533,6 +546,8 @@ def observe(
         "gpu": loaded["gpu"],
         "env": compile_environment(),
         "threads": {**threads, **thread_facts(threads.get("runtimes", {}).get("torch"))},
+        # what compute.target_dtype: auto computes the target in, per device type and kind of work
+        "target_dtype": loaded["target_dtype"],
     }
     for package in VERSIONED_PACKAGES:
         facts[package] = {"version": _version(package)}

@@ -43,3 +43,31 @@ def rows_first(module: torch.nn.Module) -> torch.nn.Module:
         if type(m) is torch.nn.Linear:
             m.__class__ = RowsFirstLinear
     return module
+
+
+WORK_KINDS = ("batched", "decode")
+"""The kinds of work the target does, each with its own best dtype: `batched`, forwards over many rows at once
+(the features stage, train's online target, regenerate's batches of replies, the drafter's training step that
+borrows the target's modules); `decode`, one sequence a token or a block at a time (evaluate's plain decode
+steps and verify forwards)."""
+
+
+def bfloat16_native(device_type: str) -> bool:
+    """Whether a device of this type computes bfloat16 in hardware: a CUDA GPU that supports it, or a CPU with
+    AMX or AVX512-BF16 instructions. Elsewhere torch emulates it (on an AVX2-only CPU, 3-7x float32's time)."""
+    if device_type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    if device_type == "cpu":
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return False
+
+
+def native_dtypes(device_type: str) -> dict[str, str]:
+    """What `compute.target_dtype: auto` computes each kind of work in on a device of this type (WORK_KINDS):
+    bfloat16 where the hardware computes it, except one sequence's decoding on a CPU, where bfloat16 measured
+    slower than float32 even with AVX512-BF16 (a batch-1 decode step 1.40x float32's time, while a batched
+    forward took 0.39x and batched replies 0.41x: benchmarks/target_dtype.py, docs/design.md). Recorded by the
+    fingerprint (`target_dtype`), so a stage's lock names the dtype it ran in."""
+    if not bfloat16_native(device_type):
+        return dict.fromkeys(WORK_KINDS, "float32")
+    return {"batched": "bfloat16", "decode": "bfloat16" if device_type == "cuda" else "float32"}

@@ -14,7 +14,7 @@ from dflashpipe.data.manifest import build_manifest
 from dflashpipe.data.shards import verify_manifest
 from dflashpipe.params import load_params
 from dflashpipe.pipeline import MANIFEST, MANIFEST_METRICS, TARGET, reuse_key
-from dflashpipe.target import materialise_target
+from dflashpipe.target.materialise import materialise_target
 from tests.conftest import run
 from tests.reliability.harness import group_process, kill_group, start, status, tree_bytes
 

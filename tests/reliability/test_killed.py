@@ -31,7 +31,7 @@ from dflashpipe.pipeline import (
     TRAIN_STATE,
     reuse_key,
 )
-from dflashpipe.target import materialise_target
+from dflashpipe.target.materialise import materialise_target
 from tests.conftest import copy_project, run, set_params
 from tests.reliability.harness import (
     comparable_outputs,

@@ -16,7 +16,7 @@ from dflashpipe.data.manifest import build_manifest
 from dflashpipe.errors import SourceError
 from dflashpipe.params import DataParams, TargetParams
 from dflashpipe.pipeline import ALLOW_OUTSIDE_PROJECT, MANIFEST
-from dflashpipe.target import materialise_target
+from dflashpipe.target.materialise import materialise_target
 from tests.conftest import ROOT, run, set_params
 from tests.tiny import TARGET_SHAPE, manifest_params, source
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from dflashpipe import plots as plotting
 from dflashpipe.artifacts import write_bytes_atomic, write_json_atomic
+from dflashpipe.evaluate import lossless
 from dflashpipe.evaluate.prompts import HELD_OUT, TRAIN, EvalPrompt
 from dflashpipe.evaluate.speculative import STEP_PARTS, Decoded
 from dflashpipe.spread import Busy, Spread
@@ -23,14 +26,69 @@ PLOT_IMAGES = ("tau_per_source", "slot_acceptance")
 class PromptResult:
     prompt: EvalPrompt
     target: Decoded
-    """Target-only greedy decoding: the tokens every speculative run must reproduce."""
+    """Target-only greedy decoding: the tokens every speculative run must reproduce, or depart from only at a
+    near-tie (dflashpipe.evaluate.lossless)."""
     speculative: Decoded
+    dtype: torch.dtype
+    """What the target computed in: float32 expects exact equality with `target`."""
+    fastest: Decoded | None = None
+    """Plain decoding in the dtype this device decodes fastest in, where `target` ran in another (else None)."""
+    fastest_dtype: torch.dtype | None = None
+    violations: list[int] = field(init=False)
+    """Positions where the speculative run emitted a token its own verify forward did not choose."""
+    divergence: lossless.Divergence | None = field(init=False)
+    """The first position where it left `target`'s tokens, judged; None when they agree."""
+
+    def __post_init__(self) -> None:
+        spec, plain = self.speculative, self.target
+        self.violations = lossless.exact_violations(spec.tokens, spec.verified)
+        self.divergence = lossless.judge(plain.tokens, plain.logits, spec.tokens, spec.logits, self.dtype)
+        for run in (spec, plain, self.fastest):  # judged: a prompt's rows (tokens x vocab) need not stay
+            if run is not None:
+                run.logits = []
 
     @property
-    def first_divergence(self) -> int | None:
-        a, b = self.target.tokens, self.speculative.tokens
-        index = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-        return index if index is not None or len(a) == len(b) else min(len(a), len(b))
+    def baseline(self) -> Decoded:
+        """The plain decoding that speedup and a step's cost divide by: the fastest this device has."""
+        return self.fastest or self.target
+
+    @property
+    def lossless(self) -> bool:
+        return not self.violations and (self.divergence is None or self.divergence.verdict == lossless.NUMERICS)
+
+    def record(self) -> dict:
+        """The prompt's contract entry in metrics/eval.json."""
+        return {
+            "id": self.prompt.sample_id,
+            "split": self.prompt.split,
+            "source": self.prompt.source,
+            "exact": not self.violations,
+            "not_verified_at": self.violations,
+            "divergence": self.divergence.to_json() if self.divergence else None,
+        }
+
+
+def _baseline_dtype(results: list[PromptResult]) -> str | None:
+    """The dtype the plain decoding that speedup divides by ran in (None: no prompt decoded)."""
+    dtypes = {str(r.fastest_dtype or r.dtype).removeprefix("torch.") for r in results}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def lossless_record(results: list[PromptResult]) -> dict:
+    """The contract over every prompt decoded: `lossless`, how many matched plain greedy exactly, and each
+    prompt that did not (its first divergence, margins and verdict) or that broke exactness."""
+    departed = [r for r in results if r.violations or r.divergence is not None]
+    return {
+        "lossless": all(r.lossless for r in results),
+        "contract": {
+            "prompts": len(results),
+            "exact": sum(not r.violations for r in results),
+            "equal_to_plain": sum(r.divergence is None for r in results),
+            "numerics": sum(r.divergence is not None and r.divergence.verdict == lossless.NUMERICS for r in results),
+            "bugs": sum(not r.lossless for r in results),
+            "departures": [r.record() for r in departed],
+        },
+    }
 
 
 def _per_token(decoded: list[Decoded]) -> float:
@@ -58,7 +116,7 @@ def tau_over_prompts(decoded: list[Decoded]) -> dict:
 def _summary(results: list[PromptResult]) -> dict:
     spec = [r.speculative for r in results]
     steps = sum(len(d.produced) for d in spec)
-    base, ours = _per_token([r.target for r in results]), _per_token(spec)
+    base, ours = _per_token([r.baseline for r in results]), _per_token(spec)
     return {
         "prompts": len(results),
         "new_tokens": sum(len(d.tokens) for d in spec),
@@ -91,13 +149,13 @@ def step_profile(results: list[PromptResult]) -> dict:
     loop and clocks between them), and a step's cost in plain decode steps (seconds per verify step over
     the same prompt's seconds per target-only token). Medians over prompts with their spread: a share
     is a ratio within one run, so a busier machine moves it less than it moves seconds."""
-    runs = [r for r in results if r.speculative.profile.get("step") and r.target.decode_tokens]
+    runs = [r for r in results if r.speculative.profile.get("step") and r.baseline.decode_tokens]
     if not runs:
         return {"prompts": 0}
     shares = {part: [r.speculative.profile[part] / r.speculative.profile["step"] for r in runs] for part in STEP_PARTS}
     shares["other"] = [1 - sum(shares[part][i] for part in STEP_PARTS) for i in range(len(runs))]
     cost = [
-        (r.speculative.profile["step"] / len(r.speculative.produced)) / (r.target.decode_s / r.target.decode_tokens)
+        (r.speculative.profile["step"] / len(r.speculative.produced)) / (r.baseline.decode_s / r.baseline.decode_tokens)
         for r in runs
     ]
     return {
@@ -126,22 +184,19 @@ def eval_metrics(
     gave the decoding, and the control beside it, recorded with each rate."""
     results = [r for r in everything if r.prompt.split == HELD_OUT]
     spec = [r.speculative for r in results]
-    mismatched = [r for r in everything if r.first_divergence is not None]
     sources = sorted({r.prompt.source for r in results})
     per_source = {s: _summary([r for r in results if r.prompt.source == s]) for s in sources}
     histogram = {str(a): sum(d.accepted.count(a) for d in spec) for a in range(block_size)}
     metrics = {
         **_summary(results),
+        # what speedup, step_over_decode_step and decode_tokens_per_s.target divide by or are
+        "baseline": {"decoding": "plain greedy, one sequence", "dtype": _baseline_dtype(everything)},
         # the median over prompts, with its spread: {target, target_spread, speculative, speculative_spread}
         "decode_tokens_per_s": {
-            **decode_rates([r.target for r in results]).record("target", busy=busy),
+            **decode_rates([r.baseline for r in results]).record("target", busy=busy),
             **decode_rates(spec).record("speculative", busy=busy),
         },
-        "lossless": not mismatched,
-        "mismatched_prompts": [
-            {"id": r.prompt.sample_id, "split": r.prompt.split, "first_divergence": r.first_divergence}
-            for r in mismatched
-        ],
+        **lossless_record(everything),
         "per_source": per_source,
         "slot_acceptance": slot_acceptance(spec, block_size),
         "accepted_histogram": histogram,

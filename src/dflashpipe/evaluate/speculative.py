@@ -10,8 +10,10 @@
          cache to what was verified
       4. drafter.extend(features of the anchor + accepted tokens)
 
-Greedy acceptance commits only the target's own argmax tokens, so the output is the
-target's greedy decoding, token for token (the tests check it on every eval prompt).
+Greedy acceptance commits only the target's own argmax tokens. Each run records, beside every token it
+emits, the argmax of the forward that verified it and that forward's logits row, so evaluate can hold the
+run to the lossless contract (dflashpipe.evaluate.lossless): exact against its own verify forwards in any
+dtype, and equal to plain greedy decoding or diverging only where both paths see a near-tie.
 The stopping rule is the reference `dflash_generate`'s: at most `max_new_tokens` new
 tokens (the prefill's first one included), ending at the first stop token, kept.
 
@@ -32,7 +34,7 @@ import torch
 
 from dflashpipe.model import DFlashDrafter, DraftContext
 from dflashpipe.spread import clock
-from dflashpipe.target import Target
+from dflashpipe.target.adapter import Target
 
 
 class Drafter(Protocol):
@@ -112,13 +114,17 @@ class Prefill:
     prompt_len: int
     cache: object
     first_token: torch.Tensor
+    first_logits: torch.Tensor
+    """[vocab]: the row the first token is the argmax of (both decoders' row 0)."""
     features: torch.Tensor
     """[1, P, n*H]: the outputs of the drafter's target layers (dflashpipe.model.target_features)."""
     seconds: float
 
     def fork(self) -> Prefill:
         """An independent copy, so two decoders can start from one prefill."""
-        return Prefill(self.prompt_len, copy.deepcopy(self.cache), self.first_token, self.features, self.seconds)
+        return Prefill(
+            self.prompt_len, copy.deepcopy(self.cache), self.first_token, self.first_logits, self.features, self.seconds
+        )
 
 
 STEP_PARTS = ("draft", "verify_forward", "verify_head", "accept", "crop", "capture", "extend")
@@ -145,6 +151,11 @@ class Decoded:
     """Per verify step: the verified block's length (the block size, or fewer near max_new_tokens)."""
     profile: dict[str, float] = field(default_factory=dict)
     """With profile=True: seconds in each of STEP_PARTS, and in whole steps (`step`), summed over steps."""
+    verified: list[int] = field(default_factory=list)
+    """Per token: the argmax of the forward that verified it (the prefill's, a decode step's or a verify
+    forward's row), recorded apart from the rule that chose the token."""
+    logits: list[torch.Tensor] = field(default_factory=list)
+    """Per token: that forward's logits row [vocab] (what the lossless contract weighs a divergence with)."""
 
     @property
     def decode_tokens(self) -> int:
@@ -168,9 +179,15 @@ def prefill(target: Target | torch.nn.Module, prompt_ids: Sequence[int], layer_i
     cache = target.new_cache()
     with layer_capture(target.model, layer_ids) as captured:
         normed = target.decoder_forward(ids, cache)
-    first = target.head(normed[:, -1]).argmax(-1)[0]
+    row = target.head(normed[:, -1])[0]
     features = captured_features(captured, layer_ids, normed, ids.shape[1]) if layer_ids else normed[:, :0]
-    return Prefill(ids.shape[1], cache, first, features, clock(device) - began)
+    return Prefill(ids.shape[1], cache, row.argmax(-1), row, features, clock(device) - began)
+
+
+def _started(start: Prefill) -> Decoded:
+    """A decoding run's record holding the prefill's token, verified by the prefill itself."""
+    first = int(start.first_token)
+    return Decoded([first], 0.0, start.seconds, verified=[first], logits=[start.first_logits])
 
 
 def _first_stop(tokens: list[int], stop: frozenset[int]) -> int | None:
@@ -185,12 +202,25 @@ def target_generate(
     target = Target.of(target)
     stop, device = frozenset(stop_token_ids), target.device
     token = start.first_token.view(1, 1)
-    tokens = [int(token)]
+    result = _started(start)
     began = clock(device)
-    while len(tokens) < max_new_tokens and tokens[-1] not in stop:
-        token = target.decode_step(token, start.cache)[:, -1].argmax(-1, keepdim=True)
-        tokens.append(int(token))
-    return Decoded(tokens, clock(device) - began, start.seconds)
+    while len(result.tokens) < max_new_tokens and result.tokens[-1] not in stop:
+        row = target.decode_step(token, start.cache)[0, -1]
+        token = row.argmax(-1).view(1, 1)
+        result.tokens.append(int(token))
+        result.verified.append(result.tokens[-1])
+        result.logits.append(row)
+    result.decode_s = clock(device) - began
+    return result
+
+
+def accepted_proposals(proposals: Sequence[int], verified: Sequence[int]) -> int:
+    """Greedy acceptance: how many proposals, from the first, equal the target's argmax at their position
+    (`verified[i]` is the target's token after block position i, so it checks proposal i)."""
+    accepted = 0
+    while accepted < len(proposals) and accepted < len(verified) and proposals[accepted] == verified[accepted]:
+        accepted += 1
+    return accepted
 
 
 @torch.no_grad()
@@ -214,7 +244,7 @@ def speculative_generate(
         raise ValueError("speculative_generate needs a prefill of the drafter's layers: prefill(..., layer_ids)")
     drafter.begin(start.features)
     anchor = start.first_token
-    result = Decoded([int(anchor)], 0.0, start.seconds)
+    result = _started(start)
     seconds = dict.fromkeys((*STEP_PARTS, "step"), 0.0)
     marks: list[float] = []
 
@@ -233,21 +263,25 @@ def speculative_generate(
             mark()
             normed = target.decoder_forward(block, cache)
             mark()
-            # The target's token after each block position, only as far as the proposals hold: the first
-            # position whose argmax differs from the proposal after it ends the step (that argmax is the bonus).
-            # Position 0 alone first (one row is the cheap product); once its proposal holds, the rest at once.
-            wanted, new = proposals.tolist(), [int(head(normed[:, 0]).argmax(-1))]
-            if new[0] == wanted[0]:
-                for i, token in enumerate(head(normed[0, 1:]).argmax(-1).tolist(), start=1):
-                    new.append(token)
-                    if i == size - 1 or token != wanted[i]:
-                        break
+            # The target's token after each block position, only as far as the proposals hold (the first position
+            # whose argmax differs from the proposal after it ends the step: that argmax is the bonus). Position 0
+            # alone first (one row is the cheap product); once its proposal holds, the rest at once.
+            wanted, rows = proposals.tolist(), [head(normed[:, 0])[0]]
+            if int(rows[0].argmax()) == wanted[0]:
+                rows.extend(head(normed[0, 1:]))
+            verified = [int(row.argmax()) for row in rows]
+            accepted = accepted_proposals(wanted, verified)
+            if accepted >= len(rows):  # more accepted than verified: only a broken rule gets here; record it
+                rows.extend(head(normed[0, len(rows) : accepted + 1]))
+                verified = [int(row.argmax()) for row in rows]
+            new = [*wanted[:accepted], verified[accepted]]  # the accepted proposals, then the target's bonus
             mark()
-            accepted = len(new) - 1
             new = new[: max_new_tokens - len(result.tokens)]
             cut = _first_stop(new, stop)
             if cut is not None:
                 new = new[: cut + 1]
+            result.verified.extend(verified[: len(new)])
+            result.logits.extend(rows[: len(new)])
             result.accepted.append(accepted)
             result.produced.append(len(new))
             result.sizes.append(size)

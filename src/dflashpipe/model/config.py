@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflashpipe.errors import SourceError
-from dflashpipe.model.features import check_target_layer_ids, spaced_target_layer_ids
+from dflashpipe.model.target_layers import check_target_layer_ids, spaced_target_layer_ids
 from dflashpipe.params import ModelParams
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -155,7 +155,7 @@ def text_config(target_config: Any) -> Any:
 
 def target_layer_ids_for(target_config: Any, params: ModelParams) -> list[int]:
     """The target layers whose hidden states feed the drafter: `model.target_layer_ids`, or the even spacing.
-    The drafter's config and the offline features (train/features.py) both take them from here."""
+    The drafter's config and the offline features (features/shards.py) both take them from here."""
     num_layers = text_config(target_config).num_hidden_layers
     if params.target_layer_ids:
         return check_target_layer_ids(params.target_layer_ids, num_layers)

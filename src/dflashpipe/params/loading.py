@@ -99,7 +99,13 @@ def load_stage_params(stage: str, root: Path | str = ".") -> StageParams:
                 f"dvc.yaml: stages.{stage}.params misses {[f'{section}.{k}' for k in unread]}, "
                 f"which the stage reads: add them (or a change to them goes unseen)"
             )
-    return StageParams(stage, {s: params[s] for s in by_section})
+    sections = {s: params[s] for s in by_section}
+    if "compile" in sections:  # `auto` is decided where the drafter runs, once, here
+        topology = sections.get("topology")
+        if topology is None and sections["compile"].enabled == "auto":
+            raise ParamsError(f"dvc.yaml: stages.{stage} reads compile.enabled: auto, which needs topology.*")
+        sections["compile"] = sections["compile"].on(topology.drafter_devices) if topology else sections["compile"]
+    return StageParams(stage, sections)
 
 
 def build(cls: type, raw: Any, key: str) -> Any:
@@ -132,8 +138,13 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(inner, value, key)
+        arms = [a for a in args if a is not type(None)]
+        for arm in arms[:-1]:  # the first arm that takes the value; the last one's error names the key
+            try:
+                return _convert(arm, value, key)
+            except ParamsError:
+                continue
+        return _convert(arms[-1], value, key)
     if origin is tuple:
         if not isinstance(value, list):
             raise ParamsError(f"params.yaml: {key} = {value!r}: expected a list")

@@ -10,6 +10,7 @@ a new field here and nothing else.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -113,7 +114,7 @@ class ModelParams:
     """The DFlash drafter: its architecture, its training shapes and its attention backend.
 
     The shapes are static on purpose: whole sequences are packed into rows of `seq_len` tokens
-    (train/data.py) and every row gets `num_anchors` blocks (unused ones masked out), so one
+    (dflashpipe.packing) and every row gets `num_anchors` blocks (unused ones masked out), so one
     compiled flex_attention serves a whole run.
     """
 
@@ -237,8 +238,11 @@ class TokenizeParams:
 class CompileParams:
     """What `warmup` compiles once, in one thread, and how `train` guards it afterwards."""
 
-    enabled: bool
-    """Compile the drafter's training step (inductor). false runs it eagerly: the baseline for benchmarks."""
+    enabled: bool | Literal["auto"]
+    """Compile the drafter's training step (inductor). false runs it eagerly: the baseline for benchmarks.
+    auto: compile where a drafter replica runs on CUDA, where compiled kernels are what the run is timed on;
+    on a CPU the compiled step measured slower than the eager one (bench's compiled_over_eager 0.87-0.96 on
+    this project's 2-core machines), and compiling it costs warmup ~40 s."""
     micro_batch: int
     """Packed rows per drafter replica per step: with model.seq_len, the one shape that is compiled."""
     guard: Literal["error", "warn"]
@@ -247,6 +251,12 @@ class CompileParams:
     def __post_init__(self) -> None:
         if not (1 <= self.micro_batch <= 4096):
             raise ParamsError(f"params.yaml: compile.micro_batch = {self.micro_batch}: must be between 1 and 4096")
+
+    def on(self, drafter_devices: tuple[str, ...]) -> CompileParams:
+        """These params with `auto` decided for drafter replicas on `drafter_devices` (true or false as given)."""
+        if self.enabled != "auto":
+            return self
+        return dataclasses.replace(self, enabled=any(d.startswith("cuda") for d in drafter_devices))
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -6,6 +6,12 @@ is asked after the *regenerated* earlier replies (as the reference trainers do),
 one the target could have had; turns are therefore asked in rounds (every conversation's first
 assistant turn, then every second one...), each round batched across conversations, sorted by length.
 
+A reply is kept as the token ids the target produced (the shard's `reply_ids` column), and a later turn's
+prompt is those ids followed by the template's text after the reply, encoded: the prompt is the very sequence
+tokenize will train on, with no reply decoded to text and encoded again into other tokens. Where that cannot be
+(a template that rewrites a reply, an endpoint that answers in text) the conversation is kept as text alone and
+tokenize encodes it as it encodes the manifest's.
+
 What cannot be answered ends the conversation there, counted by reason: leading assistant turns with no
 prompt are dropped (`no_prompt`); a turn whose prompt exceeds max_prompt_tokens (`prompt_too_long`) or
 whose reply is empty (`empty_reply`) ends it before that turn; a reply cut at max_new_tokens is kept
@@ -41,7 +47,7 @@ from dflashpipe.incremental import InputShard, ShardedOutput
 from dflashpipe.params.sections import RegenerateParams
 from dflashpipe.pipeline import StageKey
 from dflashpipe.regenerate.endpoint import Endpoint, ServedModel
-from dflashpipe.regenerate.shards import stored_shard, write_shard
+from dflashpipe.regenerate.shards import stored_shard, with_reply_ids, write_shard
 from dflashpipe.spread import Busy, Measuring, Spread
 from dflashpipe.threads import ThreadBudget, thread_budget
 from dflashpipe.tokens.chat import ChatTokenizer, load_chat_tokenizer
@@ -77,6 +83,8 @@ class Answer:
     stopped: bool
     """It ended with a stop token (else at max_new_tokens)."""
     tokens: int
+    token_ids: tuple[int, ...] | None = None
+    """The reply's tokens as the target produced them, its stop token excluded; None when only its text is known."""
 
 
 class Replier:
@@ -116,7 +124,7 @@ class InProcessReplier(Replier):
     ) -> None:
         import torch
 
-        from dflashpipe.target import Target
+        from dflashpipe.target.adapter import Target
 
         super().__init__(params.batch_size)
         for device in devices:
@@ -135,7 +143,9 @@ class InProcessReplier(Replier):
     def answer(self, prompts: Sequence[Sequence[int]], progress: Callable[[int], None]) -> list[Answer]:
         """Continuous batching on each target copy: the prompts sorted by length, cut into batch_size groups,
         group j going to copy j mod n (so what a copy decodes does not depend on thread timing); each copy keeps
-        batch_size rows decoding, a finished reply's row taken by its next prompt (Target.greedy_replies)."""
+        batch_size rows decoding, a finished reply's row taken by its next prompt (target.batching.greedy_replies)."""
+        from dflashpipe.target.batching import greedy_replies
+
         order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
         groups = [order[k : k + self.batch_size] for k in range(0, len(order), self.batch_size)]
         answers: list[Answer | None] = [None] * len(prompts)
@@ -145,7 +155,8 @@ class InProcessReplier(Replier):
             self.threads.apply("target", self.targets[w].device)  # in the worker's own thread
             mine = [i for group in groups[w :: len(self.targets)] for i in group]
             window = RateWindow(self.batch_size * RATE_WINDOW_STEPS, self.rates)
-            replies = self.targets[w].greedy_replies(
+            replies = greedy_replies(
+                self.targets[w],
                 [prompts[i] for i in mine],
                 self.max_new_tokens,
                 self.stop,
@@ -154,7 +165,8 @@ class InProcessReplier(Replier):
             )
             window.close()
             for i, r in zip(mine, replies, strict=True):
-                answers[i] = Answer(decode(r.tokens, skip_special_tokens=True), r.stopped, len(r.tokens) + r.stopped)
+                text = decode(r.tokens, skip_special_tokens=True)
+                answers[i] = Answer(text, r.stopped, len(r.tokens) + r.stopped, r.tokens)
 
         if len(self.targets) == 1:
             worker(0)
@@ -216,6 +228,36 @@ class _Conversation:
     """The assistant turn to answer next; None: finished."""
     kept: int = 0
     """Turns kept: through the last accepted reply."""
+    reply_ids: list[list[int]] | None = field(default_factory=list)
+    """Each kept reply's token ids; None once a reply could not be carried as ids (the conversation is text)."""
+    ids: list[int] = field(default_factory=list)
+    """The token sequence through the last reply, as the target read and wrote it."""
+    through: str = ""
+    """The template's rendering through the last reply's text: where the next prompt's own text starts."""
+
+    def prompt(self, chat: ChatTokenizer) -> list[int]:
+        """The next turn's prompt: the sequence so far, then the template's text after it, encoded; or, for a
+        conversation kept as text, its rendering encoded whole (as tokenize encodes a text conversation)."""
+        text = chat.render(self.turns[: self.next_turn], add_generation_prompt=True)
+        encode = chat.backend.encode
+        if self.reply_ids and text.startswith(self.through):
+            ids = self.ids + encode(text[len(self.through) :], add_special_tokens=False).ids
+        else:
+            if self.reply_ids:  # the template rewrote an earlier reply: the conversation goes on as text
+                self.reply_ids = None
+            ids = encode(text, add_special_tokens=False).ids
+        self.through = text
+        return ids
+
+    def answered(self, prompt: list[int], answer: Answer) -> None:
+        self.turns[self.next_turn] = {"role": "assistant", "content": answer.text}
+        self.kept = self.next_turn + 1
+        if self.reply_ids is not None and answer.token_ids is not None:
+            self.reply_ids.append(list(answer.token_ids))
+            self.ids, self.through = prompt + list(answer.token_ids), self.through + answer.text
+        else:
+            self.reply_ids = None
+        self.next_turn = _next_assistant(self.turns, self.kept) if answer.stopped else None
 
 
 def _next_assistant(turns: list[dict], after: int) -> int | None:
@@ -238,8 +280,7 @@ def regenerate_rows(
         for c in conversations:
             if c.next_turn is None:
                 continue
-            text = chat.render(c.turns[: c.next_turn], add_generation_prompt=True)
-            ids = chat.backend.encode(text, add_special_tokens=False).ids
+            ids = c.prompt(chat)
             if len(ids) > params.max_prompt_tokens:
                 counts.skipped_turns["prompt_too_long"] += 1
                 c.next_turn = None
@@ -247,18 +288,15 @@ def regenerate_rows(
                 asked.append((c, ids))
         if not asked:
             break
-        for (c, _), answer in zip(asked, replier.answer([ids for _, ids in asked], progress), strict=True):
-            turn = c.next_turn
+        for (c, ids), answer in zip(asked, replier.answer([ids for _, ids in asked], progress), strict=True):
             if not answer.text.strip():
                 counts.skipped_turns["empty_reply"] += 1
                 c.next_turn = None
                 continue
-            c.turns[turn] = {"role": "assistant", "content": answer.text}
-            c.kept = turn + 1
+            c.answered(ids, answer)
             counts.replies += 1
             counts.generated_tokens += answer.tokens
             counts.stopped_at_limit += not answer.stopped
-            c.next_turn = _next_assistant(c.turns, turn + 1) if answer.stopped else None
     out = []
     for row, c in zip(rows, conversations, strict=True):
         if c.kept == 0:
@@ -266,7 +304,15 @@ def regenerate_rows(
             counts.dropped_samples["no_reply" if had_reply else "no_assistant_turn"] += 1
             continue
         turns = c.turns[: c.kept]
-        out.append({"id": row["id"], "source": row["source"], "conversation": turns, "hash": conversation_hash(turns)})
+        out.append(
+            {
+                "id": row["id"],
+                "source": row["source"],
+                "conversation": turns,
+                "hash": conversation_hash(turns),
+                "reply_ids": c.reply_ids or [],  # [] for a conversation kept as text
+            }
+        )
     counts.samples_out = len(out)
     return out, counts
 
@@ -409,13 +455,14 @@ def regenerate_manifest(
             writer = ShardWriter()
             for row in out_rows:
                 writer.add(row["id"], row["source"], row["conversation"], row["hash"])
+            table = with_reply_ids(writer.table(), [row["reply_ids"] for row in out_rows])
             record = {
                 "key": output.keys[name],
                 "input": inputs[name].to_json(),
                 "settings": settings,
                 "counts": asdict(counts),
             }
-            write_shard(out_dir / name, writer.table(), record)
+            write_shard(out_dir / name, table, record)
             output.wrote(name, record)
             generated += counts.generated_tokens
     shards = [

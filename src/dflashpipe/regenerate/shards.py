@@ -3,9 +3,11 @@
 One `train-NNNNN.parquet` per manifest training shard, of the same name, so shards pair one for one
 and growing the manifest appends shards. Disabled, each is a hard link to its manifest shard: the same
 bytes and sha256, so tokenize keys and encodes exactly what it did when it read the manifest. Enabled,
-each carries in its parquet metadata what made it: its key (the stage key and its input shard's sha256),
-the settings (max_new_tokens, temperature 0, the chat template's and the target's sha256) and its counts,
-plus the sha256 of its rows, so a shard is reused only when it is both the right one and intact.
+each adds to the manifest's columns `reply_ids`: per sample, the token ids of each assistant reply as the target
+produced them (an empty list for a conversation kept as text), which tokenize trains on instead of encoding the
+replies' text again; and each carries in its parquet metadata what made it: its key (the stage key and its
+input shard's sha256), the settings (max_new_tokens, temperature 0, the chat template's and the target's sha256)
+and its counts, plus the sha256 of its rows, so a shard is reused only when it is both the right one and intact.
 
 `summary.json` lists the shards (file, samples, sha256, input) and `files.json` is written last; the
 reader checks every file against it before tokenize reads a row.
@@ -39,9 +41,19 @@ class ConversationShard:
     sha256: str
 
 
+REPLY_IDS = "reply_ids"
+REPLY_IDS_TYPE = pa.list_(pa.list_(pa.int32()))
+
+
+def with_reply_ids(table: pa.Table, reply_ids: list[list[list[int]]]) -> pa.Table:
+    """A shard of the manifest's schema with each sample's replies' token ids beside it."""
+    return table.append_column(REPLY_IDS, pa.array(reply_ids, REPLY_IDS_TYPE))
+
+
 def rows_sha256(table: pa.Table) -> str:
     """The sha256 of a shard's rows by value (parquet pages carry no checksum we check)."""
-    return hashlib.sha256(orjson.dumps(table.select(["id", "source", "conversation", "hash"]).to_pylist())).hexdigest()
+    columns = ["id", "source", "conversation", "hash", *([REPLY_IDS] if REPLY_IDS in table.column_names else [])]
+    return hashlib.sha256(orjson.dumps(table.select(columns).to_pylist())).hexdigest()
 
 
 def write_shard(path: Path, table: pa.Table, record: dict) -> None:

@@ -4,6 +4,11 @@ A token is supervised when its characters overlap an assistant reply or that rep
 token (the spans come from `chat.ReplyLocator`). Nothing is dropped silently: for each sample in,
 either a row comes out or one of SKIP_REASONS is counted (per source, with a few examples), so
 samples in = out + skipped, shard by shard and summed.
+
+A regenerated sample carries its replies as the token ids the target produced (`reply_ids`). Its row is then
+the template's text between the replies, encoded, with each reply's own ids in between: the sequence the target
+read and wrote when it answered (regenerate builds its prompts the same way), never the replies decoded and
+encoded again, which can give other tokens than the ones the drafter will be asked to propose.
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ class TokenStats:
     skipped_examples: dict[str, list[str]] = field(default_factory=dict)
     mask_method: dict[str, int] = field(default_factory=dict)
     sources: dict[str, SourceCounts] = field(default_factory=dict)
+    retokenized_differently: int = 0
+    """Samples whose replies, carried as the target's ids, encode from their text into other tokens."""
 
     def skip(self, source: str, reason: str, example: str) -> None:
         for counts in (self.skipped, self.sources[source].skipped):
@@ -68,7 +75,14 @@ class TokenStats:
             shown.append(example)
 
     def merge(self, other: TokenStats) -> None:
-        for name in ("samples_in", "samples_out", "tokens", "supervised_tokens", "truncated"):
+        for name in (
+            "samples_in",
+            "samples_out",
+            "tokens",
+            "supervised_tokens",
+            "truncated",
+            "retokenized_differently",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         if not self.length_histogram:
             self.length_histogram = [0] * len(other.length_histogram)
@@ -131,11 +145,12 @@ class SampleEncoder:
         self.locator = ReplyLocator(chat)
         self.edges = np.asarray(length_edges(params.max_length))
 
-    def encode(self, samples: list[tuple[str, str, list[dict[str, str]]]]) -> tuple[EncodedRows, TokenStats]:
-        """`samples` are (id, source, conversation); rows come out in the same order."""
+    def encode(self, samples: list[tuple]) -> tuple[EncodedRows, TokenStats]:
+        """`samples` are (id, source, conversation) or (id, source, conversation, reply_ids); rows come out in the
+        same order."""
         stats = TokenStats(length_histogram=[0] * len(self.edges))
         pending = []
-        for sample_id, source, conversation in samples:
+        for sample_id, source, conversation, *carried in samples:
             stats.samples_in += 1
             stats.sources.setdefault(source, SourceCounts()).samples_in += 1
             if not any(turn["role"] == "assistant" for turn in conversation):
@@ -153,26 +168,51 @@ class SampleEncoder:
             if located is None:
                 stats.skip(source, "unplaceable_turn", sample_id)
                 continue
-            pending.append((sample_id, source, text, *located))
+            pending.append((sample_id, source, text, conversation, carried[0] if carried else None, *located))
         rows = EncodedRows()
         encodings = self.chat.backend.encode_batch([p[2] for p in pending], add_special_tokens=False)
-        for (sample_id, source, _, spans, method), encoding in zip(pending, encodings, strict=True):
-            self._add_row(rows, stats, sample_id, source, spans, method, encoding)
+        for (sample_id, source, text, conversation, replies, spans, method), encoding in zip(
+            pending, encodings, strict=True
+        ):
+            if replies and method == "skeleton" and len(replies) == len(spans):
+                ids, token_spans = self._carried(text, conversation, replies, spans)
+                stats.retokenized_differently += ids != encoding.ids
+                self._add_row(rows, stats, sample_id, source, ids, token_spans, "carried")
+                continue
+            length = len(encoding)
+            # Token ranges of the replies, [first, last + 1): the tokens holding a reply's first and
+            # last characters, so a token that overlaps a reply at all is supervised.
+            token_spans = [
+                (_token_at(encoding, start, length), _token_at(encoding, end - 1, length) + 1)
+                for start, end in spans
+                if end > start and length
+            ]
+            self._add_row(rows, stats, sample_id, source, encoding.ids, token_spans, method)
         return rows, stats
 
-    def _add_row(self, rows, stats, sample_id, source, spans, method, encoding) -> None:
+    def _carried(
+        self, text: str, conversation: list[dict[str, str]], replies: list[list[int]], spans: list[tuple[int, int]]
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """The row of a sample whose replies are the target's ids: the text around them encoded piece by piece,
+        and each reply's token range with its end-of-turn token (the piece after it, as far as the span goes)."""
+        encode = self.chat.backend.encode
+        contents = [turn["content"] for turn in conversation if turn["role"] == "assistant"]
+        ids = list(encode(text[: spans[0][0]], add_special_tokens=False).ids)
+        token_spans = []
+        for k, ((start, end), content, reply) in enumerate(zip(spans, contents, replies, strict=True)):
+            stop = start + len(content)  # the skeleton placed the reply's text verbatim here
+            after = encode(text[stop : spans[k + 1][0] if k + 1 < len(spans) else len(text)], add_special_tokens=False)
+            end_of_turn = sum(1 for first, _ in after.offsets if first < end - stop)
+            token_spans.append((len(ids), len(ids) + len(reply) + end_of_turn))
+            ids += [*reply, *after.ids]
+        return ids, token_spans
+
+    def _add_row(self, rows, stats, sample_id, source, ids, token_spans, method) -> None:
         params = self.params
-        length, truncated = len(encoding), False
+        length, truncated = len(ids), False
         if length == 0:
             stats.skip(source, "empty_render", sample_id)
             return
-        # Token ranges of the replies, [first, last + 1): the tokens holding a reply's first and
-        # last characters, so a token that overlaps a reply at all is supervised.
-        token_spans = [
-            (_token_at(encoding, start, length), _token_at(encoding, end - 1, length) + 1)
-            for start, end in spans
-            if end > start
-        ]
         if length > params.max_length:
             fits = [k for k, (_, stop) in enumerate(token_spans) if stop <= params.max_length]
             if params.truncation == "drop" or not fits:
@@ -192,7 +232,7 @@ class SampleEncoder:
         rows.sources.append(source)
         rows.truncated.append(truncated)
         rows.lengths.append(length)
-        rows.input_ids.append(np.asarray(encoding.ids[:length], dtype=np.int32))
+        rows.input_ids.append(np.asarray(ids[:length], dtype=np.int32))
         rows.loss_mask.append(mask)
         stats.samples_out += 1
         stats.tokens += length

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from dflashpipe.incremental import InputShard, ShardedOutput
 from dflashpipe.params import TokenizeParams
 from dflashpipe.pipeline import StageKey
-from dflashpipe.regenerate.shards import ConversationShard, read_conversation_shards
+from dflashpipe.regenerate.shards import REPLY_IDS, ConversationShard, read_conversation_shards
 from dflashpipe.spread import Busy, Measuring, Spread
 from dflashpipe.threads import thread_budget
 from dflashpipe.tokens.chat import ChatTokenizer, load_chat_tokenizer
@@ -63,16 +63,13 @@ def _encode_task(task: tuple[int, str, int, int]) -> tuple[int, EncodedRows, Tok
     began = time.perf_counter()
     index, path, start, stop = task
     if _WORKER.get("path") != path:
-        _WORKER["path"], _WORKER["table"] = path, pq.read_table(path, columns=["id", "source", "conversation"])
-    part = _WORKER["table"].slice(start, stop - start)
-    samples = list(
-        zip(
-            part.column("id").to_pylist(),
-            part.column("source").to_pylist(),
-            part.column("conversation").to_pylist(),
-            strict=True,
+        carried = [REPLY_IDS] if REPLY_IDS in pq.read_schema(path).names else []  # regenerated shards carry them
+        _WORKER["path"], _WORKER["table"] = (
+            path,
+            pq.read_table(path, columns=["id", "source", "conversation", *carried]),
         )
-    )
+    part = _WORKER["table"].slice(start, stop - start)
+    samples = list(zip(*(part.column(name).to_pylist() for name in part.column_names), strict=True))
     rows, stats = _WORKER["encoder"].encode(samples)
     return index, rows, stats, time.perf_counter() - began
 

@@ -9,13 +9,13 @@ from dflashpipe.artifacts import atomic_directory, write_file_listing, write_jso
 from dflashpipe.compile.artifact import load_artifact_or_go_cold
 from dflashpipe.compile.guard import COUNTER, CompileGuard, dynamo_counters
 from dflashpipe.errors import DflashpipeError
+from dflashpipe.features.shards import FeatureLayout, FeatureStore, refuse_distillation
 from dflashpipe.model.drafter import PUBLISHED_DTYPE
 from dflashpipe.pipeline import COMPILE, DRAFTER, FEATURES, TARGET, TOKENS, TRAIN_METRICS_DIR, TRAIN_STATE, StageKey
 from dflashpipe.spread import Measuring
 from dflashpipe.tokens.shards import load_tokens
 from dflashpipe.train.card import write_model_card
 from dflashpipe.train.checkpoint import checkpoint_key, load_checkpoint, save_checkpoint
-from dflashpipe.train.features import FeatureLayout, FeatureStore, refuse_distillation
 from dflashpipe.train.loop import Trainer
 from dflashpipe.train.metrics import train_metrics, write_plots
 from dflashpipe.train.state import TrainInputs
@@ -99,6 +99,8 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
         save_checkpoint(t.state, t.replicas[0].drafter, t.replicas[0].optimizer, paths.state, key)
 
     def on_step(t: Trainer) -> None:
+        # In the main thread, while the drafter threads compute the next step: it reads only the state, weights
+        # and optimizer the main thread alone writes.
         if topology.rank != 0:
             return
         if every and t.state.step % every == 0 and t.state.step < max_steps:  # the last step's: with the outputs

@@ -1,6 +1,6 @@
 """The features stage: bring data/features to one shard of the target's hidden states per token shard.
 
-The format, its reuse check and the reader train uses are dflashpipe.train.features; this module computes
+The format, its reuse check and the reader train uses are features/shards.py; this module computes
 and writes them under the incremental protocol (dflashpipe.incremental): a shard is reused only under the key
 it was written for (every dep and param dvc.yaml lists for the stage, less data/tokens, plus its own token
 shard's sha256) and only if it hashes to what it stored, so growing the data computes only the new shards.
@@ -21,9 +21,7 @@ import torch
 from tqdm import tqdm
 
 from dflashpipe.errors import DflashpipeError
-from dflashpipe.incremental import SUMMARY_FILE, InputShard, ShardedOutput
-from dflashpipe.train.data import collate, pack_rows
-from dflashpipe.train.features import (
+from dflashpipe.features.shards import (
     STORED_DTYPE,
     FeatureLayout,
     kept_lengths,
@@ -32,6 +30,9 @@ from dflashpipe.train.features import (
     stored_shard,
     write_shard,
 )
+from dflashpipe.incremental import SUMMARY_FILE, InputShard, ShardedOutput
+from dflashpipe.packing import collate, pack_rows
+from dflashpipe.target.layers import target_layer_features
 
 if TYPE_CHECKING:
     from dflashpipe.params import ModelParams
@@ -71,7 +72,8 @@ def shard_features(
         batch = collate(data, chunk, layout.seq_len, 0)
         began = time.perf_counter()
         with torch.no_grad():
-            feats = target.layer_features(
+            feats = target_layer_features(
+                target.model,
                 batch.input_ids.to(device),
                 batch.attention_mask.to(device),
                 layout.layer_ids,
@@ -146,7 +148,7 @@ def compute_features(
     check_disk(out_dir, todo_tokens * layout.bytes_per_token)
     rates: list[float] = []
     if todo:
-        from dflashpipe.target import Target
+        from dflashpipe.target.adapter import Target
         from dflashpipe.threads import thread_budget
 
         thread_budget({"target": 1}).apply("target", device)  # one computing thread: every core it may use

@@ -1,20 +1,13 @@
-"""Offline target features: the target's hidden states at the drafter's layers, computed once per token shard.
-
-Online (`features.mode: online`), train runs the frozen target on every batch it trains on, so every
-epoch pays the target's forward again; on the CPU that forward is most of a step. Offline, the
-`features` stage computes them once, one shard per token shard, and train reads them back: the
-target's cost is paid once, and an epoch after the first costs only the drafter.
+"""The features shard format: its writer, when an existing shard may be reused, and the reader training uses.
 
 What is stored, for each sequence of a token shard, is exactly what the online trainer hands the
-drafter for it: the chosen layers' hidden states (`dflashpipe.target.Target.layer_features`) of its
+drafter for it: the chosen layers' hidden states (`dflashpipe.target.layers.target_layer_features`) of its
 first `model.seq_len` tokens (train cuts a longer sequence there), the document attending only
 within itself, computed in the target's compute dtype and stored as bfloat16 (2 bytes x layers x
 hidden a token: 2,304 bytes on SmolLM2-135M with 2 layers; 40 KB on Qwen3-8B with 5, which is why
 the 8-GPU profile stays online). Sequences are packed into rows of `seq_len` to compute them, as
-train packs them; each document sees only itself, so how they were packed does not decide what is
-stored for it.
-
-This module is the format and the reader train uses; the stage that writes it is dflashpipe.features.
+train packs them (dflashpipe.packing); each document sees only itself, so how they were packed does not
+decide what is stored for it.
 
 A shard is a safetensors file: `features` [tokens, layers x hidden] bfloat16 and `offsets`
 [sequences + 1] int64, with the key, the input token shard, the layout and the sha256 of both
@@ -23,6 +16,7 @@ reused only under the key it was written for and only if it hashes to what it st
 the data computes only the new shards and any edit to what dvc.yaml lists for the stage recomputes
 them all. Train maps the shards (safetensors reads slices of the mapped file) after checking every
 file against files.json and each shard's layout and input against the drafter and the token shards.
+Training depends on this file alone of the stage (dvc.yaml), as it does on tokens/shards.py.
 """
 
 from __future__ import annotations
