@@ -235,3 +235,37 @@ def test_a_stage_refuses_a_machine_the_fingerprint_file_does_not_describe(tmp_pa
         "record a machine this stage did not run on: run `dvc repro` without -s/--single-item, or `dvc repro "
         "fingerprint` first"
     )
+
+
+def test_every_stage_that_declares_target_dtype_refuses_a_file_whose_target_dtype_is_not_this_machines(tmp_path):
+    """The refusal reads the keys each stage declares in dvc.yaml, so a fingerprint group added there
+    (target_dtype: what compute.target_dtype: auto computes in) is checked without a list of its own: a file
+    written on a CPU with bfloat16 kernels does not describe one without them."""
+    import json
+    import shutil
+
+    from dflashpipe import env
+    from dflashpipe.stage import StaleMachineError, check_machine_current
+
+    project = tmp_path / "project"
+    (project / ".dvc/tmp").mkdir(parents=True)
+    if (ROOT / env.HASH_STATE).is_file():  # spares hashing torch's files again: the test is not about that
+        shutil.copy(ROOT / env.HASH_STATE, project / env.HASH_STATE)
+    shutil.copy(ROOT / "dvc.yaml", project / "dvc.yaml")
+    declaring = [
+        name
+        for name in pipeline.stage_names(ROOT)
+        if (str(pipeline.FINGERPRINT), "target_dtype") in pipeline.stage_spec(name, ROOT).params
+    ]
+    assert {"regenerate", "features", "warmup", "train", "bench", "evaluate"} <= set(declaring)
+
+    live = env.observe(project / env.HASH_STATE).facts
+    other = json.loads(json.dumps(live))
+    was = live["target_dtype"]["cpu"]["batched"]
+    other["target_dtype"]["cpu"]["batched"] = "bfloat16" if was != "bfloat16" else "float32"
+    record = project / pipeline.FINGERPRINT
+    record.parent.mkdir(parents=True)
+    record.write_text(json.dumps(other))
+    for name in declaring:
+        with pytest.raises(StaleMachineError, match=r"stale: target_dtype is .* there but .* on this machine"):
+            check_machine_current(name, project)
