@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import dvc  # noqa: F401  # see below
 import pytest
 import yaml
 
@@ -26,6 +27,11 @@ def share_the_cores_among_xdist_workers() -> None:
 
 
 share_the_cores_among_xdist_workers()
+
+# `import dvc` binds DVC's log handlers to sys.stdout and sys.stderr as they are then (dvc/__init__.py calls
+# dvc.logger.setup()). Imported first inside a test that captures with capsys, they would hold that test's
+# stream, closed after it, and every later DVC log line in the worker would raise (Repo.init's "Initialized DVC
+# repository." in test_verify, after test_explain_machine): imported here, they hold the session's capture.
 
 SLOWEST_FIRST = (
     "tests/test_explain.py",  # 199 s with the 83 s of building pipeline_run, which its first test asks for
