@@ -6,9 +6,11 @@ PROJECT is a DVC project whose workspace matches its HEAD but for what the first
 is": a fresh clone after `dvc repro`, or bench rerun beside a busy neighbour); the others are made on top of
 it and undone after: `seed` (data.num_samples +20% and data/compile moved aside), `patched torch` (the live
 check's hash state says torch/fx/_symbolic_trace.py has another digest than its wheel's RECORD, as
-tests/test_explain_machine.py makes it; no installed file is touched) and `OMP_NUM_THREADS=1` (in explain's
-environment only). Each runs the `dflashpipe explain` command of SRC (default: this checkout's src, or another
-revision's, to compare) with COLUMNS=100, as a terminal of 100 columns shows it, and counts its lines.
+tests/test_explain_machine.py makes it; no installed file is touched), `OMP_NUM_THREADS=1` and `OPENBLAS_*
+set` (OPENBLAS_CORETYPE, OPENBLAS_L2_SIZE; both in explain's environment only), and the incident: the seed, the
+patched torch and OMP_NUM_THREADS=1 at once. Each runs the `dflashpipe explain` command of SRC (default: this
+checkout's src, or another revision's, to compare) with COLUMNS=100, as a terminal of 100 columns shows it, and
+counts its lines.
 
 `--timing N` also times `explain()` in-process N times on the project as it is (after one warm-up call, which
 takes the imports), with SRC's code: the median and range, in seconds.
@@ -72,7 +74,29 @@ def one_thread(project: Path):
     yield {"OMP_NUM_THREADS": "1"}
 
 
-SCENARIOS = {"as it is": as_it_is, "seed": seed, "patched torch": patched_torch, "OMP_NUM_THREADS=1": one_thread}
+@contextmanager
+def openblas(project: Path):
+    """The issue's record made where OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE were set, read the other way round:
+    explain run where they are set and the record made without them."""
+    yield {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "1048576"}
+
+
+@contextmanager
+def incident(project: Path):
+    """The seed's whole story: the data grown, the compile cache deleted, a torch file patched, a thread variable
+    changed (the four causes tests/test_explain_machine.py holds the first screen to)."""
+    with seed(project), patched_torch(project), one_thread(project) as env:
+        yield env
+
+
+SCENARIOS = {
+    "as it is": as_it_is,
+    "seed": seed,
+    "patched torch": patched_torch,
+    "OMP_NUM_THREADS=1": one_thread,
+    "OPENBLAS_* set": openblas,
+    "incident (all four)": incident,
+}
 
 
 def screen(project: Path, src: Path, env: dict[str, str]) -> str:

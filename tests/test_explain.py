@@ -1061,6 +1061,45 @@ def test_the_first_screen_is_the_causes_the_stages_and_the_headlines(dag):
     assert all(INDENT[level] + len(text) <= WIDTH for level, text in lines) and len(lines) <= 25
 
 
+def test_evaluate_and_train_records_reach_the_first_screen_only_through_the_headline_list(dag):
+    """eval.json's contract, floor and baseline and train's balance are dozens of keys: the first screen shows
+    the contract (`lossless`, a headline: false is a bug) and says on speedup's line that its baseline differs,
+    since the two figures are then not like for like; the rest is counted behind --all."""
+    from dflashpipe.explain.render import FOOTER, INDENT, SECTION, WIDTH
+
+    def evaluated(dtype: str, speedup: float, lossless: bool, bugs: int) -> dict:
+        return {
+            "tau": 1.067,
+            "speedup": speedup,
+            "lossless": lossless,
+            "baseline": {"decoding": "plain greedy, one sequence", "dtype": dtype},
+            "floor": {"bigram": {"tau": 1.01 + bugs / 100, "slot_1_acceptance": 0.02 + bugs / 100}},
+            "contract": {"prompts": 8, "exact": 8 - bugs, "bugs": bugs, "departures": [{"id": "p"}] * bugs},
+        }
+
+    def trained(busy: float) -> dict:
+        sides = {side: {"busy_s": busy + i, "tokens_per_s_busy": 10 * busy + i} for i, side in enumerate("ab")}
+        return {"final_loss": 9.7, "balance": {**sides, "bound_by": "drafter", "waited": "target", "steps": 120}}
+
+    old = {"metrics/eval.json": evaluated("float32", 0.48, True, 0), "metrics/train/metrics.json": trained(3.0)}
+    new = {"metrics/eval.json": evaluated("bfloat16", 0.61, False, 1), "metrics/train/metrics.json": trained(4.0)}
+    report, lines = answer_of(
+        dag,
+        (lock_of(dag, values={"compute.target_dtype": "float32"}), old),
+        (lock_of(dag, values={"compute.target_dtype": "bfloat16"}), new),
+    )
+    heads = [text for _, text in lines[lines.index((SECTION, "Headlines")) + 1 :]]
+    speedup = next(i for i, text in enumerate(heads) if text.startswith("speedup"))
+    said = " ".join(heads[speedup : speedup + 2])
+    assert "against baseline.dtype float32 -> bfloat16" in said and "baseline.decoding" not in said
+    assert any(t.startswith("lossless") and "true -> false" in t and "differs: (1)" in t for t in heads), heads
+    assert heads[-2] == "the same: tau, final loss"
+    assert not any(word in text for _, text in lines for word in ("balance", "floor", "contract", "bound_by"))
+    # floor (2), contract (3: exact, bugs, departures) and balance (4 busy figures) behind --all, counted
+    assert lines[-1][0] == FOOTER and "9 more metrics that differ" in lines[-1][1]
+    assert all(INDENT[level] + len(text) <= WIDTH for level, text in lines) and len(lines) <= 25
+
+
 def test_one_thread_variable_is_one_cause_of_the_machine_and_a_removed_fact_is_named(dag):
     """OMP_NUM_THREADS moves two fingerprint keys (the variable, and torch's intra-op count that follows it): one
     cause on the first screen, with the stages of both. A fact the machine no longer has (a library uninstalled)

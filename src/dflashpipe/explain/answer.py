@@ -236,9 +236,15 @@ def _headlines(report: Report, numbers: dict[str, int]) -> tuple[list[HeadlineLi
             continue
         shown.add((h.file, h.key))
         if m.old is None or m.new is None:
-            moved.append(HeadlineLine(label, m.name, m.old, m.new, None, "differs", "recorded on one side only"))
+            line = HeadlineLine(label, m.name, m.old, m.new, None, "differs", "recorded on one side only")
         else:
-            moved.append(HeadlineLine(label, m.name, m.old, m.new, m.change, *_verdict(m, numbers)))
+            line = HeadlineLine(label, m.name, m.old, m.new, m.change, *_verdict(m, numbers))
+        # measured against another thing on each side (speedup's baseline): said on the line, not like for like; a
+        # side that records none (an older revision) is no claim either way, and stays behind --all
+        against = [a for key in h.against if (a := deltas.get((h.file, key))) and None not in (a.old, a.new)]
+        shown.update((a.file, a.key) for a in against)
+        line.why += "".join(f"; against {a.key} {env.fact_change(a.old, a.new, width=20)}" for a in against)
+        moved.append(line)
     return moved, same, shown
 
 
