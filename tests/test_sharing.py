@@ -42,12 +42,14 @@ def test_a_clone_that_pulls_the_shared_record_reruns_only_what_its_machine_chang
     assert ran(run(["dvc", "repro"], b).stdout) == ["fingerprint"]
 
     recorded = json.loads((b / FINGERPRINT).read_text())["threads"]["env"].get(CORES_ENV)
-    differing = {CORES_ENV: "2" if recorded == "1" else "1", "COLUMNS": "400"}  # COLUMNS: one line unwrapped
+    differing = {CORES_ENV: "2" if recorded == "1" else "1"}
     readers = naming("threads.env")
     assert readers == ["train", "bench", "evaluate"]  # dvc.yaml's timing keys: the stages that time kernels
-    explained = run(["dflashpipe", "explain"], b, env=differing).stdout
-    (line,) = [ln.strip() for ln in explained.splitlines() if ln.strip().startswith("• machine threads.env: ")]
-    assert f'"{CORES_ENV}": "{differing[CORES_ENV]}"' in line and line.endswith(f"hits {', '.join(readers)}"), line
+    explained = run(["dflashpipe", "explain"], b, env=differing).stdout.splitlines()
+    causes = explained[explained.index("Causes") + 1 : explained.index("Stages")]
+    moved = f"{CORES_ENV} {recorded or 'unset'} -> {differing[CORES_ENV]}"
+    assert causes[0].strip().startswith(f"(1) machine threads.env: {moved}"), explained
+    assert causes[1].strip().startswith(f"invalidates {', '.join(readers)}") and len(causes) == 2, explained
     rerun = run(["dvc", "repro"], b, env=differing).stdout
     assert ran(rerun) == ["fingerprint", *readers], rerun
 
