@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dflashpipe.env import ABSENT, fact_at
 from dflashpipe.explain import (
     ALWAYS,
     CHANGE,
@@ -327,7 +328,9 @@ def lock_of(stages: dict, md5: dict[str, str] | None = None, values: dict[str, o
             for file, keys in ({"params.yaml": [item]} if isinstance(item, str) else item).items():
                 for key in keys:
                     label = key if file == "params.yaml" else f"{file}:{key}"
-                    params.setdefault(file, {})[key] = values.get(label, f"value of {label}")
+                    value = values.get(label, f"value of {label}")
+                    if value is not ABSENT:  # a key the params file lacks is not in the lock either
+                        params.setdefault(file, {})[key] = value
         lock[name] = {
             "cmd": d["cmd"],
             "deps": [{"path": p, "md5": h(p)} for p in _paths(d.get("deps"))],
@@ -679,9 +682,8 @@ def test_compare_paths_name_the_changed_files_of_a_directory_and_skip_unchanged_
 
 
 def fingerprint_values(stages: dict, facts: dict) -> dict[str, object]:
-    """lock_of's `values` for every fingerprint key the stages name, as `facts` (a fingerprint) holds them."""
-    from dflashpipe.env import ABSENT, fact_at
-
+    """lock_of's `values` for every fingerprint key the stages name, as `facts` (a fingerprint) holds them: ABSENT
+    for a key it lacks (a group added to dvc.yaml since the committed file was written), left out of the lock."""
     named = {
         k
         for d in stages.values()
@@ -689,7 +691,7 @@ def fingerprint_values(stages: dict, facts: dict) -> dict[str, object]:
         if isinstance(e, dict)
         for k in e.get(FINGERPRINT_PARAMS, [])
     }
-    return {f"{FINGERPRINT_PARAMS}:{k}": fact_at(facts, k) for k in named if fact_at(facts, k) is not ABSENT}
+    return {f"{FINGERPRINT_PARAMS}:{k}": fact_at(facts, k) for k in named}
 
 
 def test_a_stale_fingerprint_names_the_edited_torch_file_and_the_stages_it_invalidates(dag):
