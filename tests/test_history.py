@@ -187,6 +187,30 @@ def test_a_commit_that_changes_code_or_params_without_re_running_is_marked_unrec
     assert [s.unrecorded for s in history(root=toy_history).steps] == [[], [], []]
 
 
+def test_explain_names_what_the_earlier_side_committed_without_re_running_as_one_cause(toy_history, tmp_path):
+    """A fresh clone of a commit that changed code and params without `dvc repro` after: its dvc.lock predates
+    them, which is not a change between HEAD and the workspace. The first screen says it once, with the stages
+    it reaches; an input edited in the workspace is a cause of its own."""
+    from dflashpipe.explain import answer_lines
+    from dflashpipe.explain.answer import answer
+
+    project = Path(run(["git", "clone", "-q", str(toy_history), str(tmp_path / "c")], tmp_path).args[-1])
+    with open(project / "train.py", "a") as fh:
+        fh.write("# faster now?\n")
+    (project / "params.yaml").write_text(yaml.safe_dump({"n": 60}))
+    git(project, "commit", "-qam", "edit train and grow n, no re-run")
+    with open(project / "evaluate.py", "a") as fh:
+        fh.write("# edited here\n")
+    report = explain("HEAD", "workspace", project, machine=False)
+    assert sorted(report.as_committed) == ["params.yaml:n", "train.py"]
+    causes = [text for _, text in answer_lines(answer(report))]
+    assert "(1) HEAD's dvc.lock predates 2 inputs it commits  [dvc.lock@HEAD vs git@HEAD]" in causes, causes
+    assert "not rerun since: n, train.py" in causes, causes
+    assert any(") dep evaluate.py: edited  [dvc.lock@HEAD vs the workspace]" in t for t in causes), causes
+    # against the commit before, the same files did change in git: causes of their own, as ever
+    assert explain("HEAD~1", "workspace", project, machine=False).as_committed == []
+
+
 def test_paths_say_so_when_the_cache_has_no_listing(toy_history, tmp_path):
     project = Path(run(["git", "clone", "-q", str(toy_history), str(tmp_path / "c")], tmp_path).args[-1])
     (v,) = [v for v in explain("HEAD~2", "HEAD~1", project).stages if v.stage == "train"]

@@ -63,6 +63,22 @@ def has_file(root: str | Path, rev: str, path: str) -> bool:
     return run_git(root, "cat-file", "-e", f"{rev}:{path}").returncode == 0
 
 
+def changed_in_git(root: str | Path, a: str, b: str | None, paths: list[str]) -> list[str] | None:
+    """The files under `paths` that git holds otherwise at revision `a` than at `b` (None: the working tree, with
+    its untracked files), and the `paths` it ignores (DVC's data, which git does not hold); None when git cannot
+    say (`a` is no revision)."""
+    if not paths:
+        return []
+    diff = run_git(root, "diff", "--name-only", "--no-renames", a, *([b] if b else []), "--", *paths)
+    if diff.returncode != 0:
+        return None
+    found = diff.stdout.decode().splitlines()
+    if b is None:
+        found += git(root, "ls-files", "--others", "--exclude-standard", "--", *paths).splitlines()
+    # exit status 1: none ignored
+    return found + run_git(root, "check-ignore", "--", *paths).stdout.decode().splitlines()
+
+
 def experiment_refs(root: str | Path) -> list[tuple[str, str]]:
     """(commit sha, ref) of every ref under refs/exps/ (DVC's experiments, and its stashes and temp refs)."""
     lines = git(root, "for-each-ref", "--format=%(objectname) %(refname)", EXPS_NAMESPACE).splitlines()

@@ -60,7 +60,7 @@ from dflashpipe.explain.report import (
     StageState,
     Verdict,
 )
-from dflashpipe.explain.state import LocalCache, State, read_revision_state, read_workspace_state
+from dflashpipe.explain.state import LocalCache, State, as_committed, read_revision_state, read_workspace_state
 from dflashpipe.pipeline import FINGERPRINT, PARAMS_FILE, Pipeline
 from dflashpipe.revision import WORKSPACE, Revision, Revisions, Workspace, parse_yaml
 
@@ -127,7 +127,7 @@ def explain(a: str = "HEAD", b: str = WORKSPACE, root: str | Path = ".", machine
         if sa is not None and sb is not None:
             old, new = read_revision_state(sa), read_revision_state(sb)
             verdicts = compare(old, new, {}, LocalCache(root), a, b)
-            return _report(a, b, sa, sb, new, verdicts)
+            return _report(root, a, b, sa, sb, new, verdicts)
         from dvc.repo import Repo
 
         with Repo(str(root)) as repo:
@@ -142,16 +142,17 @@ def explain(a: str = "HEAD", b: str = WORKSPACE, root: str | Path = ".", machine
             verdicts = compare(old, new, recorded, repo.cache.local, a, b)
             if live is not None:
                 attribute_to_machine(verdicts, live)
-            return _report(a, b, sa, sb, new, verdicts, live and live.machine)
+            return _report(root, a, b, sa, sb, new, verdicts, live and live.machine)
 
 
-def _report(a: str, b: str, sa: State, sb: State, new, verdicts, machine: Machine | None = None) -> Report:
+def _report(root: Path, a: str, b: str, sa: State, sb: State, new, verdicts, machine: Machine | None = None) -> Report:
     """The verdicts with what they did to the metrics; a metrics file that does not parse is left out and said,
     never a reason to withhold the stage verdicts."""
     metrics = metric_deltas(sa, sb, new, verdicts)
     report = Report(a, b, root_causes(verdicts), verdicts, metrics, machine)
     report.notes = unreadable_metrics([sa, sb], new)
     report.headlines_same = headlines_same(sa, sb, metrics)
+    report.as_committed = as_committed(root, sa, sb, report.root_causes)
     return report
 
 

@@ -104,7 +104,7 @@ def answer(report: Report) -> Answer:
     rerun = [v.stage for v in report.stages if v.verdict in (DIRECT, DOWNSTREAM)]
     restore = [v.stage for v in report.stages if v.verdict == OUTPUTS and _restorable(v)]
     rerun += [v.stage for v in report.stages if v.verdict == OUTPUTS and v.stage not in restore]
-    causes = _cause_lines(report.root_causes, by_stage, order)
+    causes = _cause_lines(report.root_causes, by_stage, order, report)
     edited = report.machine.edited if report.machine is not None else []
     for line in causes:  # an edited torch file: which of its definitions changed, when a copy of the wheel says
         if line.kind == "machine" and line.what.startswith("torch.files") and edited:
@@ -160,29 +160,44 @@ def _group(c: Cause) -> str | None:
     return None
 
 
-def _cause_lines(causes: list[Cause], by_stage: dict[str, Verdict], order: list[str]) -> list[CauseLine]:
+UNRECORDED = "unrecorded"
+"""The kind of the one cause line that stands for every input the earlier side committed without a `dvc repro`
+after (Report.as_committed): its dvc.lock's age, not a change between the sides."""
+NAMED = 2
+"""How many of those inputs its line names, before it says how many more."""
+
+
+def _cause_lines(
+    causes: list[Cause], by_stage: dict[str, Verdict], order: list[str], report: Report
+) -> list[CauseLine]:
     groups: dict[tuple, list[Cause]] = {}
+    committed = set(report.as_committed)
     for c in causes:
         group = _group(c)
-        groups.setdefault((c.kind, group) if group else (c.kind, c.what), []).append(c)
+        key = (UNRECORDED, "") if c.what in committed else (c.kind, group) if group else (c.kind, c.what)
+        groups.setdefault(key, []).append(c)
     lines = []
     for (kind, name), members in groups.items():
         stages = [s for s in order if any(s in c.stages for c in members)]
-        if len(members) == 1:
+        note = ""
+        if kind == UNRECORDED:
+            names = list(dict.fromkeys(_printed(c) for c in members))
+            what, change = f"{report.a}'s dvc.lock predates {len(names)} inputs it commits", ""
+            more = f" and {len(names) - NAMED} more" if len(names) > NAMED else ""
+            note = f"not rerun since: {', '.join(names[:NAMED])}{more}"
+        elif len(members) == 1:
             c = members[0]
             what, change = _printed(c), _change(c)
-        else:  # one fingerprint group: each key's own move, the group's prefix said once
+        elif kind in ("param", "machine"):  # one fingerprint group: each key's own move, the group's prefix once
             members.sort(key=_printed)
             what = name
             change = "; ".join(f"{_printed(c).split('.', 1)[-1]}: {_change(c)}" for c in members)
-        note = ""
+        else:  # one path, changed for some stages and dropped from another's deps: each change once
+            what, change = name, ", ".join(dict.fromkeys(_change(c) for c in members))
         if kind == "out":
             note = "restorable: `dvc checkout`" if members[0].evidence.endswith(RESTORABLE) else "not in the cache"
-        lines.append(
-            CauseLine(
-                kind, what, change, members[0].source, stages, _downstream(stages, by_stage, order), note, members
-            )
-        )
+        source = f"dvc.lock@{report.a} vs git@{report.a}" if kind == UNRECORDED else members[0].source
+        lines.append(CauseLine(kind, what, change, source, stages, _downstream(stages, by_stage, order), note, members))
     return lines
 
 
@@ -250,7 +265,7 @@ def _headlines(report: Report, numbers: dict[str, int]) -> tuple[list[HeadlineLi
 
 def _verdict(m: MetricDelta, numbers: dict[str, int]) -> tuple[str, str]:
     """(verdict, why): the noise call with the control's factor, and the causes on the figure's path by number."""
-    listed = [f"({n})" for n in sorted({numbers[c] for c in m.causes if c in numbers})]
+    listed = _numbered(sorted({numbers[c] for c in m.causes if c in numbers}))
     causes = " ".join(listed + [named(c) for c in m.causes if c not in numbers]) or "no cause above"
     if m.call is None:  # deterministic: any move is a change of its inputs
         return "differs", causes
@@ -266,6 +281,17 @@ def _verdict(m: MetricDelta, numbers: dict[str, int]) -> tuple[str, str]:
     if m.slowdown is not None:
         return CHANGE, f"{causes}, beyond the control's {_factor(m.slowdown)}"
     return CHANGE, causes
+
+
+def _numbered(numbers: list[int]) -> list[str]:
+    """Cause numbers as the screen names them, a run of three or more as one range: (1)-(4) (6)."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return [f"({r[0]})-({r[-1]})" if len(r) > 2 else " ".join(f"({n})" for n in r) for r in runs]
 
 
 def _factor(slowdown: float | None) -> str:

@@ -15,7 +15,7 @@ import textwrap
 from dataclasses import asdict
 from typing import Any
 
-from dflashpipe.explain.answer import Answer, answer, no_causes
+from dflashpipe.explain.answer import UNRECORDED, Answer, answer, no_causes
 from dflashpipe.explain.report import (
     DIRECT,
     DOWNSTREAM,
@@ -166,7 +166,8 @@ def answer_lines(found: Answer, full: bool = False, width: int | None = WIDTH) -
             add(ITEM, f"({n}) output {c.what} of {', '.join(c.stages)}: {c.change}; {c.note}")
             continue
         # what changed, from what to what, then the stages it invalidates; the evidence's name goes where it fits
-        item, source = f"({n}) {c.kind} {c.what}: {c.change}", f"[{c.source}]"
+        item = f"({n}) {c.what}" if c.kind == UNRECORDED else f"({n}) {c.kind} {c.what}: {c.change}"
+        source = f"[{c.source}]"
         downstream = f"; downstream {', '.join(c.downstream)}" if c.downstream else ""
         detail = f"invalidates {', '.join(c.stages)}{downstream}"
         if width is None or INDENT[ITEM] + len(item) + 2 + len(source) <= width:

@@ -145,3 +145,6 @@ class Report:
     """What could not be read and was left out (a metrics file that does not parse), one line each."""
     headlines_same: list[str] = field(default_factory=list)
     """The headline figures (`file:key`, headlines.HEADLINES) recorded on both sides with the same value."""
+    as_committed: list[str] = field(default_factory=list)
+    """Root causes (their `what`) whose input git holds alike on both sides: the earlier side's dvc.lock was
+    recorded before that side committed it (no `dvc repro` since), not a change between the sides."""

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from dflashpipe.errors import DflashpipeError
-from dflashpipe.explain.report import StageState
-from dflashpipe.pipeline import Pipeline
-from dflashpipe.revision import Revision, Workspace
+from dflashpipe.explain.report import Cause, StageState
+from dflashpipe.pipeline import DVC_FILE, FINGERPRINT, PARAMS_FILE, Pipeline, lies_under
+from dflashpipe.revision import Revision, Workspace, changed_in_git
 
 State = Revision | Workspace
 """The files of one state: a commit's (read through git) or the workspace's."""
@@ -190,3 +190,21 @@ def cached_json(cache, md5: str | None) -> Any:
         return json.loads(Path(cache.oid_to_path(md5)).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+
+
+def as_committed(root: Path, sa: State, sb: State, causes: list[Cause]) -> list[str]:
+    """The causes (their `what`) whose input git holds alike on both sides, though the earlier side's dvc.lock
+    recorded another version: a code dep, params.yaml's keys or dvc.yaml's commands committed at `sa` without a
+    `dvc repro` after. Not a change between the sides, but the earlier record's age. Inputs git does not hold
+    (DVC's data) and the fingerprint's keys (the machine's) are never listed."""
+    if not isinstance(sa, Revision):
+        return []
+    path = {c.what: c.what for c in causes if c.kind == "dep"}
+    path |= {c.what: PARAMS_FILE for c in causes if c.kind == "param" and c.what.startswith(f"{PARAMS_FILE}:")}
+    path |= {c.what: DVC_FILE for c in causes if c.kind == "cmd"}
+    paths = sorted(set(path.values()))
+    changed = changed_in_git(root, sa.rev, sb.rev, paths)
+    if changed is None:
+        return []
+    alike = {p for p in paths if p != str(FINGERPRINT) and not any(lies_under(f, p) for f in changed)}
+    return [what for what, p in path.items() if p in alike]
