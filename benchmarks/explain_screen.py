@@ -1,6 +1,6 @@
 """How long `dflashpipe explain`'s answer is, scenario by scenario, on a recorded project; and how long it takes.
 
-    python benchmarks/explain_screen.py PROJECT [--src SRC] [--show] [--timing 5]
+    python benchmarks/explain_screen.py PROJECT [--src SRC] [--show] [--timing 5] [--fresh-clone REV]
 
 PROJECT is a DVC project whose workspace matches its HEAD but for what the first scenario is about ("as it
 is": a fresh clone after `dvc repro`, or bench rerun beside a busy neighbour); the others are made on top of
@@ -11,6 +11,9 @@ set` (OPENBLAS_CORETYPE, OPENBLAS_L2_SIZE; both in explain's environment only), 
 patched torch and OMP_NUM_THREADS=1 at once. Each runs the `dflashpipe explain` command of SRC (default: this
 checkout's src, or another revision's, to compare) with COLUMNS=100, as a terminal of 100 columns shows it, and
 counts its lines.
+
+`--fresh-clone REV` first counts `explain REV`'s lines: the newcomer's screen, with PROJECT's HEAD the commit of
+a `dvc repro` made in a clone of REV (so the other scenarios start from a workspace that matches its HEAD).
 
 `--timing N` also times `explain()` in-process N times on the project as it is (after one warm-up call, which
 takes the imports), with SRC's code: the median and range, in seconds.
@@ -99,9 +102,9 @@ SCENARIOS = {
 }
 
 
-def screen(project: Path, src: Path, env: dict[str, str]) -> str:
+def screen(project: Path, src: Path, env: dict[str, str], since: str = "HEAD") -> str:
     full = {**os.environ, "COLUMNS": "100", "PYTHONPATH": str(src), "HF_HUB_OFFLINE": "1", **env}
-    code = "from dflashpipe.cli import app; app(['explain'])"
+    code = f"from dflashpipe.cli import app; app(['explain', {since!r}])"
     proc = subprocess.run([sys.executable, "-c", code], cwd=project, env=full, capture_output=True, text=True)
     return proc.stdout + proc.stderr
 
@@ -129,9 +132,19 @@ def main() -> None:
     parser.add_argument("--src", type=Path, default=ROOT / "src")
     parser.add_argument("--show", action="store_true", help="print each first screen too")
     parser.add_argument("--timing", type=int, default=0)
+    parser.add_argument(
+        "--fresh-clone",
+        metavar="REV",
+        help="first, `explain REV`: the commit a clone was made at, where HEAD is that run committed",
+    )
     args = parser.parse_args()
     project, src = args.project.resolve(), args.src.resolve()
     print(f"explain of {src} on {project}, 100 columns")
+    if args.fresh_clone:
+        text = screen(project, src, {}, args.fresh_clone)
+        print(f"fresh clone ({args.fresh_clone} -> workspace): {len(text.splitlines())} lines")
+        if args.show:
+            print(text)
     for name, scenario in SCENARIOS.items():
         with scenario(project) as env:
             text = screen(project, src, env)
