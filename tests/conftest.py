@@ -110,6 +110,19 @@ TINY_PROFILE = {
 
 
 @pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """The project's serving environment's interpreter (a real vLLM), which the README's test command sets up
+    (`bin/setup --serve`): without it the tests that serve fail, naming the command; a skip would let CI pass
+    without ever serving."""
+    from dflashpipe.serving import SERVE_VENV, serving_python
+
+    python = serving_python(ROOT)
+    if python is None:
+        pytest.fail(f"no serving environment at {ROOT / SERVE_VENV}: run `bin/setup --serve`")
+    return python
+
+
+@pytest.fixture(scope="session")
 def smollm2_tokenizer_dir(tmp_path_factory) -> Path:
     """The real SmolLM2 tokenizer (with its chat template), read once from the shipped GGUF."""
     from transformers import AutoTokenizer
