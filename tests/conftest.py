@@ -30,6 +30,8 @@ share_the_cores_among_xdist_workers()
 SLOWEST_FIRST = (
     "tests/test_explain.py",  # 199 s with the 83 s of building pipeline_run, which its first test asks for
     "tests/test_gpu_check.py",  # 93 s, none of it on pipeline_run: the other worker's start
+    "tests/test_served_regenerate.py",  # vLLM's server, started twice; no pipeline_run
+    "tests/test_serve.py",  # four vLLM runs; its last test copies pipeline_run, built by then
     "tests/reliability/test_killed.py",  # 156 s
     "tests/test_train.py",  # 104 s
     "tests/test_overfit.py",  # 81 s

@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflashpipe.evaluate.speculative import DFlashProposer, captured_features, layer_capture, prefill
+from dflashpipe.evaluate.speculative import (
+    DFlashProposer,
+    accepted_proposals,
+    captured_features,
+    layer_capture,
+    prefill,
+)
 from dflashpipe.target.adapter import Target
 
 
@@ -37,14 +43,6 @@ class Replay:
     equal: list[bool] = field(default_factory=list)
     mismatches: list[dict] = field(default_factory=list)
     """The steps whose proposals differ: step index, the anchor's position among the new tokens, both proposals."""
-
-
-def accepted_count(proposals: Sequence[int], following: Sequence[int]) -> int:
-    """How many proposals, from the first, equal the tokens that followed the anchor."""
-    n = 0
-    while n < len(proposals) and n < len(following) and proposals[n] == following[n]:
-        n += 1
-    return n
 
 
 @torch.no_grad()
@@ -72,7 +70,8 @@ def replay(
             result.equal.append(same)
             if not same:
                 result.mismatches.append({"step": index, "position": at, "engine": list(step.proposals), "ours": ours})
-            kept = tokens[at : at + accepted_count(step.proposals, tokens[at + 1 :]) + 1]  # anchor + accepted
+            # the tokens after the anchor are what the target verified: greedy acceptance's rule, evaluate's own
+            kept = tokens[at : at + accepted_proposals(step.proposals, tokens[at + 1 :]) + 1]  # anchor + accepted
             normed = target.decoder_forward(torch.tensor([kept], device=device), cache)
             proposer.extend(captured_features(captured, layers, normed, len(kept)))
             at += len(kept)

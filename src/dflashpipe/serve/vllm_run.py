@@ -6,10 +6,11 @@ It imports vLLM and the standard library only (the serving environment has no df
 REQUEST names the target and drafter directories, the compute dtype, K (num_speculative_tokens), the prompts as
 token ids, max_new_tokens, the stop token ids and how many top logprobs to keep. Two engines of vLLM's offline API
 decode every prompt greedily, one prompt per call (so that every proposal belongs to one prompt and no batch
-changes the numerics): plain, then speculative with method "dflash", named explicitly (vLLM infers it only from a
-path containing "dflash") and K passed (vLLM never reads the drafter's block_size). RESULT holds, per prompt and
-engine, the tokens, each position's top logprobs, and for the speculative engine every step's anchor and proposals
-as vLLM's DFlash proposer returned them, and vLLM's own acceptance counters for that prompt. A failure is written as
+changes the numerics): speculative first, with method "dflash" named (vLLM infers it only from a path containing
+"dflash") and K passed (vLLM never reads the drafter's block_size), so that a drafter vLLM cannot load fails before
+the plain engine costs its start; then plain. RESULT holds, per prompt and engine, the tokens, each position's top
+logprobs, and for the speculative engine every step's anchor and proposals as vLLM's DFlash proposer returned them,
+and vLLM's own acceptance counters for that prompt. A failure is written as
 {"error": {"while": ..., "type": ..., "message": ...}} and exits 3, so the caller can say it in one line.
 
 The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni" executor): that is what lets
@@ -115,10 +116,10 @@ def run(request: dict, progress: dict) -> dict:
     result = {
         "engine": {"vllm": vllm.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
         "init_seconds": {},
-        "plain": [],
         "speculative": [],
+        "plain": [],
     }
-    for kind in ("plain", "speculative"):
+    for kind in ("speculative", "plain"):
         progress["while"] = f"loading the {kind} engine"
         began = time.perf_counter()
         llm = engine(request, kind == "speculative")
