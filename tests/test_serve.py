@@ -23,7 +23,7 @@ from dflashpipe.model import DFlashDrafter, TargetHead
 from dflashpipe.params import ComputeParams, EvaluateParams, ServeParams, build
 from dflashpipe.pipeline import SERVE_METRICS
 from dflashpipe.serve.check import ServedCheckError, ServeInputs, served_check
-from dflashpipe.serve.export import write_served_files
+from dflashpipe.serve.served_files import write_served_files
 from dflashpipe.serving import PYTHON_ENV, ServingEnvironmentError, serving_python
 from tests.conftest import ROOT, copy_project, run
 from tests.test_evaluate import MAX_NEW, MODEL, fit_to_target

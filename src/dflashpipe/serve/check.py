@@ -2,7 +2,7 @@
 
 A drafter that looks good in training can accept nothing once served when the engine reads a config field
 otherwise, or runs other torch or transformers builds. So after evaluate, vLLM (from the serving environment,
-`bin/setup --serve`) serves the drafter as `dflashpipe export` hands it on (`serve.export`) with
+`bin/setup --serve`) serves the drafter as `dflashpipe export` hands it on (`serve.served_files`) with
 the target, on the prompts evaluate decoded, and metrics/serve.json records three comparisons:
 
 1. **Acceptance**: vLLM's own counters (mean acceptance length, the served tau, and the acceptance per position)
@@ -26,16 +26,16 @@ from pathlib import Path
 
 import torch
 
-from dflashpipe.artifacts import write_json_atomic
-from dflashpipe.errors import DflashpipeError
+from dflashpipe.artifacts import verify_file_listing, write_json_atomic
+from dflashpipe.errors import DflashpipeError, SourceError
 from dflashpipe.evaluate import lossless
 from dflashpipe.evaluate.prompts import HELD_OUT, TRAIN, EvalPrompt, eval_prompts
 from dflashpipe.evaluate.speculative import DFlashProposer
 from dflashpipe.model import DFlashDrafter, TargetHead
 from dflashpipe.params import ComputeParams, EvaluateParams, ServeParams
 from dflashpipe.serve.engine import EngineError, EngineRequest, run_engine
-from dflashpipe.serve.export import write_served_files
 from dflashpipe.serve.replay import EngineStep, replay
+from dflashpipe.serve.served_files import write_served_files
 from dflashpipe.serving import PYTHON_ENV, SERVE_VENV, SETUP, engine_versions, serving_python
 from dflashpipe.spread import Spread
 from dflashpipe.target.adapter import Target
@@ -178,7 +178,6 @@ def served_check(
 
     `evaluation`: metrics/eval.json. `served_dir`: what the engine serves instead of `drafter_dir`'s served files
     (a test plants a config fault there); our decoder always runs `drafter_dir`."""
-    from dflashpipe.evaluate.evaluation import verify_drafter
     from dflashpipe.tokens.chat import load_chat_tokenizer
 
     python = serving_python(root)
@@ -188,7 +187,8 @@ def served_check(
         print(f"serve: not run: {reason}", flush=True)
         return not_run(reason)
     drafter_dir, p = Path(drafter_dir), inputs.evaluate
-    verify_drafter(drafter_dir)
+    fix = f"restore it with `dvc checkout {drafter_dir}` or retrain with `dvc repro -f train`"
+    verify_file_listing(drafter_dir, fix, SourceError)
     chat = load_chat_tokenizer(target_dir)
     prompts = [
         prompt
