@@ -214,18 +214,20 @@ def timed(fn, device, dry: bool) -> dict:
     }
 
 
-def random_step_inputs(drafter, model, micro_batch: int, device) -> tuple:
-    """The training step's inputs in warmup's shapes and order (what train passes), with random target
+def random_step_inputs(drafter, model, micro_batch: int, device):
+    """The training step's inputs in warmup's shapes (what train passes: a StepInputs), with random target
     features and token ids in place of warmup's zeros, so that two kernels have something to disagree on."""
+    from dataclasses import replace
+
     import torch
 
     from dflashpipe.compile.warmup import step_inputs
 
-    inputs = list(step_inputs(drafter, model, micro_batch, device))
+    inputs = step_inputs(drafter, model, micro_batch, device)
     g = torch.Generator().manual_seed(0)
-    inputs[0] = torch.randn(inputs[0].shape, generator=g).to(inputs[0])  # features
-    inputs[1] = torch.randint(0, drafter.config.vocab_size - 1, inputs[1].shape, generator=g).to(inputs[1])  # ids
-    return tuple(inputs)
+    features = torch.randn(inputs.features.shape, generator=g).to(inputs.features)
+    ids = torch.randint(0, drafter.config.vocab_size - 1, inputs.input_ids.shape, generator=g).to(inputs.input_ids)
+    return replace(inputs, features=features, input_ids=ids)
 
 
 def difference(a, b) -> dict:
@@ -296,7 +298,7 @@ def section_flex_vs_sdpa(dry: bool, target_name: str, work: Path) -> dict:
     def step(backend: str):
         drafter = drafters[backend]
         with torch.set_grad_enabled(backward), autocast(device):
-            out = steps[backend](*inputs)
+            out = steps[backend](*inputs.args())
         if backward:
             out.loss.backward()
         grads = {n: p.grad.detach().clone() for n, p in drafter.named_parameters() if p.grad is not None}
@@ -311,9 +313,14 @@ def section_flex_vs_sdpa(dry: bool, target_name: str, work: Path) -> dict:
     }
     if not backward:
         # Without gradients, the loss alone is too blunt (1e-7 differences vanish in it): compare the drafted
-        # blocks' hidden states. Arguments by step_inputs' order: features, ids, -, anchors, -, documents, positions.
+        # blocks' hidden states.
         with torch.no_grad():
-            hidden = {b: drafters[b].block_hidden(inputs[0], inputs[1], inputs[3], *inputs[5:]) for b in drafters}
+            hidden = {
+                b: drafters[b].block_hidden(
+                    inputs.features, inputs.input_ids, inputs.anchors, inputs.document_ids, inputs.position_ids
+                )
+                for b in drafters
+            }
         diffs["block_hidden"] = difference(hidden["flex"], hidden["sdpa"])
     grad_diffs = {n: difference(flex_grads[n], sdpa_grads[n]) for n in sdpa_grads if n in flex_grads}
     worst = max(grad_diffs, key=lambda n: grad_diffs[n]["rel"]) if grad_diffs else None
@@ -520,7 +527,7 @@ def section_train(dry: bool, target_name: str, work: Path) -> dict:
 
     def one_step() -> None:
         with autocast(device):
-            out = replica.step_fn(*step_inputs)
+            out = replica.step_fn(*step_inputs.args())
         out.loss.backward()
         replica.drafter.zero_grad(set_to_none=True)
 

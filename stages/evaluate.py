@@ -9,7 +9,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the code DVC hashed
 
 from dflashpipe.evaluate.evaluation import EvaluateInputs, evaluate_drafter  # noqa: E402
-from dflashpipe.pipeline import BENCH_METRICS, DRAFTER, MANIFEST, METRICS, TARGET, TRAIN_METRICS  # noqa: E402
+from dflashpipe.pipeline import (  # noqa: E402
+    BENCH_METRICS,
+    DRAFTER,
+    MANIFEST,
+    METRICS,
+    TARGET,
+    TOKENS,
+    TRAIN_METRICS,
+)
 from dflashpipe.stage import run_stage  # noqa: E402
 
 
@@ -22,6 +30,7 @@ def evaluate(p) -> None:
         TRAIN_METRICS,
         BENCH_METRICS,
         METRICS,
+        tokens_dir=TOKENS,
     )
 
 

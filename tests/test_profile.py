@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PROFILES = sorted((ROOT / "profiles").glob("*.yaml"))
 
 
-def test_the_shipped_profiles_are_the_two_the_docs_name():
-    assert {p.stem for p in PROFILES} == {"gpu8", "cpu-quality"}
+def test_the_shipped_profiles_are_the_ones_the_docs_name():
+    assert {p.stem for p in PROFILES} == {"gpu8", "gpu8-story", "specforge-qwen3-8b", "cpu-quality"}
 
 
 @pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.stem)

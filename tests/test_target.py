@@ -107,7 +107,7 @@ def test_the_drafter_takes_its_feature_dtype_from_the_target_it_borrows_from(tin
     target's loaded weights, not through a second rule."""
     from transformers import AutoTokenizer
 
-    from dflashpipe.compile.warmup import feature_dtype, step_inputs
+    from dflashpipe.compile.warmup import step_inputs
     from dflashpipe.model import DFlashDrafter
     from dflashpipe.target.adapter import Target
     from tests.tiny import tiny_model_params
@@ -119,8 +119,8 @@ def test_the_drafter_takes_its_feature_dtype_from_the_target_it_borrows_from(tin
         target = Target.load(tiny_target_dir, "cpu", choice)
         assert next(target.model.parameters()).dtype == dtype
         drafter = DFlashDrafter.for_target(target.model, tokenizer, tiny_model_params())
-        assert feature_dtype(drafter) == dtype
-        assert step_inputs(drafter, tiny_model_params(), 1, torch.device("cpu"))[0].dtype == dtype
+        assert drafter.feature_dtype == dtype
+        assert step_inputs(drafter, tiny_model_params(), 1, torch.device("cpu")).features.dtype == dtype
 
 
 def test_continuous_batching_gives_each_prompt_its_own_greedy_reply():

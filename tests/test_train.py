@@ -170,29 +170,64 @@ def test_the_replica_check_finds_a_replica_that_differs():
     assert replica_mismatches(replicas) == ["replica 2: bias"]
 
 
-def test_diverged_replicas_fail_the_stage_and_write_no_drafter(workdir, monkeypatch, capsys):
-    # Without gradient averaging each replica steps on its own batch: the replicas drift apart, and the
-    # stage must say so instead of recording replicas_identical and writing replica 0 as the drafter.
+def in_process(workdir, cfg: dict):
+    """The train stage's inputs and paths for `cfg`, to run `train_drafter` in this process."""
     from dflashpipe.params import CompileParams, ModelParams, TrainParams, build
-    from dflashpipe.train.loop import Trainer
-    from dflashpipe.train.stage import TrainPaths, train_drafter
+    from dflashpipe.train.stage import TrainPaths
     from dflashpipe.train.state import TrainInputs
 
-    cfg = config("diverged", drafters=2, max_steps=2, checkpoint_every=0)
     inputs = TrainInputs(
         model=build(ModelParams, cfg["model"], "model"),
         compile=build(CompileParams, cfg["compile"], "compile"),
         topology=build(TopologyParams, cfg["topology"], "topology"),
         train=build(TrainParams, cfg["train"], "train"),
     )
-    out = workdir / "diverged"
+    out = workdir / cfg["name"]
     paths = TrainPaths(
         workdir / "tokens", workdir / "target", workdir / "compile", out / "drafter", out / "state", out / "metrics"
     )
+    return inputs, paths
+
+
+def test_diverged_replicas_fail_the_stage_and_write_no_drafter(workdir, monkeypatch, capsys):
+    # Without gradient averaging each replica steps on its own batch: the replicas drift apart, and the
+    # stage must say so instead of recording replicas_identical and writing replica 0 as the drafter.
+    from dflashpipe.train.loop import Trainer
+    from dflashpipe.train.stage import train_drafter
+
+    inputs, paths = in_process(workdir, config("diverged", drafters=2, max_steps=2, checkpoint_every=0))
     monkeypatch.setattr(Trainer, "average_gradients", lambda self: None)
     with pytest.raises(DflashpipeError, match=r"drafter replicas diverged \(replica 1: .* differ from replica 0\)"):
         train_drafter(inputs, paths, key=None, compile_key=None)
-    assert not (out / "drafter").exists() and not (out / "metrics" / "metrics.json").exists()
+    assert not paths.drafter.exists() and not (paths.metrics / "metrics.json").exists()
+
+
+@pytest.mark.parametrize("where", ["main", "target"])
+def test_a_failure_in_any_thread_stops_every_thread_and_is_raised(workdir, monkeypatch, where):
+    # The main thread holds the loop: its failure (here in the optimizer step) must stop the drafter and
+    # target threads it started, and a worker's failure (here in the target's forward) must end the main
+    # thread's wait for the step's results. Either way the run raises that error and leaves no thread behind.
+    import threading
+
+    from dflashpipe.train import loop
+    from dflashpipe.train.stage import train_drafter
+
+    owner, name = (loop.Trainer, "optimizer_step") if where == "main" else (loop, "target_inputs")
+    original, calls = getattr(owner, name), []
+
+    def second_call_fails(*args, **kwargs):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 2:
+            raise RuntimeError(f"planted failure in {calls[-1]}")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, second_call_fails)
+    inputs, paths = in_process(workdir, config(f"fails-in-{where}", drafters=2, max_steps=4, checkpoint_every=0))
+    thread = "MainThread" if where == "main" else "target-0"
+    with pytest.raises(RuntimeError, match=f"planted failure in {thread}"):
+        train_drafter(inputs, paths, key=None, compile_key=None)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith(("drafter-", "target-"))]
+    assert not paths.drafter.exists()
 
 
 def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_fix(workdir, pipeline_run):

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from dflashpipe.artifacts import PARTIAL, write_json_atomic
 from dflashpipe.compile.warmup import autocast, compiled_step, run_step_once, step_inputs
 from dflashpipe.errors import SourceError
-from dflashpipe.model import DFlashDrafter
+from dflashpipe.model import DFlashDrafter, StepInputs
 from dflashpipe.params import CompileParams, ModelParams
 from dflashpipe.pipeline import StageKey
 from dflashpipe.spread import Measuring, Spread, clock
@@ -58,24 +58,22 @@ def synthetic_target(target_dir: Path | str, device: torch.device, target_dtype:
     )
 
 
-def synthetic_inputs(drafter: DFlashDrafter, model: ModelParams, micro_batch: int, device: torch.device) -> tuple:
+def synthetic_inputs(drafter: DFlashDrafter, model: ModelParams, micro_batch: int, device: torch.device) -> StepInputs:
     """warmup's step inputs (every one of them, same shapes, dtypes and anchors), with random features and
-    token ids from SEED in place of its zeros: step_inputs defines the step's inputs once, features first,
-    input ids second."""
+    token ids from SEED in place of its zeros."""
     inputs = step_inputs(drafter, model, micro_batch, device)
-    features, ids = inputs[0], inputs[1]
     generator = torch.Generator().manual_seed(SEED)
-    features.copy_(torch.randn(features.shape, generator=generator))
-    ids.copy_(torch.randint(0, drafter.config.vocab_size, ids.shape, generator=generator))
+    inputs.features.copy_(torch.randn(inputs.features.shape, generator=generator))
+    inputs.input_ids.copy_(torch.randint(0, drafter.config.vocab_size, inputs.input_ids.shape, generator=generator))
     return inputs
 
 
-def time_steps(step_fn, drafter: DFlashDrafter, inputs: tuple, steps: int, device: torch.device) -> float:
+def time_steps(step_fn, drafter: DFlashDrafter, inputs: StepInputs, steps: int, device: torch.device) -> float:
     """Seconds for `steps` forward+backward steps, the device drained before and after."""
     began = clock(device)
     for _ in range(steps):
         with autocast(device):
-            out = step_fn(*inputs)
+            out = step_fn(*inputs.args())
         out.loss.backward()
         drafter.zero_grad(set_to_none=True)
     return clock(device) - began

@@ -46,6 +46,45 @@ def profile(
         raise typer.Exit(2) from None
 
 
+SET_OPTION = typer.Option(None, "-S", "--set", help="section.key=value over those, as `dvc exp run -S`; repeatable.")
+
+
+@app.command()
+def plan(
+    profile: str = typer.Argument(None, help="A profile laid over params.yaml (profiles/); none: params.yaml."),
+    sets: list[str] = SET_OPTION,
+    device: str = typer.Option(None, help="The GPU that the topology's cuda:N devices are (e.g. H100, H200)."),
+    devices: str = typer.Option(None, help="A YAML file of more devices: NAME: {bf16_tflops, fp32_tflops, ...}."),
+    target_config: str = typer.Option(None, help="The target's config.json (or a shipped one: qwen3-8b)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    out: str = typer.Option(None, "--out", help="Also record the plan, as JSON, in this file."),
+    queue: bool = typer.Option(False, help="Then queue it as a DVC experiment (`dvc exp run --queue`)."),
+    name: str = typer.Option(None, help="With --queue: the experiment's name."),
+) -> None:
+    """The run on paper: memory per device, each side's throughput and the split that balances them, the
+    features' link or disk, the wall time, every figure with its source; refused when it cannot fit."""
+    import subprocess
+
+    from dflashpipe.params.profile import experiment_words
+    from dflashpipe.plan import make_plan, plan_json, plan_lines
+
+    try:
+        made = make_plan(profile, sets, device, devices, target_config)
+    except DflashpipeError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    text = plan_json(made)
+    if out:
+        from dflashpipe.artifacts import write_bytes_atomic
+
+        write_bytes_atomic(out, (text + "\n").encode())
+    typer.echo(text if as_json else "\n".join(plan_lines(made)))
+    if queue:
+        words = experiment_words(made.run.overrides, name, queue=True)
+        typer.echo(" ".join(words), err=True)
+        raise typer.Exit(subprocess.run(words).returncode)
+
+
 @app.command()
 def explain(
     a: str = typer.Argument("HEAD", help="The earlier state: a git revision, a DVC experiment, or 'workspace'."),

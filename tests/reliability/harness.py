@@ -119,6 +119,7 @@ MEASURED = frozenset(
         "tokens_per_s_spread",
         "encoded_tokens_per_second_spread",
         "throughput",  # FLOP/s, MFU and the bounding side follow the measured times
+        "balance",  # train: each side's busy time and rate over this process's steps (a resumed run: its own)
         "compiled_over_eager",
         "compiled_over_eager_spread",
         "regressions",

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dflashpipe.model import DFlashDrafter, DraftLoss, sample_anchor_positions
+from dflashpipe.model import DFlashDrafter, DraftLoss, StepInputs, sample_anchor_positions
 from dflashpipe.model.attention import resolve_backend
 from dflashpipe.params import CompileParams, ModelParams
 from dflashpipe.pipeline import StageKey
@@ -34,34 +35,27 @@ def compiled_step(drafter: DFlashDrafter):
     return lambda *inputs: DraftLoss(*compiled(*inputs))
 
 
-def feature_dtype(drafter: DFlashDrafter) -> torch.dtype:
-    """The features' dtype for `drafter`: what the target it borrows from computes in (compute.target_dtype,
-    decided once by `target.compute_dtype` when the target was loaded), read off the borrowed embedding."""
-    return drafter.target.embed_tokens.weight.dtype
-
-
 def autocast(device: torch.device):
     if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return torch.autocast("cpu", enabled=False)
 
 
-def step_inputs(drafter: DFlashDrafter, model: ModelParams, micro_batch: int, device: torch.device) -> tuple:
-    """Inputs of the training step's exact static shapes and dtypes (values do not matter to a compile):
-    features, input_ids, loss_mask, anchors, anchor_valid, document_ids, position_ids (and, when the
-    drafter distils, the target's hidden states at the slots), in the order the train loop passes them."""
+def step_inputs(drafter: DFlashDrafter, model: ModelParams, micro_batch: int, device: torch.device) -> StepInputs:
+    """Inputs of the training step's exact static shapes and dtypes (values do not matter to a compile), with
+    the target's hidden states at the slots when the drafter distils."""
     shape = (micro_batch, model.seq_len)
     ids = torch.zeros(shape, dtype=torch.long, device=device)
     mask = torch.ones(shape, dtype=torch.long, device=device)
     documents = torch.zeros(shape, dtype=torch.long, device=device)
     positions = torch.arange(model.seq_len, device=device).expand(shape).contiguous()
     anchors, valid = sample_anchor_positions(mask, model.num_anchors, torch.Generator().manual_seed(0))
-    features = torch.zeros((*shape, drafter.config.feature_size), device=device, dtype=feature_dtype(drafter))
-    inputs = (features, ids, mask, anchors.to(device), valid.to(device), documents, positions)
+    features = torch.zeros((*shape, drafter.config.feature_size), device=device, dtype=drafter.feature_dtype)
+    inputs = StepInputs(features, ids, mask, anchors.to(device), valid.to(device), documents, positions)
     if drafter.distill == "none":
         return inputs
     slots = (micro_batch, model.num_anchors, model.block_size - 1, drafter.config.hidden_size)
-    return (*inputs, torch.zeros(slots, device=device, dtype=feature_dtype(drafter)))
+    return replace(inputs, target_hidden=torch.zeros(slots, device=device, dtype=drafter.feature_dtype))
 
 
 def run_step_once(
@@ -71,18 +65,18 @@ def run_step_once(
     inputs = step_inputs(drafter, model, micro_batch, device)
     began = time.perf_counter()
     with autocast(device):
-        out = step_fn(*inputs)
+        out = step_fn(*inputs.args())
     out.loss.backward()
     seconds = time.perf_counter() - began
     drafter.zero_grad(set_to_none=True)
     return {
         "name": "drafter_train_step",
         "shapes": {
-            "features": list(inputs[0].shape),
-            "input_ids": list(inputs[1].shape),
-            "anchors": list(inputs[3].shape),
+            "features": list(inputs.features.shape),
+            "input_ids": list(inputs.input_ids.shape),
+            "anchors": list(inputs.anchors.shape),
         },
-        "dtype": str(inputs[0].dtype).removeprefix("torch."),
+        "dtype": str(inputs.features.dtype).removeprefix("torch."),
         "device": device.type,
         "backend": resolve_backend(drafter.attention, device),
         "seconds": round(seconds, 3),

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from dflashpipe.artifacts import verify_file_listing, write_json_atomic
 from dflashpipe.errors import ParamsError, SourceError
 from dflashpipe.evaluate import lossless, regression
+from dflashpipe.evaluate.floor import bigram_floor, bigram_table
 from dflashpipe.evaluate.metrics import PromptResult, eval_metrics, write_plot_tables
 from dflashpipe.evaluate.prompts import TRAIN, EvalPrompt, eval_prompts
 from dflashpipe.evaluate.speculative import (
@@ -138,11 +139,13 @@ def evaluate_drafter(
     metrics_dir: Path | str,
     root: Path | str = ".",
     device: str | None = None,
+    tokens_dir: Path | str | None = None,
 ) -> dict:
     """Write metrics/eval.json, metrics/eval_regression.json and the plot tables; return the eval metrics.
 
     `bench_metrics` (metrics/bench.json) is read for the regression check only; missing, its figure is
-    reported as not measured."""
+    reported as not measured. `tokens_dir` (data/tokens): the training tokens the bigram floor is counted on
+    (evaluate.floor); None records no floor."""
     from dflashpipe.tokens.chat import load_chat_tokenizer
 
     p = inputs.evaluate
@@ -184,6 +187,9 @@ def evaluate_drafter(
             target, drafter, prompts + train_prompts, p.max_new_tokens, stop, p.draft_tokens, fastest
         )
     decoding, tables = eval_metrics(results, verified, window.busy)
+    if tokens_dir is not None:  # on the held-out prompts' plain greedy outputs, as the headline figures are
+        held_out = [r.target.tokens for r in results if r.prompt.split != TRAIN]
+        decoding["floor"] = {"bigram": bigram_floor(*bigram_table(tokens_dir), held_out, verified)}
     metrics_dir.mkdir(parents=True, exist_ok=True)
     metrics = {
         **decoding,
@@ -207,6 +213,13 @@ def evaluate_drafter(
     write_json_atomic(metrics_dir / "eval.json", metrics)
     write_json_atomic(metrics_dir / "eval_regression.json", report)
     sides, profile = metrics["train_vs_held_out"], metrics["step_profile"]
+    if "floor" in metrics:
+        print(
+            f"evaluate: held-out slot-1 acceptance {metrics['slot_acceptance']['1']:.1%} against "
+            f"{metrics['floor']['bigram']['slot_1_acceptance']:.1%} for a bigram table counted on the training "
+            f"tokens (tau {metrics['floor']['bigram']['tau']:.3f})",
+            flush=True,
+        )
     print(
         f"evaluate: {metrics['prompts']} held-out prompts, tau {metrics['tau']:.3f}, "
         f"speedup {metrics['speedup']:.3f}x (against plain decoding in {metrics['baseline']['dtype']}), "

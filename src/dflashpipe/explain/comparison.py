@@ -330,8 +330,9 @@ def _is_spread(key: str) -> bool:
     return any(part.endswith(spread.SUFFIX) for part in key.split("."))
 
 
-TIMED_NAMES = ("seconds", "speedup", "mfu", "compiled_over_eager", "bound_by")
-"""Figures read off a clock whose names do not say so (a time ratio, a utilisation, which side was busier)."""
+TIMED_NAMES = ("seconds", "speedup", "mfu", "compiled_over_eager", "bound_by", "waited", "waiting_fraction")
+"""Figures read off a clock whose names do not say so (a time ratio, a utilisation, which side was busier and
+which waited for it, and for how much of the run)."""
 
 
 def is_throughput(key: str, *flat_metrics: dict) -> bool:

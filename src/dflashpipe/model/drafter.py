@@ -64,6 +64,49 @@ class TargetHead:
         return head
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """One training step's inputs, the arguments of `DFlashDrafter.forward` in its order: what warmup compiles
+    (compile/warmup.py `step_inputs`, of the same shapes and dtypes), what train's drafter threads and its
+    held-out measurement pass, and what bench times."""
+
+    features: torch.Tensor
+    """[B, S, n*H]: the chosen target layers' hidden states, in the drafter's `feature_dtype`."""
+    input_ids: torch.Tensor
+    """[B, S]."""
+    loss_mask: torch.Tensor
+    """[B, S]: 1 on supervised tokens."""
+    anchors: torch.Tensor
+    """[B, A]: each block's anchor position."""
+    anchor_valid: torch.Tensor
+    """[B, A]: the anchors drawn (the rest pad the row to A)."""
+    document_ids: torch.Tensor
+    """[B, S]: which packed document each token belongs to."""
+    position_ids: torch.Tensor
+    """[B, S]: each token's position in its own document."""
+    target_hidden: torch.Tensor | None = None
+    """When distilling: the target's final hidden states where it predicts each slot [B, A, bs-1, H]."""
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        """The forward's positional arguments: `target_hidden` only when there is one, so a drafter that does
+        not distil is compiled for (and called with) exactly the seven tensors."""
+        args = (
+            self.features,
+            self.input_ids,
+            self.loss_mask,
+            self.anchors,
+            self.anchor_valid,
+            self.document_ids,
+            self.position_ids,
+        )
+        return args if self.target_hidden is None else (*args, self.target_hidden)
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> StepInputs:
+        """On `device`, the floating tensors (features, target_hidden) in `dtype`; a tensor already there is
+        kept, not copied."""
+        return StepInputs(*(t.to(device, dtype) if t.is_floating_point() else t.to(device) for t in self.args()))
+
+
 @dataclass
 class DraftContext:
     """Keys and values of the verified context, per drafter layer: [B, Hkv, C, D] each.
@@ -175,6 +218,12 @@ class DFlashDrafter(nn.Module):
                     tensor.copy_(source_state[name].to(tensor))
 
     # -- shared pieces ---------------------------------------------------------------------------
+
+    @property
+    def feature_dtype(self) -> torch.dtype:
+        """The dtype of the features it reads: what the target it borrows from computes in (compute.target_dtype,
+        decided once by `target.dtype.compute_dtype` when the target was loaded), read off the borrowed embedding."""
+        return self.target.embed_tokens.weight.dtype
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Concatenated target hidden states [B, S, n*H] -> the drafter's context stream [B, S, H]."""

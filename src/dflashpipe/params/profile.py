@@ -42,11 +42,15 @@ def profile_overrides(profile: Path | str, root: Path | str = ".") -> dict[str, 
 
 def experiment_command(profile: Path | str, name: str | None = None, root: Path | str = ".") -> str:
     """One shell line that runs the profile as the DVC experiment `name` (default: the file's stem)."""
-    overrides = profile_overrides(profile, root)
-    words = ["dvc", "exp", "run", "-n", name or Path(profile).stem]
+    return shlex.join(experiment_words(profile_overrides(profile, root), name or Path(profile).stem))
+
+
+def experiment_words(overrides: dict[str, Any], name: str | None, queue: bool = False) -> list[str]:
+    """`dvc exp run [--queue] [-n NAME] -S key=value ...` as a command's words."""
+    words = ["dvc", "exp", "run", *(["--queue"] if queue else []), *(["-n", name] if name else [])]
     for key, value in overrides.items():
         words += ["-S", f"{key}={_flow(value)}"]
-    return shlex.join(words)
+    return words
 
 
 def _flow(value: Any) -> str:

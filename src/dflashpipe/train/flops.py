@@ -1,4 +1,4 @@
-"""Training throughput: model FLOPs per step, achieved FLOP/s, MFU and which side bounds a step.
+"""Training throughput: model FLOPs per sequence on each side and per step, achieved FLOP/s and MFU.
 
 The convention (what is counted, and why causal attention counts half) is docs/throughput.md; the formulas
 are checked against torch's own FLOP counter in tests/test_train.py.
@@ -10,30 +10,14 @@ from collections.abc import Sequence
 
 import torch
 
+from dflashpipe.devices import peak_bf16_flops
+from dflashpipe.params import ModelParams
 from dflashpipe.train.state import StepRecord, TrainInputs
 from dflashpipe.train.topology import Topology
 
-PEAK_BF16_FLOPS = (
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("H100", 989e12),
-    ("H200", 989e12),
-    ("H800", 989e12),
-    ("B200", 2250e12),
-    ("A100", 312e12),
-    ("L40S", 362e12),
-    ("RTX 4090", 165e12),
-)
-"""Dense bf16 tensor-core peaks per device (datasheets, no sparsity), matched in order as substrings of
-torch.cuda.get_device_name: "H100" after its PCIe and NVL variants, which name themselves."""
-
-
-def peak_bf16_flops(device_name: str) -> float | None:
-    return next((peak for key, peak in PEAK_BF16_FLOPS if key in device_name), None)
-
 
 def device_peak_flops(device: torch.device) -> float | None:
-    """The device's dense bf16 peak FLOP/s; None for a CPU or a GPU not in PEAK_BF16_FLOPS."""
+    """The device's dense bf16 peak FLOP/s; None for a CPU or a GPU not in dflashpipe.devices."""
     return peak_bf16_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
 
@@ -68,6 +52,20 @@ def drafter_forward_flops(drafter: torch.nn.Module, seq_len: int, num_anchors: i
     return fc + layers + head
 
 
+def side_flops(model: ModelParams, drafter: torch.nn.Module, target: torch.nn.Module) -> tuple[int, int]:
+    """One sequence's model FLOPs on each side of training: the target's forward, and the drafter's forward and
+    backward. Distilling runs the target through its last layer, and its LM head (forward only) on the drafted
+    slots, inside the drafter's loss. `drafter`: one replica; `target`: one target copy (dflashpipe plan passes
+    shapes-only copies of both)."""
+    distilling = model.distill != "none"
+    through = (drafter.config.num_target_layers - 1,) if distilling else drafter.config.target_layer_ids
+    target_side = target_forward_flops(target, through, model.seq_len)
+    drafter_side = 3 * drafter_forward_flops(drafter, model.seq_len, model.num_anchors)
+    if distilling:
+        drafter_side += 2 * drafter.target.lm_head.weight.numel() * model.num_anchors * (model.block_size - 1)
+    return target_side, drafter_side
+
+
 def throughput(
     inputs: TrainInputs,
     topology: Topology,
@@ -75,30 +73,19 @@ def throughput(
     target: torch.nn.Module,
     steady: Sequence[StepRecord],
 ) -> dict:
-    """Model FLOPs per step (every process), achieved FLOP/s over the steady steps, MFU where every device's
-    peak is known, and which side bounds the step (the busier worker on average). `drafter`: one replica;
-    `target`: one target copy; `steady`: the run's records less its first step when it has more than one."""
+    """Model FLOPs per step (every process), achieved FLOP/s over the steady steps, and MFU where every device's
+    peak is known. `drafter`: one replica; `target`: one target copy; `steady`: the run's records less its first
+    step when it has more than one."""
     p = inputs
     sequences = p.compile.micro_batch * topology.replicas * topology.world_size
-    # Distilling runs the target through its last layer, and its LM head (forward only) on the drafted slots.
-    distilling = p.model.distill != "none"
-    through = (drafter.config.num_target_layers - 1,) if distilling else drafter.config.target_layer_ids
-    per_sequence = target_forward_flops(target, through, p.model.seq_len) + 3 * drafter_forward_flops(
-        drafter, p.model.seq_len, p.model.num_anchors
-    )
-    if distilling:
-        per_sequence += 2 * drafter.target.lm_head.weight.numel() * p.model.num_anchors * (p.model.block_size - 1)
-    per_step = sequences * per_sequence
+    per_step = sequences * sum(side_flops(p.model, drafter, target))
     seconds = sum(h.seconds for h in steady)
     achieved = per_step * len(steady) / seconds if seconds > 0 else 0.0
     peaks = [device_peak_flops(d) for d in {*topology.targets, *topology.drafters}]
     peak = sum(peaks) * topology.world_size if peaks and None not in peaks else None
-    last = steady[-1]  # the run's last record: the busy times are cumulative
-    target_s, drafter_s = last.target_busy_s / len(topology.targets), last.drafter_busy_s / len(topology.drafters)
     return {
         "flops_per_step": per_step,
         "flops_per_s": float(f"{achieved:.4g}"),
         "peak_flops_per_s": peak,
         "mfu": round(achieved / peak, 4) if peak else None,
-        "bound_by": "target" if target_s >= drafter_s else "drafter",
     }

@@ -1,22 +1,26 @@
-"""Drafter training: target workers feed drafter replicas, one thread each, in lockstep.
+"""Drafter training: target workers feed drafter replicas, one thread each; the main thread holds the loop.
 
-    target_worker (a thread per target) ──features──▶ mailbox[r] ──▶ drafter_worker (thread r)
-                                                                           │ grads
-                                                                           ▼ barrier
-    end_step (once per step): average over replicas (and processes), clip, AdamW step on
-                              every replica, record the step
+    target_worker (a thread per target) ──step inputs──▶ mailbox[r] ──▶ drafter_worker (thread r)
+                                                                              │ result (grads on the replica)
+    main thread, once per step:                                               ▼
+      collect every replica's result ◀──────────────────────────────── results[r]
+      average over replicas (and processes), clip, AdamW step on every replica, record the step,
+      measure the held-out sequences when due; release the drafter threads into the next step;
+      then `on_step` (the checkpoint, the progress line) while they compute it
 
 - Each target device holds a frozen copy of the target; its thread runs the forward
   (no grad) for the (step, replica) items assigned to it round-robin, draws that item's
   anchors and hands the chosen layers' hidden states to that replica (when distilling,
   also the target's final hidden states at the anchors' slots). A target worker runs at
   most `train.prefetch` items ahead of the drafters, so memory stays bounded.
-- Each drafter device holds one replica and one thread. All replicas start from the
-  same initialisation and apply the same averaged gradient with identical optimizers,
-  so they stay identical, which the run checks at the end.
-- The threads share one `RunState` (the abort event, the mailboxes, the target workers' busy
-  time, the step's start, the first error); `end_step` runs once per step, as the barrier's
-  action, in whichever drafter thread reaches the barrier last.
+- Each drafter device holds one replica and one thread: forward and backward on its step's inputs,
+  its result to the main thread, then it waits until the main thread has stepped. All replicas start
+  from the same initialisation and apply the same averaged gradient with identical optimizers, so
+  they stay identical, which the run checks at the end.
+- The threads share one `RunState` (the abort event, the mailboxes both ways, the target workers'
+  busy time, the step's start, the first error). The main thread alone writes the weights, the
+  optimizers and the `TrainState`: `on_step` runs beside the next step's forwards and backwards,
+  which read the weights and write only gradients.
 - The main thread loads the warmup artifact and runs every compiled graph once before
   any worker starts, then arms the compile guard: the workers compile nothing.
 - Under torchrun (WORLD_SIZE > 1) the averaged gradient is all-reduced across
@@ -39,13 +43,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
 from dflashpipe.compile.guard import CompileGuard
-from dflashpipe.compile.warmup import autocast, compiled_step, feature_dtype, run_step_once
-from dflashpipe.model import DFlashDrafter, DraftLoss, TargetHead, sample_anchor_positions
+from dflashpipe.compile.warmup import autocast, compiled_step, run_step_once
+from dflashpipe.model import DFlashDrafter, DraftLoss, StepInputs, TargetHead, sample_anchor_positions
 from dflashpipe.model.loss import prediction_positions
 from dflashpipe.packing import Batch, collate, pack_rows
 from dflashpipe.params import ModelParams, TrainParams
@@ -62,6 +66,7 @@ if TYPE_CHECKING:  # only an annotation: training imports no pyarrow (the GPU ch
     from dflashpipe.tokens.shards import TokenData
 
 POLL_S = 0.05
+T = TypeVar("T")
 
 
 def lr_at(step: int, p: TrainParams) -> float:
@@ -122,19 +127,16 @@ class TargetFeatures:
     """What a target worker hands one drafter replica for one step."""
 
     batch: Batch
-    features: torch.Tensor
-    """The chosen target layers' hidden states, already on the replica's device and dtype."""
-    anchors: torch.Tensor
-    anchor_valid: torch.Tensor
-    target_hidden: torch.Tensor | None
-    """When distilling: the target's final hidden states where it predicts each slot [B, A, bs-1, H]."""
+    inputs: StepInputs
+    """The step's inputs; its features (and target_hidden) already on the replica's device and dtype."""
     release: Callable[[], None]
     """Frees the target worker's prefetch slot: the drafter calls it on receipt."""
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """What a drafter replica leaves for the end of the step, once its backward is done."""
+    """What a drafter replica hands the main thread for a step, once its backward is done (its gradients stay
+    on the replica)."""
 
     loss_terms: DraftLoss
     truncated: int
@@ -142,26 +144,50 @@ class StepResult:
     """Of the replica's rows (all replicas' rows are the same size)."""
 
 
-class Mailbox:
-    """Features for one replica, by step. `get` waits; an abort wakes every waiter."""
+def _wait(cond: threading.Condition, ready: Callable[[], bool], abort: threading.Event) -> None:
+    """Wait on `cond` (held) until `ready()`; an abort wakes every waiter (_Aborted)."""
+    while not ready():
+        if abort.is_set():
+            raise _Aborted()
+        cond.wait(POLL_S)
+
+
+class Mailbox(Generic[T]):
+    """Items from one thread to another, by step. `get` waits; an abort wakes every waiter."""
 
     def __init__(self, abort: threading.Event) -> None:
-        self.items: dict[int, TargetFeatures] = {}
+        self.items: dict[int, T] = {}
         self.cond = threading.Condition()
         self.abort = abort
 
-    def put(self, step: int, item: TargetFeatures) -> None:
+    def put(self, step: int, item: T) -> None:
         with self.cond:
             self.items[step] = item
             self.cond.notify_all()
 
-    def get(self, step: int) -> TargetFeatures:
+    def get(self, step: int) -> T:
         with self.cond:
-            while step not in self.items:
-                if self.abort.is_set():
-                    raise _Aborted()
-                self.cond.wait(POLL_S)
+            _wait(self.cond, lambda: step in self.items, self.abort)
             return self.items.pop(step)
+
+
+class Stepped:
+    """The last step the main thread has finished (optimizer stepped, gradients cleared): a drafter thread
+    waits here after each step, so its next forward reads the updated weights."""
+
+    def __init__(self, abort: threading.Event, step: int) -> None:
+        self.step = step
+        self.cond = threading.Condition()
+        self.abort = abort
+
+    def finished(self, step: int) -> None:
+        with self.cond:
+            self.step = step
+            self.cond.notify_all()
+
+    def wait(self, step: int) -> None:
+        with self.cond:
+            _wait(self.cond, lambda: self.step >= step, self.abort)
 
 
 class _Aborted(Exception):
@@ -175,7 +201,6 @@ class Replica:
     optimizer: torch.optim.Optimizer
     device: torch.device
     busy_s: float = 0.0
-    result: StepResult | None = None
 
 
 @dataclass
@@ -184,32 +209,36 @@ class RunState:
 
     first_step: int
     guard: CompileGuard
-    on_step: Callable[[Trainer], None]
     abort: threading.Event
     """Set by the first failure: every waiting thread then stops."""
-    mailboxes: list[Mailbox]
+    mailboxes: list[Mailbox[TargetFeatures]]
     """One per replica: what the target workers hand that replica, by step."""
+    results: list[Mailbox[StepResult]]
+    """One per replica: what that replica hands the main thread, by step."""
+    stepped: Stepped
+    """The main thread's progress, which the drafter threads wait on."""
     target_busy_s: list[float]
     """Per target worker, cumulative: its forwards and copies, not its waits."""
     step_began: float
     """perf_counter() when the step now running began (the end of the previous one)."""
     held_out: HeldOut | None
-    barrier: threading.Barrier = field(init=False)
-    """The replicas' lockstep; its action ends each step (Trainer.end_step)."""
     errors: list[BaseException] = field(default_factory=list)
     errors_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def fail(self, exc: BaseException) -> None:
+        """Keep the first failure (re-raised by `Trainer.run`) and stop every thread."""
+        with self.errors_lock:
+            self.errors.append(exc)
+        self.abort.set()
 
     def guarded(self, worker: Callable[[RunState, int], None], index: int) -> None:
         """Run a worker thread's body; the first failure stops every thread and is re-raised by `run`."""
         try:
             worker(self, index)
-        except (_Aborted, threading.BrokenBarrierError):
+        except _Aborted:
             pass  # another thread failed first, and reports it
         except BaseException as exc:
-            with self.errors_lock:
-                self.errors.append(exc)
-            self.abort.set()
-            self.barrier.abort()
+            self.fail(exc)
 
 
 def target_inputs(
@@ -230,13 +259,33 @@ def target_inputs(
         return target_features_and_predictions(target.model, ids, attention, layer_ids, at, documents, positions)
 
 
+def step_inputs(
+    batch: Batch,
+    features: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    target_hidden: torch.Tensor | None,
+) -> StepInputs:
+    """The drafter step's inputs for a collated batch: the target's side, the batch's tokens, the anchors."""
+    return StepInputs(
+        features,
+        batch.input_ids,
+        batch.loss_mask,
+        anchors,
+        valid,
+        batch.document_ids,
+        batch.position_ids,
+        target_hidden,
+    )
+
+
 @dataclass(frozen=True)
 class HeldOut:
     """The held-out sequences (train.heldout_sequences) as the drafter step's inputs: chunks of the compiled
     step's rows (micro_batch; the last padded with empty rows), fixed anchors, and their features computed
     once. Measured with the training step itself, so no new graph is compiled and no kernel differs."""
 
-    chunks: list[tuple[torch.Tensor, ...]]
+    chunks: list[StepInputs]
     sequences: int
 
     def acceptance(self, step_fn: Callable[..., DraftLoss], guard: CompileGuard, device: torch.device) -> float:
@@ -244,7 +293,7 @@ class HeldOut:
         accepted = blocks = 0.0
         for inputs in self.chunks:
             with autocast(device):
-                out = guard.call("held-out acceptance", step_fn, *inputs)
+                out = guard.call("held-out acceptance", step_fn, *inputs.args())
             accepted += float(out.accepted.detach())
             blocks += float(out.blocks.detach())
             del out  # its graph: this forward is never backpropagated
@@ -322,7 +371,7 @@ class Trainer:
         p, ids = self.inputs, self.held_out_sequences
         if not ids:
             return None
-        device, layer_ids = self.replicas[0].device, self.replicas[0].drafter.config.target_layer_ids
+        drafter, device = self.replicas[0].drafter, self.replicas[0].device
         rows = pack_rows(ids, self.data.lengths, p.model.seq_len)
         rows += [[]] * (-len(rows) % p.compile.micro_batch)  # whole compiled shapes
         chunks = []
@@ -334,25 +383,12 @@ class Trainer:
                 batch.loss_mask, p.model.num_anchors, generator, batch.document_ids
             )
             if self.features is not None:
-                features, target_hidden = self.features.rows(part, feature_dtype(self.replicas[0].drafter)), None
+                features, target_hidden = self.features.rows(part, drafter.feature_dtype), None
             else:
+                layer_ids = drafter.config.target_layer_ids
                 features, target_hidden = target_inputs(self.targets[0], batch, anchors, layer_ids, p.model)
-            inputs = (
-                features,
-                batch.input_ids,
-                batch.loss_mask,
-                anchors,
-                valid,
-                batch.document_ids,
-                batch.position_ids,
-            )
-            inputs += (target_hidden,) if target_hidden is not None else ()
-            chunks.append(
-                tuple(
-                    t.to(device, feature_dtype(self.replicas[0].drafter)) if t.is_floating_point() else t.to(device)
-                    for t in inputs
-                )
-            )
+            inputs = step_inputs(batch, features, anchors, valid, target_hidden)
+            chunks.append(inputs.to(device, drafter.feature_dtype))
         return HeldOut(chunks, len(ids))
 
     def warm_up_compiled(self) -> float:
@@ -365,20 +401,21 @@ class Trainer:
     # -- the run --------------------------------------------------------------------------------
 
     def run(self, guard: CompileGuard, on_step: Callable[[Trainer], None]) -> None:
-        """Train from state.step to max_steps; `on_step` runs after each step, in a drafter thread."""
+        """Train from state.step to max_steps. This (main) thread holds the loop: each step it collects every
+        replica's result, ends the step (`end_step`), releases the drafter threads into the next step, then calls
+        `on_step` (the checkpoint, the progress line) while they compute it."""
         abort = threading.Event()
         run = RunState(
             first_step=self.state.step,
             guard=guard,
-            on_step=on_step,
             abort=abort,
             mailboxes=[Mailbox(abort) for _ in self.replicas],
+            results=[Mailbox(abort) for _ in self.replicas],
+            stepped=Stepped(abort, self.state.step - 1),
             target_busy_s=[0.0] * len(self.targets),
             step_began=time.perf_counter(),
             held_out=self.held_out(),
         )
-        # An exception in the action breaks the barrier: the thread that ran it reports it.
-        run.barrier = threading.Barrier(len(self.replicas), action=functools.partial(self.end_step, run))
         threads = [
             threading.Thread(target=run.guarded, args=(self.target_worker, t), name=f"target-{t}", daemon=True)
             for t in range(len(self.targets))
@@ -389,8 +426,19 @@ class Trainer:
         ]
         for th in threads:
             th.start()
-        for th in threads:
-            th.join()
+        try:
+            for step in range(run.first_step, self.inputs.train.max_steps):
+                results = [mailbox.get(step) for mailbox in run.results]
+                self.end_step(run, results)
+                run.stepped.finished(step)
+                on_step(self)
+        except _Aborted:
+            pass  # a worker failed first, and reports it
+        except BaseException as exc:
+            run.fail(exc)
+        finally:
+            for th in threads:
+                th.join()
         if run.errors:
             raise run.errors[0]
 
@@ -419,47 +467,43 @@ class Trainer:
                 anchor_generator(p.train.seed, step, self.global_replica(r)),
                 batch.document_ids,
             )
+            dtype = self.replicas[r].drafter.feature_dtype
             if self.features is None:
                 features, target_hidden = target_inputs(target, batch, anchors, layer_ids, p.model)
             else:  # offline: what the features stage stored for these rows' sequences
-                features, target_hidden = self.features.rows(rows, feature_dtype(self.replicas[r].drafter)), None
+                features, target_hidden = self.features.rows(rows, dtype), None
             drafter_device = self.replicas[r].device
-            dtype = feature_dtype(self.replicas[r].drafter)
             features = features.to(drafter_device, dtype)
             if target_hidden is not None:
                 target_hidden = target_hidden.to(drafter_device, dtype)
             run.target_busy_s[t] += time.perf_counter() - began
-            run.mailboxes[r].put(step, TargetFeatures(batch, features, anchors, valid, target_hidden, slots.release))
+            inputs = step_inputs(batch, features, anchors, valid, target_hidden)
+            run.mailboxes[r].put(step, TargetFeatures(batch, inputs, slots.release))
 
     def drafter_worker(self, run: RunState, r: int) -> None:
-        """Replica r's thread: each step's forward and backward on its features, then wait for the others."""
+        """Replica r's thread: each step's forward and backward on its inputs, its result to the main thread,
+        then a wait until the main thread has stepped."""
         replica = self.replicas[r]
         self.threads.apply("drafter", replica.device)
         for step in range(run.first_step, self.inputs.train.max_steps):
             item = run.mailboxes[r].get(step)
             item.release()
             began = time.perf_counter()
-            batch, device = item.batch, replica.device
-            ids, mask = batch.input_ids.to(device), batch.loss_mask.to(device)
-            documents, positions = batch.document_ids.to(device), batch.position_ids.to(device)
-            anchors, valid = item.anchors.to(device), item.anchor_valid.to(device)
-            inputs = (item.features, ids, mask, anchors, valid, documents, positions)  # warmup's step_inputs
-            if item.target_hidden is not None:
-                inputs += (item.target_hidden,)
-            with autocast(device):
-                out = run.guard.call(f"drafter step (replica {r})", replica.step_fn, *inputs)
+            inputs = item.inputs.to(replica.device, replica.drafter.feature_dtype)
+            with autocast(replica.device):
+                out = run.guard.call(f"drafter step (replica {r})", replica.step_fn, *inputs.args())
             out.loss.backward()
             replica.busy_s += time.perf_counter() - began
-            replica.result = StepResult(out, batch.truncated, batch.padding_fraction)
-            run.barrier.wait()
+            run.results[r].put(step, StepResult(out, item.batch.truncated, item.batch.padding_fraction))
+            run.stepped.wait(step)
 
-    def end_step(self, run: RunState) -> None:
-        """The barrier's action, once per step in one drafter thread, every replica's backward done: the
-        optimizer step on the averaged gradient, the step's record, then `on_step`."""
+    def end_step(self, run: RunState, results: list[StepResult]) -> None:
+        """In the main thread, once every replica's backward is done and while the drafter threads wait: the
+        optimizer step on the averaged gradient, the step's record, and the held-out measurement when due (it
+        runs replica 0's compiled step with the cores the drafter threads would otherwise use)."""
         lr = lr_at(self.state.step, self.inputs.train)
         self.average_gradients()
         self.optimizer_step(lr)
-        results = [rep.result for rep in self.replicas]
         self.state.truncated += sum(res.truncated for res in results)
         now = time.perf_counter()
         self.state.history.append(
@@ -482,7 +526,6 @@ class Trainer:
             self.state.history[-1].heldout_acceptance = run.held_out.acceptance(rep.step_fn, run.guard, rep.device)
         run.step_began = time.perf_counter()
         self.state.step += 1
-        run.on_step(self)
 
     @property
     def adamw_kernel(self) -> dict[str, bool]:

@@ -1,6 +1,8 @@
 """What a run reports from its `TrainState`: the stage's metrics.json, its DVCLive plots and PNG images.
 
-The per-step records themselves are train/state.py's; the FLOP and MFU accounting, train/flops.py.
+The per-step records themselves are train/state.py's; the FLOP and MFU accounting, train/flops.py. Which side
+bound the run (`balance`) is measured here, in the terms `dflashpipe plan` predicts it in, so a run on real
+devices checks its plan.
 
 The history of records travels in the resumable checkpoint, so a resumed run reports the whole
 run, not only the steps it trained itself.
@@ -44,6 +46,9 @@ def train_metrics(
     steady = history[1:] or history  # the first step includes the threads' start: excluded when possible
     accuracy = slot_accuracy(history)
     in_workers = after["compiles_outside_main_thread"] - before["compiles_outside_main_thread"]
+    balance = side_balance(history, inputs, topology)
+    # Said where it is measured, once per process at the end of its run: the stage's log then carries it.
+    print(f"train: {balance_line(balance)}", flush=True)
     return {
         "steps": state.step,
         "final_loss": round(history[-1].loss, 6),
@@ -67,8 +72,62 @@ def train_metrics(
             "compiles_in_worker_threads": in_workers,
         },
         "busy_s": {"target": round(history[-1].target_busy_s, 3), "drafter": round(history[-1].drafter_busy_s, 3)},
-        "throughput": throughput(inputs, topology, drafter, target, steady),
+        "balance": balance,
+        "throughput": {**throughput(inputs, topology, drafter, target, steady), "bound_by": balance["bound_by"]},
     }
+
+
+def this_process(history: Sequence[StepRecord]) -> Sequence[StepRecord]:
+    """The records of the steps this process trained: busy times restart at 0 with each process, so a resumed
+    run's first record is where they fall (a resume after a single step of ~equal busy time goes unseen)."""
+    start = max(
+        (i for i in range(1, len(history)) if history[i].drafter_busy_s < history[i - 1].drafter_busy_s), default=0
+    )
+    return history[start:]
+
+
+def side_balance(history: Sequence[StepRecord], inputs: TrainInputs, topology: Topology) -> dict:
+    """Each side's busy time, the tokens/s it ran at while busy (the positions of every row it handled over its
+    busy seconds per worker) and the share of the run it spent waiting; the side that bound the steps (the busier
+    per worker) and which waited for which. This process's steps and workers: what `dflashpipe plan` predicts."""
+    run = this_process(history)
+    wall = sum(h.seconds for h in run)
+    tokens = len(run) * topology.replicas * inputs.compile.micro_batch * inputs.model.seq_len
+    busy = {"target": history[-1].target_busy_s, "drafter": history[-1].drafter_busy_s}
+    workers = {"target": len(topology.targets), "drafter": len(topology.drafters)}
+    per_worker = {side: busy[side] / workers[side] for side in busy}
+    bound = max(per_worker, key=per_worker.get)  # dict order breaks a tie: the target
+    other = "drafter" if bound == "target" else "target"
+    return {
+        "steps": len(run),
+        "tokens": tokens,
+        "wall_s": round(wall, 3),
+        **{
+            side: {
+                "workers": workers[side],
+                "busy_s": round(busy[side], 3),
+                "tokens_per_s": round(tokens / per_worker[side], 1) if per_worker[side] > 0 else None,
+                "waiting_fraction": round(max(0.0, 1 - per_worker[side] / wall), 4) if wall > 0 else None,
+            }
+            for side in busy
+        },
+        "bound_by": bound,
+        "waited": f"the {other} side waited for the {bound} side",
+    }
+
+
+def balance_line(balance: dict) -> str:
+    """One line: which side bound the run, each side's rate while busy, and how long the other one waited."""
+    rates = ", ".join(
+        f"{side} side {balance[side]['tokens_per_s'] or 0:,.0f} tokens/s while busy ({balance[side]['workers']} "
+        f"worker{'s' if balance[side]['workers'] > 1 else ''})"
+        for side in ("target", "drafter")
+    )
+    other = "drafter" if balance["bound_by"] == "target" else "target"
+    return (
+        f"bound by the {balance['bound_by']} side: {rates}; {balance['waited']} "
+        f"{balance[other]['waiting_fraction'] or 0:.0%} of the {balance['wall_s']:.1f} s its steps took"
+    )
 
 
 def slot_accuracy(history: Sequence[StepRecord]) -> list[float]:

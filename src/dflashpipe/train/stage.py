@@ -99,6 +99,8 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
         save_checkpoint(t.state, t.replicas[0].drafter, t.replicas[0].optimizer, paths.state, key)
 
     def on_step(t: Trainer) -> None:
+        # In the main thread, while the drafter threads compute the next step: it reads only the state, weights
+        # and optimizer the main thread alone writes.
         if topology.rank != 0:
             return
         if every and t.state.step % every == 0 and t.state.step < max_steps:  # the last step's: with the outputs
