@@ -36,7 +36,7 @@ def talking(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
 @pytest.fixture(scope="module")
 def server(vllm_python, talking, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm") / "server.log"
-    with VllmServer(vllm_python, talking, NAME, log, api_key=KEY) as running:
+    with VllmServer(vllm_python, talking, NAME, log, api_key=KEY, in_process_worker=True) as running:
         yield running
 
 
@@ -106,7 +106,7 @@ def test_a_server_killed_mid_stage_stops_it_and_the_next_run_reuses_the_finished
     assert "train-00000.parquet" in finished and len(finished) < 4  # the shard being answered was not written
     assert not list(out.glob(".*partial*"))
 
-    restarted = VllmServer(server.python, talking, NAME, server.log, api_key=KEY, port=server.port).start()
+    restarted = dataclasses.replace(server, process=None).start()  # the same server again, on the same port
     try:
         again = regenerate_manifest(params, ["cpu"], m, talking, out, STAGE_KEY, endpoint)
     finally:

@@ -46,6 +46,11 @@ class VllmServer:
     max_model_len: int | None = None
     """None: the model's own (its config's max_position_embeddings)."""
     speculative_config: dict | None = None
+    in_process_worker: bool = False
+    """The model's worker in the engine's process (vLLM's "uni" executor, as the served check runs its offline
+    engine) instead of a process of its own: one vLLM import fewer to start, for a test that starts servers
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0, without which vLLM's CPU build replaces "uni" by "mp"). Off, the server is
+    started as docs/serving.md tells a user to."""
     port: int = field(default_factory=free_port)
     process: subprocess.Popen | None = None
 
@@ -64,6 +69,8 @@ class VllmServer:
             cmd += ["--api-key", self.api_key]
         if self.speculative_config is not None:
             cmd += ["--speculative-config", json.dumps(self.speculative_config)]
+        if self.in_process_worker:
+            cmd += ["--distributed-executor-backend", "uni"]
         return cmd
 
     def start(self, timeout_s: float = 600.0) -> VllmServer:
@@ -71,6 +78,8 @@ class VllmServer:
         exits first or takes longer than `timeout_s`."""
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
         env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+        if self.in_process_worker:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
