@@ -31,7 +31,7 @@ SLOWEST_FIRST = (
     "tests/test_explain.py",  # 199 s with the 83 s of building pipeline_run, which its first test asks for
     "tests/test_gpu_check.py",  # 93 s, none of it on pipeline_run: the other worker's start
     "tests/test_served_regenerate.py",  # vLLM's server, started twice; no pipeline_run
-    "tests/test_serve.py",  # four vLLM runs; its last test copies pipeline_run, built by then
+    "tests/test_serve.py",  # two vLLM processes (three checks, then dvc repro's); its last test copies pipeline_run
     "tests/reliability/test_killed.py",  # 156 s
     "tests/test_train.py",  # 104 s
     "tests/test_sharing.py",  # ~60 s quiet (126 + 101 s at a load of 7 on 2 cores, 2026-12-05): on pipeline_run

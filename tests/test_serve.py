@@ -23,6 +23,7 @@ from dflashpipe.model import DFlashDrafter, TargetHead
 from dflashpipe.params import ComputeParams, EvaluateParams, ServeParams, build
 from dflashpipe.pipeline import SERVE_METRICS
 from dflashpipe.serve.check import ServedCheckError, ServeInputs, served_check
+from dflashpipe.serve.engine import EngineWorker
 from dflashpipe.serve.served_files import write_served_files
 from dflashpipe.serving import PYTHON_ENV, ServingEnvironmentError, serving_python
 from tests.conftest import ROOT, copy_project, run
@@ -83,10 +84,27 @@ def served(tmp_path_factory, smollm2_tokenizer_dir) -> dict:
     return {"work": work, "evaluation": evaluation}
 
 
-def check(served: dict, out, served_dir=None) -> dict:
+@pytest.fixture(scope="module")
+def engine(vllm_python, tmp_path_factory):
+    """One vLLM process for this file's checks: vLLM imported once, the target's plain run made once (each check
+    still starts its own speculative engine on the drafter it is handed)."""
+    worker = EngineWorker(vllm_python, tmp_path_factory.mktemp("engine") / "vllm.log")
+    yield worker
+    worker.close()
+
+
+def check(served: dict, engine: EngineWorker, out, served_dir=None) -> dict:
     work = served["work"]
     return served_check(
-        INPUTS, work / "drafter", work / "target", work / "manifest", served["evaluation"], out, ROOT, served_dir
+        INPUTS,
+        work / "drafter",
+        work / "target",
+        work / "manifest",
+        served["evaluation"],
+        out,
+        ROOT,
+        served_dir,
+        engine,
     )
 
 
@@ -100,8 +118,8 @@ def planted(served: dict, to, edit) -> object:
     return to
 
 
-def test_vllm_serves_the_drafter_as_our_decoder_runs_it(vllm_python, served, tmp_path, capsys):
-    record = check(served, tmp_path / "serve.json")
+def test_vllm_serves_the_drafter_as_our_decoder_runs_it(engine, served, tmp_path, capsys):
+    record = check(served, engine, tmp_path / "serve.json")
     assert json.loads((tmp_path / "serve.json").read_text()) == record
     assert record["served"] == "passed" and record["reason"] is None
     assert set(record["engine"]) == {"python", "vllm", "torch", "transformers"} and record["engine"]["vllm"]
@@ -120,7 +138,7 @@ def test_vllm_serves_the_drafter_as_our_decoder_runs_it(vllm_python, served, tmp
     assert "served tau" in out and ": passed" in out
 
 
-def test_a_shifted_target_layer_fails_the_served_check(vllm_python, served, tmp_path):
+def test_a_shifted_target_layer_fails_the_served_check(engine, served, tmp_path):
     """The exporter writes the layer ids one off (as if it counted from the embeddings): vLLM reads other hidden
     states than the drafter was trained on, and its proposals leave ours."""
 
@@ -129,7 +147,7 @@ def test_a_shifted_target_layer_fails_the_served_check(vllm_python, served, tmp_
 
     faulty = planted(served, tmp_path / "faulty", shift)
     with pytest.raises(ServedCheckError, match="vLLM's proposals equal ours on") as failed:
-        check(served, tmp_path / "serve.json", faulty)
+        check(served, engine, tmp_path / "serve.json", faulty)
     print(failed.value)
     record = json.loads((tmp_path / "serve.json").read_text())
     assert record["served"] == "failed" and "target_layer_ids" in record["reason"]
@@ -137,7 +155,7 @@ def test_a_shifted_target_layer_fails_the_served_check(vllm_python, served, tmp_
     assert record["proposals"]["mismatches"]
 
 
-def test_a_drafter_vllm_cannot_load_is_one_line_naming_the_field(vllm_python, served, tmp_path):
+def test_a_drafter_vllm_cannot_load_is_one_line_naming_the_field(engine, served, tmp_path):
     """A drafter whose layer claims sliding-window attention with no window: vLLM refuses it; the stage says so in
     one line with vLLM's reason and the config field."""
 
@@ -146,7 +164,7 @@ def test_a_drafter_vllm_cannot_load_is_one_line_naming_the_field(vllm_python, se
 
     faulty = planted(served, tmp_path / "faulty", sliding)
     with pytest.raises(ServedCheckError) as failed:
-        check(served, tmp_path / "serve.json", faulty)
+        check(served, engine, tmp_path / "serve.json", faulty)
     message = str(failed.value)
     print(message)
     assert "\n" not in message and message.startswith("vLLM failed loading the speculative engine")

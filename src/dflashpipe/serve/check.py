@@ -19,6 +19,7 @@ one up: never a pass.
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from dflashpipe.evaluate.prompts import HELD_OUT, TRAIN, EvalPrompt, eval_prompt
 from dflashpipe.evaluate.speculative import DFlashProposer
 from dflashpipe.model import DFlashDrafter, TargetHead
 from dflashpipe.params import ComputeParams, EvaluateParams, ServeParams
-from dflashpipe.serve.engine import EngineError, EngineRequest, run_engine
+from dflashpipe.serve.engine import Engine, EngineError, EngineRequest, run_engine
 from dflashpipe.serve.replay import EngineStep, replay
 from dflashpipe.serve.served_files import write_served_files
 from dflashpipe.serving import PYTHON_ENV, SERVE_VENV, SETUP, engine_versions, serving_python
@@ -173,11 +174,13 @@ def served_check(
     out: Path | str,
     root: Path | str = ".",
     served_dir: Path | str | None = None,
+    engine: Engine | None = None,
 ) -> dict:
     """Write metrics/serve.json (`out`) and return it; raise ServedCheckError when the check failed.
 
     `evaluation`: metrics/eval.json. `served_dir`: what the engine serves instead of `drafter_dir`'s served files
-    (a test plants a config fault there); our decoder always runs `drafter_dir`."""
+    (a test plants a config fault there); our decoder always runs `drafter_dir`. `engine`: a process of the
+    serving environment's interpreter for this check, unless given one (the tests share an `EngineWorker`)."""
     from dflashpipe.tokens.chat import load_chat_tokenizer
 
     python = serving_python(root)
@@ -218,7 +221,8 @@ def served_check(
             target.stop_token_ids(chat.tokenizer),
         )
         try:
-            result = run_engine(python, request, Path(scratch) / "engine", _read_config(served))
+            serve = engine or functools.partial(run_engine, python)
+            result = serve(request, Path(scratch) / "engine", _read_config(served))
         except EngineError as exc:
             record = {"served": FAILED, "reason": str(exc), "engine": versions, "setup": setup}
             write_json_atomic(out, record)

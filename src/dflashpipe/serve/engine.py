@@ -1,9 +1,10 @@
 """vLLM's offline engine on the drafter, run in the serving environment's interpreter (`vllm_run.py`), and what it
-produced read back: the one way the project talks to that engine in-process.
+produced read back: the one way the project talks to that engine in-process (a process a check, `run_engine`, or
+one for several, `EngineWorker`).
 
-The request and result travel as JSON files in a scratch directory; vLLM's log goes to a file there and only its
-tail is shown when the engine fails. A failure vLLM raised is shortened to its last line and the field of the
-drafter's config.json it names (a drafter the engine cannot load is a fact about that file)."""
+The request and result travel as JSON files in a scratch directory; vLLM's log goes to a file (there, or the
+worker's) and only its tail is shown when the engine fails. A failure vLLM raised is shortened to its last line and
+the field of the drafter's config.json it names (a drafter the engine cannot load is a fact about that file)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from dflashpipe.errors import DflashpipeError
 
@@ -54,26 +56,74 @@ class EngineRequest:
         }
 
 
-def run_engine(python: Path, request: EngineRequest, scratch: Path, config: dict | None = None) -> dict:
-    """Run vllm_run.py under `python` on `request`; its result (engine versions, plain and speculative runs).
-    `config`: the drafter's config.json, to name the field a loading error is about."""
-    scratch.mkdir(parents=True, exist_ok=True)
-    request_file, result_file, log_file = scratch / "request.json", scratch / "result.json", scratch / "vllm.log"
-    request_file.write_text(json.dumps(request.to_json()), encoding="utf-8")
-    # the serving environment's own packages only: nothing of this process's environment on its path
+class Engine(Protocol):
+    def __call__(self, request: EngineRequest, scratch: Path, config: dict | None = None) -> dict:
+        """Serve `request` (files under `scratch`); its result (engine versions, plain and speculative runs).
+        `config`: the drafter's config.json, to name the field a loading error is about."""
+        ...
+
+
+def engine_env() -> dict[str, str]:
+    """The serving environment's own packages only: nothing of this process's environment on its path."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     env["HF_HUB_OFFLINE"] = "1"
-    with open(log_file, "w", encoding="utf-8") as log:
-        proc = subprocess.run(
-            [str(python), str(RUNNER), str(request_file), str(result_file)], stdout=log, stderr=log, env=env
-        )
+    return env
+
+
+def write_request(request: EngineRequest, scratch: Path) -> tuple[Path, Path]:
+    scratch.mkdir(parents=True, exist_ok=True)
+    request_file, result_file = scratch / "request.json", scratch / "result.json"
+    request_file.write_text(json.dumps(request.to_json()), encoding="utf-8")
+    return request_file, result_file
+
+
+def read_result(result_file: Path, log_file: Path, exited: str, config: dict | None) -> dict:
     if not result_file.is_file():
         tail = log_file.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-15:]
-        raise EngineError(f"vLLM exited with {proc.returncode} and no result; its log ends:\n  " + "\n  ".join(tail))
+        raise EngineError(f"vLLM {exited} and no result; its log ends:\n  " + "\n  ".join(tail))
     result = json.loads(result_file.read_text(encoding="utf-8"))
     if "error" in result:
         raise EngineError(shortened(result["error"], config or {}))
     return result
+
+
+def run_engine(python: Path, request: EngineRequest, scratch: Path, config: dict | None = None) -> dict:
+    """Run vllm_run.py under `python` on `request`, one process for it (an `Engine` once `python` is bound)."""
+    request_file, result_file = write_request(request, scratch)
+    log_file = scratch / "vllm.log"
+    with open(log_file, "w", encoding="utf-8") as log:
+        proc = subprocess.run(
+            [str(python), str(RUNNER), str(request_file), str(result_file)], stdout=log, stderr=log, env=engine_env()
+        )
+    return read_result(result_file, log_file, f"exited with {proc.returncode}", config)
+
+
+class EngineWorker:
+    """One vllm_run.py process that serves request after request (`--loop`): several checks pay vLLM's import
+    once and one target's plain run once (the served tests, which serve one target with several drafters)."""
+
+    def __init__(self, python: Path, log: Path):
+        self.log = log
+        with open(log, "w", encoding="utf-8") as out:
+            self.process = subprocess.Popen(
+                [str(python), str(RUNNER), "--loop"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=out,
+                env=engine_env(),
+                text=True,
+            )
+
+    def __call__(self, request: EngineRequest, scratch: Path, config: dict | None = None) -> dict:
+        request_file, result_file = write_request(request, scratch)
+        self.process.stdin.write(f"{request_file}\t{result_file}\n")
+        self.process.stdin.flush()
+        self.process.stdout.readline()  # the result's path once it is written; "" if the worker died
+        return read_result(result_file, self.log, f"worker exited with {self.process.poll()}", config)
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
 
 
 def flat_keys(config: dict, prefix: str = "") -> dict[str, object]:
