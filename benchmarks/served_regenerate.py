@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -25,10 +24,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-
-
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} ({min(values):.2f}..{max(values):.2f}, {len(values)} rounds)"
 
 
 def main() -> None:
@@ -45,6 +40,7 @@ def main() -> None:
     from dflashpipe.regenerate.run import EndpointReplier, InProcessReplier
     from dflashpipe.serve.server import VllmServer
     from dflashpipe.serving import SETUP, engine_versions, serving_python
+    from dflashpipe.spread import Spread
     from dflashpipe.tokens.chat import load_chat_tokenizer
 
     python = serving_python(ROOT)
@@ -83,9 +79,9 @@ def main() -> None:
                 flush=True,
             )
     for name in runs:
-        print(f"{name:12s} tokens/s {spread(rates[name])}")
+        print(f"{name:12s} tokens/s {Spread.of(rates[name]).describe()}")
     ratio = [s / p for s, p in zip(rates["vllm_server"], rates["in_process"], strict=True)]
-    print(f"vllm_server / in_process (same round): {spread(ratio)}")
+    print(f"vllm_server / in_process (same round): {Spread.of(ratio).describe()}")
     differ = [
         (i, next((k for k, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)) if x != y), None))
         for i, (a, b) in enumerate(zip(answers["in_process"], answers["vllm_server"], strict=True))
