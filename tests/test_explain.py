@@ -108,11 +108,13 @@ def test_grown_data_rerun_and_committed_names_the_changed_files_on_each_path(com
         "(manifest: params.yaml:data.num_samples)"
     )
     assert paths["tokenize"] == [f"tokenize <- data/regenerated (regenerate) <- {grown}"]
-    # the eval split kept its sha256: evaluate is invalidated through train's outputs only, never through it
+    # the eval split kept its sha256: evaluate is invalidated through the token shards (its bigram floor counts
+    # them) and train's outputs, never through it
     assert paths["evaluate"] and not any("eval.parquet" in p for p in paths["evaluate"])
     assert all(
         p.startswith(
             (
+                "evaluate <- data/tokens (tokenize) <- ",
                 "evaluate <- data/drafter (train) <- data/tokens (tokenize) <- ",
                 "evaluate <- metrics/train/metrics.json (train) <- data/tokens (tokenize) <- ",
             )
@@ -356,7 +358,8 @@ def test_compare_growing_the_data_invalidates_its_chain_and_never_warmup(dag):
     by_stage = {v.stage: v for v in found}
     assert by_stage["regenerate"].upstream == ["manifest"] and by_stage["tokenize"].upstream == ["regenerate"]
     assert by_stage["train"].upstream == ["features", "tokenize"]
-    assert by_stage["evaluate"].upstream == ["manifest", "train"]  # the eval split lives in data/manifest
+    # the eval split lives in data/manifest; the floor's bigram table is counted on data/tokens
+    assert by_stage["evaluate"].upstream == ["manifest", "tokenize", "train"]
     assert root_causes(found)[0].evidence == (
         "dvc.lock@HEAD stages.manifest.params['params.yaml']['data.num_samples'] vs "
         "dvc.lock@new stages.manifest.params['params.yaml']['data.num_samples']"
@@ -405,7 +408,7 @@ def test_compare_a_dep_inside_an_upstream_output_is_that_upstream_not_a_root_cau
         "tokenize": ["regenerate"],
         "features": ["tokenize"],
         "train": ["features", "tokenize"],
-        "evaluate": ["manifest", "train"],
+        "evaluate": ["manifest", "tokenize", "train"],
     }
 
 

@@ -40,7 +40,10 @@ RUN = overfit.OverfitRun(
     # The last layer among the features: its hidden state is the target's next token, as in a trained model.
     model=(("layers", 1), ("block_size", BLOCK), ("target_layers", 2), ("target_layer_ids", [1, 5])),
 )
-STEPS = 120
+STEPS = 160
+"""Aligned, this target memorises to tau 3.83 of 4 at 160 steps (3.68 at 140, 2.97 at 120); the misaligned
+trainers stay below 1.8. 120 sufficed while replies were re-tokenized text: one reply of the four then became 28
+tokens where the target had produced 25, and the proof judged only the prompts whose reply matched."""
 
 
 @pytest.fixture(scope="module")

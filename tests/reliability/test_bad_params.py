@@ -103,6 +103,14 @@ def wrong_types(hint: Any) -> list[Any]:
         (hint,) = [a for a in args if a is not type(None)]
         origin = typing.get_origin(hint)
     none = [] if optional else [None]
+    if origin in (typing.Union, types.UnionType):  # a choice of arms (bool or 'auto'): wrong for every arm
+        wrong = [v for arm in typing.get_args(hint) for v in wrong_types(arm)]
+        return [
+            v
+            for i, v in enumerate(wrong)
+            if not any(fits(arm, v) for arm in typing.get_args(hint))
+            and not any(type(v) is type(w) and v == w for w in wrong[:i])
+        ]
     if dataclasses.is_dataclass(hint):
         return [5, "x", [1], True, *none]
     if origin is Literal:
@@ -118,6 +126,13 @@ def wrong_types(hint: Any) -> list[Any]:
     if hint is str:
         return [5, 1.5, True, [], {"a": 1}, *none]
     raise AssertionError(f"add wrong values for {hint!r} to this test")
+
+
+def fits(hint: Any, value: Any) -> bool:
+    """`value` is one `hint` takes as it is (for the arms of a union; only the kinds a union here holds)."""
+    if typing.get_origin(hint) is Literal:
+        return any(type(value) is type(a) and value == a for a in typing.get_args(hint))
+    return type(value) is hint
 
 
 def out_of_range(hint: Any) -> list[Any]:

@@ -14,7 +14,7 @@ from dflashpipe.model import DFlashDrafter, TargetHead
 from dflashpipe.model.attention import resolve_backend
 from dflashpipe.model.config import DFlashConfig, text_config
 from dflashpipe.params import ComputeParams, ModelParams
-from dflashpipe.target import compute_dtype
+from dflashpipe.target.dtype import compute_dtype
 from dflashpipe.train.flops import side_flops, target_forward_flops
 
 BYTES = {"bfloat16": 2, "float32": 4}
@@ -108,10 +108,19 @@ class Shapes:
             vocab=text.vocab_size,
             tapped=len(config.target_layer_ids),
             drafter_layers=config.num_layers,
-            target_dtype=str(compute_dtype(target_device, compute.target_dtype)).removeprefix("torch."),
+            target_dtype=planned_target_dtype(target_device, compute.target_dtype),
             drafter_dtype="bfloat16" if drafter_type == "cuda" else "float32",
             attention=resolve_backend(model.attention, torch.device(drafter_device)),
         )
+
+
+def planned_target_dtype(device: str, choice: str) -> str:
+    """The dtype the target will compute its batched work in on a planned device. A plan is made on any machine
+    for devices it may not have, so a GPU's is not probed here: every GPU in devices.PUBLISHED computes bfloat16
+    (Ampere or later), which is what `auto` resolves to there; a CPU is this machine, resolved as a stage would."""
+    if torch.device(device).type == "cuda":
+        return "float32" if choice == "float32" else "bfloat16"
+    return str(compute_dtype(device, choice)).removeprefix("torch.")
 
 
 def whole_forward_flops(models: Models, seq_len: int) -> int:
