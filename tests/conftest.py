@@ -36,6 +36,8 @@ share_the_cores_among_xdist_workers()
 SLOWEST_FIRST = (
     "tests/test_explain.py",  # 199 s with the 83 s of building pipeline_run, which its first test asks for
     "tests/test_gpu_check.py",  # 93 s, none of it on pipeline_run: the other worker's start
+    "tests/test_served_regenerate.py",  # vLLM's server, started twice; no pipeline_run
+    "tests/test_serve.py",  # two vLLM processes (three checks, then dvc repro's); its last test copies pipeline_run
     "tests/reliability/test_killed.py",  # 156 s
     "tests/test_train.py",  # 104 s
     "tests/test_sharing.py",  # ~60 s quiet (126 + 101 s at a load of 7 on 2 cores, 2026-12-05): on pipeline_run
@@ -115,6 +117,19 @@ TINY_PROFILE = {
     "evaluate__max_prompt_tokens": 512,
 }
 """Every stage runs for real, in seconds: a tiny drafter on a tiny target, three steps."""
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """The project's serving environment's interpreter (a real vLLM), which the README's test command sets up
+    (`bin/setup --serve`): without it the tests that serve fail, naming the command; a skip would let CI pass
+    without ever serving."""
+    from dflashpipe.serving import SERVE_VENV, serving_python
+
+    python = serving_python(ROOT)
+    if python is None:
+        pytest.fail(f"no serving environment at {ROOT / SERVE_VENV}: run `bin/setup --serve`")
+    return python
 
 
 @pytest.fixture(scope="session")

@@ -32,9 +32,16 @@ MODEL = tiny_model_params(attention="sdpa")  # sdpa: the backend the reference's
 MAX_NEW = 24
 
 
-def fit_to_target(drafter: DFlashDrafter, target, sequences: list[list[int]], prompt_lens: list[int]) -> None:
-    """A few hundred steps on the target's own greedy continuations, so that drafts are often right
-    and the tests below see partial acceptance, not only the bonus token."""
+def fit_to_target(
+    drafter: DFlashDrafter,
+    target,
+    sequences: list[list[int]],
+    prompt_lens: list[int],
+    steps: int = 60,
+    lr: float = 3e-3,
+) -> None:
+    """Steps on the target's own greedy continuations, so that drafts are often right and the tests below see
+    partial acceptance, not only the bonus token."""
     data = []
     with torch.no_grad():
         for seq, plen in zip(sequences, prompt_lens, strict=True):
@@ -43,9 +50,9 @@ def fit_to_target(drafter: DFlashDrafter, target, sequences: list[list[int]], pr
             mask = torch.zeros_like(ids)
             mask[:, plen:] = 1
             data.append((target_features(hidden, drafter.config.target_layer_ids), ids, mask))
-    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=lr)
     gen = torch.Generator().manual_seed(0)
-    for step in range(60):
+    for step in range(steps):
         features, ids, mask = data[step % len(data)]
         anchors, valid = sample_anchor_positions(mask, MODEL.num_anchors, gen)
         drafter(features, ids, mask, anchors, valid).loss.backward()

@@ -753,6 +753,7 @@ def test_the_live_check_imports_torch_only_when_its_key_moved(tmp_path, monkeypa
     from dflashpipe import env
 
     hashes, loaded = tmp_path / "hashes.json", tmp_path / "loaded.json"
+    monkeypatch.chdir(tmp_path)  # where the child observes too: the serving environment recorded is the cwd's
     if (ROOT / env.HASH_STATE).is_file():  # spares hashing torch's 12K files again: the test is not about that
         shutil.copy(ROOT / env.HASH_STATE, hashes)
     stage = env.observe(hashes, loaded)  # as the fingerprint stage runs it: always imports torch, records

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 import subprocess
 from dataclasses import asdict
@@ -11,12 +12,14 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from tokenizers import Tokenizer
 
 from dflashpipe.artifacts import file_sha256, verify_file_listing, write_file_listing
 from dflashpipe.model import DFlashDrafter, TargetHead
 from dflashpipe.model.drafter import PUBLISHED_DTYPE
 from dflashpipe.params import load_params
-from dflashpipe.train.card import export_drafter, model_card, safetensors_summary, write_model_card
+from dflashpipe.serve.export import export_drafter
+from dflashpipe.train.card import model_card, safetensors_summary, write_model_card
 from tests.conftest import ROOT
 from tests.tiny import VOCAB, random_batch, tiny_drafter, tiny_target
 
@@ -138,9 +141,11 @@ def train_params() -> dict:
     return {name: asdict(params[name]) for name in ("model", "train")}
 
 
-def write_inputs(root):
+def write_inputs(root, tokenizer_dir=None):
     (root / "data" / "target").mkdir(parents=True)
     (root / "data" / "tokens").mkdir(parents=True)
+    if tokenizer_dir is not None:  # the export spells the mask token with the target's tokenizer
+        shutil.copyfile(tokenizer_dir / "tokenizer.json", root / "data" / "target" / "tokenizer.json")
     (root / "data" / "target" / "source.json").write_text(json.dumps(TARGET_SOURCE))
     (root / "data" / "tokens" / "summary.json").write_text(json.dumps(TOKENS_SUMMARY))
 
@@ -204,14 +209,14 @@ def git(root, *args) -> str:
     return subprocess.run(cmd, cwd=root, check=True, capture_output=True, text=True).stdout.strip()
 
 
-def test_export_adds_revision_dvc_lock_and_evaluation_and_the_reference_loads_it(tmp_path):
+def test_export_adds_revision_dvc_lock_and_evaluation_and_the_reference_loads_it(tmp_path, smollm2_tokenizer_dir):
     from dflash.model import DFlashDraftModel
 
     from dflashpipe.errors import SourceError
 
     root = tmp_path / "project"
     root.mkdir()
-    write_inputs(root)
+    write_inputs(root, smollm2_tokenizer_dir)
     (root / ".gitignore").write_text("/data/\n")
     (root / "dvc.yaml").write_text("stages: {}\n")
     locked = {"model.block_size": 4, "model.layers": 2, "train.lr": 0.0006, "train.max_steps": 40}
@@ -230,8 +235,15 @@ def test_export_adds_revision_dvc_lock_and_evaluation_and_the_reference_loads_it
 
     out = export_drafter(tmp_path / "export", root)
     verify_file_listing(out, "", SourceError)
-    for name in ("config.json", "model.safetensors"):
-        assert (out / name).read_bytes() == (root / "data/drafter" / name).read_bytes()
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "files.json", "model.safetensors"]
+    assert (out / "model.safetensors").read_bytes() == (root / "data/drafter/model.safetensors").read_bytes()
+    # config.json as train wrote it, and the mask token spelled as the target's tokenizer spells its id (SGLang
+    # reads the string beside the id, and assumes <|MASK|> without it)
+    trained = json.loads((root / "data/drafter/config.json").read_text())
+    exported = json.loads((out / "config.json").read_text())
+    spelled = Tokenizer.from_file(str(smollm2_tokenizer_dir / "tokenizer.json")).id_to_token(VOCAB - 1)
+    assert exported["dflash_config"].pop("mask_token") == spelled and spelled != "<|MASK|>"
+    assert exported == trained
     text = (out / "README.md").read_text()
     for expected in (
         f"git revision: `{revision}`; workspace differed from it: no",

@@ -177,8 +177,9 @@ def report(
 
 @app.command()
 def export(out: str = typer.Argument(..., help="The directory to write the drafter to, for serving.")) -> None:
-    """Copy data/drafter for serving, with a model card naming its git revision, dvc.lock and tau/speedup."""
-    from dflashpipe.train.card import export_drafter
+    """Write data/drafter as a server reads it (docs/serving.md), with a model card naming its git revision,
+    dvc.lock and tau/speedup."""
+    from dflashpipe.serve.export import export_drafter
 
     path = export_drafter(out)
     typer.echo(f"exported {path}")

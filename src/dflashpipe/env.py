@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dflashpipe.artifacts import canonical_json, write_json_atomic
+from dflashpipe.serving import serving_environment
 from dflashpipe.threads import CORES_ENV, CPU_MAX
 
 COMPILE_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHDYNAMO_", "TRITON_")
@@ -551,4 +552,7 @@ def observe(
     }
     for package in VERSIONED_PACKAGES:
         facts[package] = {"version": _version(package)}
+    # the serving environment (bin/setup --serve) of the project in the working directory: its engine's versions,
+    # or all null, so that setting it up reruns the served check that recorded "not run"
+    facts["serving"] = serving_environment()
     return Observation(facts, integrity, probed)

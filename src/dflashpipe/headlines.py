@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflashpipe.pipeline import BENCH_METRICS, EVAL_METRICS, METRICS, TRAIN_METRICS, TRAIN_METRICS_DIR
+from dflashpipe.pipeline import BENCH_METRICS, EVAL_METRICS, METRICS, SERVE_METRICS, TRAIN_METRICS, TRAIN_METRICS_DIR
 
 EVAL = EVAL_METRICS.as_posix()
 TRAIN = TRAIN_METRICS.as_posix()
 BENCH = BENCH_METRICS.as_posix()
+SERVE = SERVE_METRICS.as_posix()
 PER_PROMPT = (METRICS / "eval" / "speedup_per_prompt.json").as_posix()
 TRAIN_TOKENS_PER_STEP = (TRAIN_METRICS_DIR / "plots" / "metrics" / "tokens_per_s.tsv").as_posix()
 
@@ -42,6 +43,8 @@ class HeadlineSpec:
 
 HEADLINES: list[HeadlineSpec] = [
     HeadlineSpec("tau (accepted tokens per verify step)", EVAL, "tau", (PER_PROMPT, "tau", "prompt"), check="tau"),
+    # vLLM's mean acceptance length on the same prompts (the served check; absent where it did not run)
+    HeadlineSpec("served tau (vLLM's mean acceptance length)", SERVE, "tau"),
     HeadlineSpec(
         "speedup (speculative vs target alone)",
         EVAL,

@@ -10,11 +10,15 @@ from dflashpipe.artifacts import canonical_json, write_bytes_atomic
 
 
 @pytest.fixture(scope="session")
-def fingerprint_bytes() -> bytes:
-    """This machine's fingerprint, observed once: what `stages/fingerprint.py` writes here."""
+def fingerprint_bytes(tmp_path_factory) -> bytes:
+    """This machine's fingerprint, observed once: what `stages/fingerprint.py` writes in a test project (observed
+    in an empty directory: the fingerprint records the serving environment of the project it runs in, and a test
+    project has none, while this repository may)."""
     from dflashpipe.env import fingerprint
 
-    return canonical_json(fingerprint())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path_factory.mktemp("no-serving-environment"))
+        return canonical_json(fingerprint())
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ class EvalPrompt:
 
 
 def read_eval_split(manifest_dir: Path | str, split: str = HELD_OUT) -> list[dict]:
-    """The rows of `split`'s manifest file (or a regenerated shard's, its reply_ids left out), in file order (the
+    """The rows of `split`'s manifest file (or a regenerated shard's, its added columns left out), in file order (the
     manifest writes the eval split before any training shard, and keeps full shards as they are, so growing
     data.num_samples leaves both as they were)."""
     import pyarrow as pa
@@ -42,7 +42,6 @@ def read_eval_split(manifest_dir: Path | str, split: str = HELD_OUT) -> list[dic
 
     from dflashpipe.artifacts import verify_file_listing
     from dflashpipe.data.shards import SCHEMA
-    from dflashpipe.regenerate.shards import REPLY_IDS
 
     manifest_dir = Path(manifest_dir)
     path = manifest_dir / split_file(split)
@@ -60,8 +59,8 @@ def read_eval_split(manifest_dir: Path | str, split: str = HELD_OUT) -> list[dic
         raise SourceError(f"{path} not found: run `dvc repro manifest` (or `dvc checkout data/manifest`)") from None
     except (pa.ArrowException, OSError) as exc:
         raise SourceError(f"{path}: not a readable parquet file ({exc}): run `dvc repro manifest`") from None
-    if REPLY_IDS in table.column_names:  # a regenerated shard: the manifest's columns and the replies' ids
-        table = table.drop_columns([REPLY_IDS])
+    if set(SCHEMA.names) <= set(table.column_names):  # a regenerated shard adds its replies' ids: not read here
+        table = table.select(SCHEMA.names)
     if not table.schema.equals(SCHEMA, check_metadata=False):
         raise SourceError(f"{path}: columns {table.schema.names}, expected {SCHEMA.names}: run `dvc repro manifest`")
     return table.to_pylist()

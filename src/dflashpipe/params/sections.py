@@ -436,6 +436,23 @@ class RegenerateParams:
             )
 
 
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ServeParams:
+    """The served check: a real engine (vLLM, from the serving environment) serves the drafter on evaluate's prompts."""
+
+    min_proposal_agreement: float
+    """The share of the engine's draft steps whose proposals must equal our decoder's from the same context, or the
+    check fails: a config field the engine reads otherwise (a layer, the mask token) shows here first. In float32
+    the two agree on every step (a near-tie of the drafter's own logits may flip one, so 1.0 is not required)."""
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.min_proposal_agreement <= 1.0):
+            raise ParamsError(
+                f"params.yaml: serve.min_proposal_agreement = {self.min_proposal_agreement}: must be a fraction "
+                f"between 0 and 1 (e.g. 0.95)"
+            )
+
+
 SECTIONS: dict[str, type] = {
     "target": TargetParams,
     "compute": ComputeParams,
@@ -448,5 +465,6 @@ SECTIONS: dict[str, type] = {
     "topology": TopologyParams,
     "train": TrainParams,
     "evaluate": EvaluateParams,
+    "serve": ServeParams,
 }
 """params.yaml's top-level sections and the dataclass that each one must fit."""

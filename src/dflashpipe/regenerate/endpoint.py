@@ -2,8 +2,10 @@
 
 Prompts are sent to `<base>/completions` as token ids (the OpenAI API's `prompt: int[][]`), rendered and
 encoded here exactly as in the in-process path, so the server's own chat template or BOS handling cannot
-change them; temperature 0, one request per batch. A connection failure, a timeout, 429 or a 5xx is
-retried with exponential backoff; what still fails is one line naming the URL.
+change them; temperature 0, one request per batch. Replies come back as token ids too where the server gives
+them (vLLM's `return_token_ids`: each choice's `token_ids`), so a reply reaches training as the very tokens the
+target produced, as in process; a server that answers text alone leaves them None. A connection failure, a
+timeout, 429 or a 5xx is retried with exponential backoff; what still fails is one line naming the URL.
 
 A server that needs a key gets it from the environment, never from params.yaml (which DVC records and git
 keeps): `OPENAI_API_KEY`, sent as `Authorization: Bearer`. The key is read at each request and held by no
@@ -50,6 +52,21 @@ class Completion:
     text: str
     stopped: bool
     """It ended on its own (finish_reason `stop`), not at max_tokens (`length`)."""
+    token_ids: tuple[int, ...] | None = None
+    """The reply's tokens as the server generated them, the stop token it ended on excluded (as in process);
+    None when the server answered text alone."""
+
+
+def reply_ids(choice: dict) -> tuple[int, ...] | None:
+    """A choice's generated token ids less the stop token, or None. vLLM lists the token it stopped on (the eos, or
+    a stop token id: `stop_reason` None or that id) among them; a stop string (`stop_reason` a string) is text
+    the ids do not end with, and this client asks for none."""
+    ids = choice.get("token_ids")
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        return None
+    if choice.get("finish_reason") == "stop" and ids and not isinstance(choice.get("stop_reason"), str):
+        ids = ids[:-1]
+    return tuple(ids)
 
 
 @dataclass(frozen=True)
@@ -179,13 +196,14 @@ class Endpoint:
             "max_tokens": max_new_tokens,
             "temperature": 0,
             "n": 1,
+            "return_token_ids": True,  # vLLM's extension; a server without it answers text alone
         }
         answer = self._request("/completions", body)
         try:
             choices = sorted(answer["choices"], key=lambda c: c["index"])
             if [c["index"] for c in choices] != list(range(len(prompts))):
                 raise ValueError(f"{len(choices)} choices for {len(prompts)} prompts")
-            return [Completion(str(c["text"]), c["finish_reason"] != "length") for c in choices]
+            return [Completion(str(c["text"]), c["finish_reason"] != "length", reply_ids(c)) for c in choices]
         except (KeyError, TypeError, ValueError) as exc:
             raise EndpointError(
                 f"regenerate.endpoint {self.base_url}/completions: not a completions answer ({exc})"

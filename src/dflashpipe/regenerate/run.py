@@ -46,7 +46,7 @@ from dflashpipe.errors import SourceError
 from dflashpipe.incremental import InputShard, ShardedOutput
 from dflashpipe.params.sections import RegenerateParams
 from dflashpipe.pipeline import StageKey
-from dflashpipe.regenerate.endpoint import Endpoint, ServedModel
+from dflashpipe.regenerate.endpoint import Completion, Endpoint, ServedModel
 from dflashpipe.regenerate.shards import stored_shard, with_reply_ids, write_shard
 from dflashpipe.spread import Busy, Measuring, Spread
 from dflashpipe.threads import ThreadBudget, thread_budget
@@ -203,7 +203,9 @@ class RateWindow:
 
 
 class EndpointReplier(Replier):
-    """An OpenAI-compatible server; tokens are counted by encoding each reply again."""
+    """An OpenAI-compatible server. A reply the server gives as token ids is kept as those ids and its text is
+    their decoding here, as in process (so both paths write the same rows); a reply in text alone is counted by
+    encoding it again, and its conversation goes on as text."""
 
     def __init__(self, endpoint: Endpoint, model: str, chat: ChatTokenizer, params: RegenerateParams) -> None:
         super().__init__(params.batch_size)
@@ -211,12 +213,15 @@ class EndpointReplier(Replier):
         self.model = model
         """The model the canary was asked of (ServedModel.id): the one whose replies the shards record."""
 
+    def answer_of(self, c: Completion) -> Answer:
+        if c.token_ids is not None:
+            text = self.chat.tokenizer.decode(list(c.token_ids), skip_special_tokens=True)
+            return Answer(text, c.stopped, len(c.token_ids) + c.stopped, c.token_ids)
+        encoded = self.chat.backend.encode(c.text, add_special_tokens=False).ids
+        return Answer(c.text, c.stopped, len(encoded) + c.stopped)
+
     def batch(self, prompts, progress) -> list[Answer]:
-        done = self.endpoint.complete(self.model, prompts, self.max_new_tokens)
-        answers = [
-            Answer(c.text, c.stopped, len(self.chat.backend.encode(c.text, add_special_tokens=False).ids) + c.stopped)
-            for c in done
-        ]
+        answers = [self.answer_of(c) for c in self.endpoint.complete(self.model, prompts, self.max_new_tokens)]
         progress(sum(a.tokens for a in answers))
         return answers
 

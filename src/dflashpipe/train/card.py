@@ -29,7 +29,6 @@ from typing import Any
 import yaml
 
 from dflashpipe.artifacts import file_sha256
-from dflashpipe.pipeline import DRAFTER
 from dflashpipe.revision import run_git
 
 CARD_FILE = "README.md"
@@ -79,7 +78,7 @@ def safetensors_summary(path: Path | str) -> dict[str, Any]:
     return {"dtypes": sorted({v["dtype"] for v in tensors.values()}), "parameters": count, "tensors": len(tensors)}
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -175,15 +174,18 @@ def model_card(
         'drafter = DFlashDraftModel.from_pretrained("path/to/this/directory", dtype="auto")',
         "```",
         "",
-        "Serving (untested here; see docs/serving.md in dflashpipe):",
+        "Serving (docs/serving.md in dflashpipe): vLLM as dflashpipe's served check runs it (`method` named: vLLM",
+        'infers it only from a path containing "dflash"; `num_speculative_tokens` = block size - 1: vLLM does not',
+        "read `block_size`); SGLang's flags as its source reads them, not run by dflashpipe. Serve the directory",
+        "`dflashpipe export` writes, with the exact target above:",
         "",
         "```bash",
-        "python -m sglang.launch_server --model-path TARGET --speculative-algorithm DFLASH \\",
-        f"    --speculative-draft-model-path path/to/this/directory --speculative-num-draft-tokens {block_size}",
-        "vllm serve TARGET --speculative-config \\",
+        "python -m vllm.entrypoints.openai.api_server --model TARGET --speculative-config \\",
         "    '"
         + json.dumps({"method": "dflash", "model": "path/to/this/directory", "num_speculative_tokens": spec_tokens})
         + "'",
+        "python -m sglang.launch_server --model-path TARGET --speculative-algorithm DFLASH \\",
+        f"    --speculative-draft-model-path path/to/this/directory --speculative-num-draft-tokens {block_size}",
         "```",
         "",
     ]
@@ -245,10 +247,10 @@ def write_model_card(
 
     drafter_dir = Path(drafter_dir)
     text = model_card(
-        config=_read_json(drafter_dir / "config.json"),
+        config=read_json(drafter_dir / "config.json"),
         weights=safetensors_summary(drafter_dir / "model.safetensors"),
-        target=_read_json(Path(target_dir) / "source.json"),
-        tokens=_read_json(Path(tokens_dir) / "summary.json"),
+        target=read_json(Path(target_dir) / "source.json"),
+        tokens=read_json(Path(tokens_dir) / "summary.json"),
         params=params,
         origin=origin,
         evaluation=evaluation,
@@ -265,33 +267,3 @@ def locked_train_params(root: Path) -> dict[str, Any]:
         section, _, name = key.partition(".")
         nested.setdefault(section, {})[name] = value
     return nested
-
-
-def export_drafter(out_dir: Path | str, root: Path | str = ".") -> Path:
-    """Copy the project's data/drafter to `out_dir` (checked against its files.json first) with a card
-    that also names the git revision, dvc.lock's sha256 and tau/speedup from metrics/eval.json."""
-    import shutil
-
-    from dflashpipe.artifacts import atomic_directory, verify_file_listing, write_file_listing
-    from dflashpipe.errors import SourceError
-    from dflashpipe.pipeline import METRICS, TARGET, TOKENS
-
-    root = Path(root)
-    drafter = root / DRAFTER
-    verify_file_listing(drafter, f"restore it with `dvc checkout {DRAFTER}` or rerun `dvc repro train`", SourceError)
-    if not (root / LOCK_FILE).is_file():
-        raise SourceError(f"{root / LOCK_FILE} not found: run `dvc repro` before exporting")
-    evaluation = _read_json(root / METRICS / "eval.json") or None
-    with atomic_directory(Path(out_dir)) as tmp:
-        for name in ("config.json", "model.safetensors"):
-            shutil.copyfile(drafter / name, tmp / name)
-        write_model_card(
-            tmp,
-            target_dir=root / TARGET,
-            tokens_dir=root / TOKENS,
-            params=locked_train_params(root),
-            origin=provenance(root),
-            evaluation=evaluation,
-        )
-        write_file_listing(tmp)
-    return Path(out_dir)

@@ -1,0 +1,38 @@
+"""`dflashpipe export DIR`: the project's drafter as a server reads it (`served_files`), with its model card and
+files.json beside it, for handing on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflashpipe.errors import SourceError
+from dflashpipe.pipeline import DRAFTER
+from dflashpipe.serve.served_files import write_served_files
+
+
+def export_drafter(out_dir: Path | str, root: Path | str = ".") -> Path:
+    """The project's data/drafter (checked against its files.json first) as a server reads it, in `out_dir`, with a
+    card that also names the git revision, dvc.lock's sha256 and tau/speedup from metrics/eval.json, and a
+    files.json of what was written."""
+    from dflashpipe.artifacts import atomic_directory, verify_file_listing, write_file_listing
+    from dflashpipe.pipeline import METRICS, TARGET, TOKENS
+    from dflashpipe.train.card import LOCK_FILE, locked_train_params, provenance, read_json, write_model_card
+
+    root = Path(root)
+    drafter = root / DRAFTER
+    verify_file_listing(drafter, f"restore it with `dvc checkout {DRAFTER}` or rerun `dvc repro train`", SourceError)
+    if not (root / LOCK_FILE).is_file():
+        raise SourceError(f"{root / LOCK_FILE} not found: run `dvc repro` before exporting")
+    evaluation = read_json(root / METRICS / "eval.json") or None
+    with atomic_directory(Path(out_dir)) as tmp:
+        write_served_files(drafter, root / TARGET, tmp)
+        write_model_card(
+            tmp,
+            target_dir=root / TARGET,
+            tokens_dir=root / TOKENS,
+            params=locked_train_params(root),
+            origin=provenance(root),
+            evaluation=evaluation,
+        )
+        write_file_listing(tmp)
+    return Path(out_dir)

@@ -1,0 +1,34 @@
+"""Stage `serve`: vLLM serves data/drafter on evaluate's prompts; what it does beside ours, into metrics/serve.json.
+
+python stages/serve.py      (what dvc.yaml runs; without the serving environment it records `served: not_run`)
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the code DVC hashed
+
+from dflashpipe.errors import SourceError  # noqa: E402
+from dflashpipe.pipeline import DRAFTER, EVAL_METRICS, MANIFEST, SERVE_METRICS, TARGET  # noqa: E402
+from dflashpipe.serve.check import ServeInputs, served_check  # noqa: E402
+from dflashpipe.stage import run_stage  # noqa: E402
+
+
+def serve(p) -> None:
+    try:
+        evaluation = json.loads(EVAL_METRICS.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SourceError(f"{EVAL_METRICS}: not readable ({exc}): run `dvc repro evaluate`") from None
+    served_check(
+        ServeInputs(serve=p.serve, evaluate=p.evaluate, compute=p.compute),
+        DRAFTER,
+        TARGET,
+        MANIFEST,
+        evaluation,
+        SERVE_METRICS,
+    )
+
+
+if __name__ == "__main__":
+    run_stage("serve", serve)
