@@ -176,7 +176,8 @@ def test_a_compile_env_var_names_the_fingerprint_key_and_hits_warmup_not_data(co
     # the fingerprint file alone (no live machine): what `dvc status` compares against
     report = explain("HEAD", "workspace", committed, machine=False)
     assert report.machine is None
-    assert verdicts(report) == {**quiet(), **dict.fromkeys(kernel, DIRECT)}
+    # serve reads evaluate's metrics/eval.json: whatever invalidates evaluate reaches it
+    assert verdicts(report) == {**quiet(), "serve": DOWNSTREAM, **dict.fromkeys(kernel, DIRECT)}
     (cause,) = report.root_causes
     assert (cause.kind, cause.what, cause.new) == (
         "param",
@@ -220,15 +221,17 @@ def test_two_experiments_compare_by_name_and_json_is_complete(committed):
         "fingerprint": ALWAYS,
         "train": DIRECT,
         "evaluate": DOWNSTREAM,
+        "serve": DOWNSTREAM,
     }
     assert roots(report) == [("param", "params.yaml:train.lr", lr, 0.01, ("train",))]
 
     run(["dvc", "exp", "run", "-n", "short", "-S", "evaluate.max_new_tokens=8"], committed)
     report = explain("fast", "short", committed)
-    assert {s: v for s, v in verdicts(report).items() if v != UNCHANGED} == {"fingerprint": ALWAYS, "evaluate": DIRECT}
-    assert roots(report) == [
-        ("param", "params.yaml:evaluate.max_new_tokens", RUN_PROFILE["evaluate__max_new_tokens"], 8, ("evaluate",))
-    ]
+    # the served check decodes the same prompts to the same length: it names evaluate's keys
+    expected = {"fingerprint": ALWAYS, "evaluate": DIRECT, "serve": DIRECT}
+    assert {s: v for s, v in verdicts(report).items() if v != UNCHANGED} == expected
+    old_length = RUN_PROFILE["evaluate__max_new_tokens"]
+    assert roots(report) == [("param", "params.yaml:evaluate.max_new_tokens", old_length, 8, ("evaluate", "serve"))]
 
     proc = run(["dflashpipe", "explain", "HEAD", "fast", "--json"], committed)
     data = json.loads(proc.stdout)
@@ -379,6 +382,7 @@ def test_compare_growing_the_data_invalidates_its_chain_and_never_warmup(dag):
         "features": DOWNSTREAM,  # it reads the token shards (online it writes an empty listing, but reruns)
         "train": DOWNSTREAM,
         "evaluate": DOWNSTREAM,
+        "serve": DOWNSTREAM,
     }
     assert cause_tuples(found) == [("param", "params.yaml:data.num_samples", 2000, 2400, ("manifest",))]
     by_stage = {v.stage: v for v in found}
@@ -394,7 +398,7 @@ def test_compare_growing_the_data_invalidates_its_chain_and_never_warmup(dag):
 
 def test_compare_a_train_param_hits_train_and_evaluate_only(dag):
     found = compared(dag, lock_of(dag, values={"train.lr": 6e-4}), lock_of(dag, values={"train.lr": 1e-3}))
-    assert verdict_map(found) == {**quiet(), "train": DIRECT, "evaluate": DOWNSTREAM}
+    assert verdict_map(found) == {**quiet(), "train": DIRECT, "evaluate": DOWNSTREAM, "serve": DOWNSTREAM}
     assert cause_tuples(found) == [("param", "params.yaml:train.lr", 6e-4, 1e-3, ("train",))]
 
 
@@ -427,6 +431,7 @@ def test_compare_a_dep_inside_an_upstream_output_is_that_upstream_not_a_root_cau
         "features": DOWNSTREAM,
         "evaluate": DOWNSTREAM,
         "train": DOWNSTREAM,
+        "serve": DOWNSTREAM,
     }
     assert root_causes(found) == []
     assert {v.stage: v.upstream for v in found if v.upstream} == {
@@ -435,6 +440,7 @@ def test_compare_a_dep_inside_an_upstream_output_is_that_upstream_not_a_root_cau
         "features": ["tokenize"],
         "train": ["features", "tokenize"],
         "evaluate": ["manifest", "tokenize", "train"],
+        "serve": ["evaluate", "manifest", "train"],
     }
 
 
@@ -443,7 +449,8 @@ def test_compare_a_kernel_environment_key_hits_only_the_stages_naming_it(dag):
     kernel = naming("torch.version")
     assert {"warmup", "train", "evaluate"} <= set(kernel) and not {"manifest", "tokenize", "target"} & set(kernel)
     # regenerate names it too (greedy replies are the kernels' numerics), so tokenize, reading them, is downstream
-    assert verdict_map(found) == {**quiet(), **dict.fromkeys(kernel, DIRECT), "tokenize": DOWNSTREAM}
+    verdict = {**quiet(), "serve": DOWNSTREAM, **dict.fromkeys(kernel, DIRECT), "tokenize": DOWNSTREAM}
+    assert verdict_map(found) == verdict
     assert cause_tuples(found) == [("param", KERNEL_KEY, "2.13.0", "2.13.1", tuple(kernel))]
 
 
@@ -718,7 +725,7 @@ def test_a_stale_fingerprint_names_the_edited_torch_file_and_the_stages_it_inval
     attribute_to_machine(found, live)
     readers = naming("torch.files_edited")  # the kernel environment, and nothing that reads data
     assert {"warmup", "train", "evaluate"} <= set(readers) and "tokenize" not in readers
-    assert verdict_map(found) == {**quiet(), **dict.fromkeys(readers, DIRECT)}
+    assert verdict_map(found) == {**quiet(), "serve": DOWNSTREAM, **dict.fromkeys(readers, DIRECT)}
     (cause,) = root_causes(found)
     assert (cause.kind, cause.what, cause.old, cause.new, cause.stages) == (
         "machine",
@@ -732,12 +739,14 @@ def test_a_stale_fingerprint_names_the_edited_torch_file_and_the_stages_it_inval
         "edited torch/fx/_symbolic_trace.py (changed: Tracer.trace)"
     )
     # the header's list is read off the same verdicts, and each change names the stages it hits
-    assert live.machine.invalid == readers and changes[0].stages == readers and changes[1].stages == []
+    # invalid on this machine: the stages naming the key, and serve, which reads evaluate's metrics
+    assert live.machine.invalid == [*readers, "serve"]
+    assert changes[0].stages == readers and changes[1].stages == []
     first, second = machine_lines(live.machine)
     assert first.startswith(
         'the fingerprint file is stale: torch.files_edited now ["torch/fx/_symbolic_trace.py"] (recorded []); '
         "torch.files_ok now false (recorded true); "
-        f"these stages are invalid on this machine: {', '.join(readers)} (full check"
+        f"these stages are invalid on this machine: {', '.join([*readers, 'serve'])} (full check"
     )
     assert second == (
         "edited installed file torch/fx/_symbolic_trace.py: sha256=new (the wheel's RECORD says sha256=old); "
@@ -977,13 +986,13 @@ def test_a_fingerprint_key_the_file_does_not_hold_yet_is_read_off_the_machine(da
     found = compare(read_revision_state(LockState("HEAD", dag, lock)), workspace, {}, None, "HEAD", "workspace")
     attribute_to_machine(found, live)
     readers = naming("threads.torch_intra_op")
-    assert verdict_map(found) == {**quiet(), **dict.fromkeys(readers, DIRECT)}
+    assert verdict_map(found) == {**quiet(), "serve": DOWNSTREAM, **dict.fromkeys(readers, DIRECT)}
     causes = {c.what: c for c in root_causes(found)}
     intra = causes["threads.torch_intra_op"]
     assert (intra.kind, intra.old, intra.new, intra.stages) == ("machine", None, 2, readers)
     assert intra.evidence.endswith("this machine now (observed live; data/env/fingerprint.json lacks it: stale)")
     assert causes["threads.env"].stages == naming("threads.env")
-    assert live.machine.invalid == readers
+    assert live.machine.invalid == [*readers, "serve"]
 
 
 def test_the_control_is_set_aside_only_by_a_fact_that_can_move_it(dag):
