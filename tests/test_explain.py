@@ -68,6 +68,7 @@ def test_growing_the_data_hits_manifest_only_and_costs_are_attributed(committed)
         "features": DOWNSTREAM,  # it reads the token shards (online it writes an empty listing, but reruns)
         "train": DOWNSTREAM,
         "evaluate": DOWNSTREAM,
+        "serve": DOWNSTREAM,
     }
     assert roots(report) == [("param", "params.yaml:data.num_samples", N, N + 20, ("manifest",))]
     assert report.root_causes[0].evidence == (
@@ -208,7 +209,7 @@ def test_an_edited_model_file_hits_warmup_and_train(committed):
     report = explain("HEAD", "workspace", committed)
     listed = listing("src/dflashpipe/model")
     assert {"warmup", "train", "evaluate"} <= set(listed) and "tokenize" not in listed
-    assert verdicts(report) == {**quiet(), **dict.fromkeys(listed, DIRECT)}
+    assert verdicts(report) == invalidated(listed)
     assert [(c.what, c.stages) for c in report.root_causes] == [("src/dflashpipe/model", listed)]
 
 
@@ -285,6 +286,13 @@ def dvc_stages() -> dict:
 def quiet() -> dict[str, str]:
     """Every stage unchanged, the always-changed fingerprint aside."""
     return {**dict.fromkeys(dvc_stages(), UNCHANGED), "fingerprint": ALWAYS}
+
+
+def invalidated(direct: list[str]) -> dict[str, str]:
+    """Every stage's verdict when exactly `direct` changed directly and nothing else did: the served check reads
+    evaluate's metrics/eval.json, so it is invalidated downstream of evaluate (direct where it is listed itself)."""
+    after_evaluate = {"serve": DOWNSTREAM} if "evaluate" in direct else {}
+    return {**quiet(), **after_evaluate, **dict.fromkeys(direct, DIRECT)}
 
 
 def listing(dep: str) -> list[str]:

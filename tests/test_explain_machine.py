@@ -18,7 +18,7 @@ from dflashpipe import env
 from dflashpipe.explain import DIRECT, DOWNSTREAM, NOISE, explain, print_text, to_json, to_markdown
 from dflashpipe.pipeline import Pipeline
 from tests.conftest import copy_project, run, set_params
-from tests.test_explain import N, naming, quiet, verdicts
+from tests.test_explain import N, invalidated, naming, quiet, verdicts
 
 EDITED = "torch/fx/_symbolic_trace.py"
 
@@ -86,7 +86,7 @@ def test_an_edited_torch_file_not_yet_fingerprinted_is_the_machine_cause_of_ever
     report = explain("HEAD", "workspace", committed)
     readers = naming("torch.files_edited")
     assert {"warmup", "train", "bench", "evaluate"} <= set(readers) and "tokenize" not in readers
-    assert verdicts(report) == {**quiet(), **dict.fromkeys(readers, DIRECT)}
+    assert verdicts(report) == invalidated(readers)
     (cause,) = report.root_causes
     assert (cause.kind, cause.what, cause.old, cause.new, cause.stages) == (
         "machine",
@@ -97,7 +97,7 @@ def test_an_edited_torch_file_not_yet_fingerprinted_is_the_machine_cause_of_ever
     )
     assert "this machine now (observed live; data/env/fingerprint.json still says []: stale)" in cause.evidence
     assert f"edited {EDITED} (" in cause.evidence
-    assert report.machine.invalid == readers
+    assert report.machine.invalid == [*readers, "serve"]  # serve reads evaluate's metrics
     assert [(c.what, c.new) for c in report.machine.changes] == [
         ("torch.files_edited", [EDITED]),
         ("torch.files_ok", False),
@@ -109,7 +109,7 @@ def test_a_variable_set_here_but_not_fingerprinted_is_the_machine_cause(committe
     monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE", "1")
     report = explain("HEAD", "workspace", committed)
     readers = naming("env")
-    assert verdicts(report) == {**quiet(), **dict.fromkeys(readers, DIRECT)}
+    assert verdicts(report) == invalidated(readers)
     (cause,) = report.root_causes
     assert (cause.kind, cause.what, cause.old, cause.new, cause.stages) == (
         "machine",
@@ -123,7 +123,7 @@ def test_a_variable_set_here_but_not_fingerprinted_is_the_machine_cause(committe
     run(["dvc", "repro", "fingerprint"], committed, env={"TORCHINDUCTOR_MAX_AUTOTUNE": "1"})
     report = explain("HEAD", "workspace", committed)
     assert not report.machine.stale and report.machine.invalid == []
-    assert verdicts(report) == {**quiet(), **dict.fromkeys(readers, DIRECT)}
+    assert verdicts(report) == invalidated(readers)
     assert [(c.kind, c.what) for c in report.root_causes] == [("param", "data/env/fingerprint.json:env")]
 
 
@@ -139,9 +139,9 @@ def test_a_thread_count_set_here_is_the_machine_cause_of_warmup_and_the_timed_st
     if recorded["torch_intra_op"] > 1:  # torch now starts with one thread: other CPU kernels, so warmup too
         intra = causes["threads.torch_intra_op"]
         assert (intra.kind, intra.old, intra.new, intra.stages) == ("machine", recorded["torch_intra_op"], 1, kernels)
-        assert verdicts(report) == {**quiet(), **dict.fromkeys(kernels, DIRECT)}
+        assert verdicts(report) == invalidated(kernels)
     else:
-        assert verdicts(report) == {**quiet(), **dict.fromkeys(timed, DIRECT)}
+        assert verdicts(report) == invalidated(timed)
     assert_one_story(report, committed, capsys, {"OMP_NUM_THREADS": "1"})
 
 
@@ -243,10 +243,7 @@ def test_a_variable_no_runtime_of_torch_reads_reruns_nothing_and_one_it_reads_re
     run(["dvc", "repro", "fingerprint"], committed, env={"OMP_NUM_THREADS": "1"})
     readers = naming("threads.torch_intra_op") if intra > 1 else naming("threads.env")
     assert set(json.loads(run(["dvc", "status", "--json"], committed).stdout)) == {"fingerprint", *readers}
-    assert verdicts(explain("HEAD", "workspace", committed, machine=False)) == {
-        **quiet(),
-        **dict.fromkeys(readers, DIRECT),
-    }
+    assert verdicts(explain("HEAD", "workspace", committed, machine=False)) == invalidated(readers)
 
 
 def test_a_stage_run_alone_under_other_threads_than_the_fingerprint_file_refuses_before_any_work(committed):
