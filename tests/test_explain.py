@@ -92,7 +92,7 @@ def test_growing_the_data_hits_manifest_only_and_costs_are_attributed(committed)
     assert next(m for m in report.metrics if m.key == "train_samples").change == pytest.approx(20 / N)
     md = to_markdown(report)
     assert f"- (1) param data.num_samples: {N} -> {N + 20}  [dvc.lock@HEAD vs params.yaml]" in md
-    assert "  - invalidates manifest; downstream regenerate, tokenize, features, train, evaluate" in md
+    assert "  - invalidates manifest; downstream regenerate, tokenize, features, train, evaluate, serve" in md
     assert "train_samples" not in md  # no headline: behind --all, counted
     md = to_markdown(report, full=True)
     assert f"`param params.yaml:data.num_samples: {N} -> {N + 20}` — hits manifest" in md
@@ -163,7 +163,7 @@ def test_an_edited_source_file_hits_the_stages_that_list_it(committed):
     # tokenize only reads regenerate's output, so it is downstream.
     listed = listing("src/dflashpipe/target/adapter.py")
     assert {"regenerate", "warmup", "train", "evaluate"} <= set(listed)
-    assert verdicts(report) == {**quiet(), **dict.fromkeys(listed, DIRECT), "tokenize": DOWNSTREAM}
+    assert verdicts(report) == {**invalidated(listed), "tokenize": DOWNSTREAM}
     ((kind, what, old, new, stages),) = roots(report)
     assert (kind, what, stages) == ("dep", "src/dflashpipe/target/adapter.py", tuple(listed))
     assert old != new
