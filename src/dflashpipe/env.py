@@ -515,9 +515,13 @@ def fingerprint(hash_state: Path | None = None) -> dict[str, Any]:
 
 
 def observe(
-    hash_state: Path | None = None, loaded_state: Path | None = None, reuse_loaded: bool = False
+    hash_state: Path | None = None,
+    loaded_state: Path | None = None,
+    reuse_loaded: bool = False,
+    project: Path | str = ".",
 ) -> Observation:
-    """The fingerprint and the torch files check behind it (edited files' hashes, how many were re-hashed).
+    """The fingerprint of `project` on this machine and the torch files check behind it (edited files' hashes, how
+    many were re-hashed). The project matters only for its serving environment (`.venv-serve` lies in it).
 
     With `reuse_loaded`, the facts that need torch imported come from `loaded_state` when it was recorded
     under this `loaded_key`; otherwise torch is imported, and the facts recorded there (when given)."""
@@ -552,7 +556,7 @@ def observe(
     }
     for package in VERSIONED_PACKAGES:
         facts[package] = {"version": _version(package)}
-    # the serving environment (bin/setup --serve) of the project in the working directory: its engine's versions,
-    # or all null, so that setting it up reruns the served check that recorded "not run"
-    facts["serving"] = serving_environment()
+    # the project's serving environment (bin/setup --serve): its engine's versions, or all null, so that setting it
+    # up reruns the served check that recorded "not run"
+    facts["serving"] = serving_environment(project)
     return Observation(facts, integrity, probed)

@@ -78,7 +78,7 @@ def check_machine_current(name: str, root: Path | str = ".") -> None:
         recorded = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as exc:
         raise StaleMachineError(f"{FINGERPRINT}: not valid JSON ({exc}); run `dvc repro fingerprint`") from None
-    live = env.observe(root / env.HASH_STATE, root / env.LOADED_STATE, reuse_loaded=True).facts
+    live = env.observe(root / env.HASH_STATE, root / env.LOADED_STATE, reuse_loaded=True, project=root).facts
     moved = [(key, was, now) for key in keys if (was := env.fact_at(recorded, key)) != (now := env.fact_at(live, key))]
     if not moved:
         return

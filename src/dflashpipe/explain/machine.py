@@ -58,7 +58,7 @@ class Live:
 
 def observe_machine(root: str | Path, distribution: str = "torch") -> Live:
     root = Path(root)
-    seen = env.observe(root / env.HASH_STATE, root / env.LOADED_STATE, reuse_loaded=True)
+    seen = env.observe(root / env.HASH_STATE, root / env.LOADED_STATE, reuse_loaded=True, project=root)
     now, integrity = seen.facts, seen.integrity
     check = (
         f"full check: hashed all {integrity.checked} {distribution} files"
