@@ -109,7 +109,7 @@ def target_config(run: Run, root: Path, option: str | None) -> TargetConfig:
     if stored.is_file() and json.loads(stored.read_text()).get("source") == source:
         return _read_config(root / TARGET / "config.json", "target.source", source)
     if source.startswith("pypi:") or source.endswith(".gguf"):
-        from dflashpipe.target import resolve_source
+        from dflashpipe.target.materialise import resolve_source
 
         try:
             src = resolve_source(source, root)
