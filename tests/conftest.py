@@ -107,6 +107,9 @@ TINY_PROFILE = {
     # Online: the chain the explain and history tests follow (tokenize -> train); the offline path has its
     # own tests (test_features, and the features kill test, which switches the shared run to it).
     "features__mode": "online",
+    # The manifest's replies as they are: a random tiny target answers few turns (most samples would drop), and
+    # regeneration has its own tests (test_regenerate, test_served_regenerate), which switch it on.
+    "regenerate__enabled": False,
     "train__max_steps": 3,
     "train__warmup_steps": 1,
     "train__checkpoint_every": 0,

@@ -19,6 +19,7 @@ from dflashpipe.pipeline import (
     METRICS,
     REGENERATE_METRICS,
     REGENERATED,
+    SERVE_METRICS,
     TARGET,
     TOKENIZE_METRICS,
     TOKENS,
@@ -56,6 +57,7 @@ OUTPUTS = {
         EVAL / "slot_acceptance.png": BYTES,
         EVAL / "speedup_per_prompt.json": TIMED,
     },
+    "serve": {SERVE_METRICS: TIMED},  # not run in a clone without a serving environment; served, vLLM's times
 }
 
 
