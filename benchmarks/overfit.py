@@ -226,9 +226,11 @@ def prepare(run: OverfitRun, target_dir: Path, work: Path) -> None:
     source = SourceSpec(name="chitchat", kind="chitchat", weight=1.0, eval=0, path=None)
     data = DataParams(num_samples=run.samples, shard_size=run.samples, on_bad_record="skip", sources=(source,))
     build_manifest(data, work / "manifest")
+    # a turn is answered only when its prompt and reply fit one training row: what cannot be packed is not memorised
+    fits = run.seq_len - run.max_new_tokens
     regenerate = build(
         RegenerateParams,
-        {**_project("regenerate"), "enabled": True, "max_new_tokens": run.max_new_tokens, "max_prompt_tokens": 512},
+        {**_project("regenerate"), "enabled": True, "max_new_tokens": run.max_new_tokens, "max_prompt_tokens": fits},
         "regenerate",
     )
     regenerate_manifest(regenerate, ["cpu"], work / "manifest", target_dir, work / "regenerated")
@@ -250,14 +252,15 @@ def code_key(*stages: str) -> dict[str, str]:
 
 
 def prepared_data(run: OverfitRun, target_dir: Path, work: Path) -> Path:
-    """`work/data-<key>`, prepared unless it already is: the key is what the data depends on (the samples,
-    the reply length, the target's files, and what dvc.yaml lists for the stages that make it), so a changed
-    target, setting or stage never finds the old data, nor resumes an arm trained on it."""
+    """`work/data-<key>`, prepared unless it already is: the key is what the data depends on (the samples, the
+    reply length, the row length that bounds the prompts, the target's files, and what dvc.yaml lists for the
+    stages that make it), so a changed target, setting or stage never finds the old data, nor resumes an arm
+    trained on it."""
     from dflashpipe.artifacts import canonical_json, file_sha256
 
     files = {name: file_sha256(target_dir / name) for name in ("config.json", "model.safetensors", "tokenizer.json")}
     stages = code_key("manifest", "regenerate", "tokenize")
-    inputs = {"samples": run.samples, "max_new_tokens": run.max_new_tokens, **files, **stages}
+    inputs = {"samples": run.samples, "max_new_tokens": run.max_new_tokens, "seq_len": run.seq_len, **files, **stages}
     data = work / f"data-{hashlib.sha256(canonical_json(inputs)).hexdigest()[:16]}"
     if not (data / "tokens" / "files.json").is_file():
         prepare(run, target_dir, data)

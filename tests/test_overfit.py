@@ -40,6 +40,11 @@ RUN = overfit.OverfitRun(
     # The last layer among the features: its hidden state is the target's next token, as in a trained model.
     model=(("layers", 1), ("block_size", BLOCK), ("target_layers", 2), ("target_layer_ids", [1, 5])),
 )
+PROOF_SHAPE = {"num_attention_heads": 4, "num_key_value_heads": 2}
+"""The talking target the proof's thresholds were measured on (4 heads of 16; the tiny shape now has 2 of 32 so
+that vLLM can serve it). On the 2-head target the replies are other tokens, and a drafter trained with another
+mask token than decoding uses still reached tau 2.0-2.6 at 100-160 steps: too close to the aligned 3.1-3.3 for
+a proof."""
 STEPS = 160
 """Aligned, this target memorises to tau 3.83 of 4 at 160 steps (3.68 at 140, 2.97 at 120); the misaligned
 trainers stay below 1.8. 120 sufficed while replies were re-tokenized text: one reply of the four then became 28
@@ -49,7 +54,7 @@ tokens where the target had produced 25, and the proof judged only the prompts w
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory, smollm2_tokenizer_dir):
     """The talking target and, once, the memorised data: its greedy replies to 8 chitchat conversations."""
-    target = write_talking_target(tmp_path_factory.mktemp("overfit-target"), smollm2_tokenizer_dir)
+    target = write_talking_target(tmp_path_factory.mktemp("overfit-target"), smollm2_tokenizer_dir, **PROOF_SHAPE)
     work = tmp_path_factory.mktemp("overfit")
     overfit.prepared_data(RUN, target, work)
     return target, work

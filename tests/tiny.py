@@ -59,10 +59,11 @@ def random_target(config: LlamaConfig, seed: int = 0, dtype: torch.dtype | None 
     return LlamaForCausalLM(config).to(dtype or torch.float32).eval()
 
 
-def tokenizer_config(tokenizer, tie_word_embeddings: bool) -> LlamaConfig:
-    """The tiny shape with a real tokenizer's vocabulary size and special tokens."""
+def tokenizer_config(tokenizer, tie_word_embeddings: bool, **fields: Any) -> LlamaConfig:
+    """The tiny shape (and `fields`) with a real tokenizer's vocabulary size and special tokens."""
     return target_config(
         len(tokenizer),
+        **fields,
         tie_word_embeddings=tie_word_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -81,9 +82,10 @@ def write_target(out: Path, tokenizer_dir: Path) -> Path:
     return out
 
 
-def write_talking_target(out: Path, tokenizer_dir: Path) -> Path:
+def write_talking_target(out: Path, tokenizer_dir: Path, **fields: Any) -> Path:
     """A tiny target whose greedy replies differ by prompt, some ending at a stop token (a frequent reply
-    token made one): a model directory with the real tokenizer, for the tests of regeneration."""
+    token made one): a model directory with the real tokenizer, for the tests of regeneration. `fields` change
+    its config from the tiny shape."""
     from collections import Counter
 
     import torch
@@ -94,7 +96,7 @@ def write_talking_target(out: Path, tokenizer_dir: Path) -> Path:
     from dflashpipe.tokens.chat import load_chat_tokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    model = random_target(tokenizer_config(tokenizer, tie_word_embeddings=False))
+    model = random_target(tokenizer_config(tokenizer, tie_word_embeddings=False, **fields))
     with torch.no_grad():
         model.lm_head.weight.normal_(0.0, 0.5)  # a trained head's scale: at init's 0.02 every reply is "\n\n..."
     chat = load_chat_tokenizer(tokenizer_dir)
