@@ -177,8 +177,7 @@ def test_a_compile_env_var_names_the_fingerprint_key_and_hits_warmup_not_data(co
     # the fingerprint file alone (no live machine): what `dvc status` compares against
     report = explain("HEAD", "workspace", committed, machine=False)
     assert report.machine is None
-    # serve reads evaluate's metrics/eval.json: whatever invalidates evaluate reaches it
-    assert verdicts(report) == {**quiet(), "serve": DOWNSTREAM, **dict.fromkeys(kernel, DIRECT)}
+    assert verdicts(report) == invalidated(kernel)
     (cause,) = report.root_causes
     assert (cause.kind, cause.what, cause.new) == (
         "param",
@@ -457,8 +456,7 @@ def test_compare_a_kernel_environment_key_hits_only_the_stages_naming_it(dag):
     kernel = naming("torch.version")
     assert {"warmup", "train", "evaluate"} <= set(kernel) and not {"manifest", "tokenize", "target"} & set(kernel)
     # regenerate names it too (greedy replies are the kernels' numerics), so tokenize, reading them, is downstream
-    verdict = {**quiet(), "serve": DOWNSTREAM, **dict.fromkeys(kernel, DIRECT), "tokenize": DOWNSTREAM}
-    assert verdict_map(found) == verdict
+    assert verdict_map(found) == {**invalidated(kernel), "tokenize": DOWNSTREAM}
     assert cause_tuples(found) == [("param", KERNEL_KEY, "2.13.0", "2.13.1", tuple(kernel))]
 
 
@@ -733,7 +731,7 @@ def test_a_stale_fingerprint_names_the_edited_torch_file_and_the_stages_it_inval
     attribute_to_machine(found, live)
     readers = naming("torch.files_edited")  # the kernel environment, and nothing that reads data
     assert {"warmup", "train", "evaluate"} <= set(readers) and "tokenize" not in readers
-    assert verdict_map(found) == {**quiet(), "serve": DOWNSTREAM, **dict.fromkeys(readers, DIRECT)}
+    assert verdict_map(found) == invalidated(readers)
     (cause,) = root_causes(found)
     assert (cause.kind, cause.what, cause.old, cause.new, cause.stages) == (
         "machine",
@@ -994,7 +992,7 @@ def test_a_fingerprint_key_the_file_does_not_hold_yet_is_read_off_the_machine(da
     found = compare(read_revision_state(LockState("HEAD", dag, lock)), workspace, {}, None, "HEAD", "workspace")
     attribute_to_machine(found, live)
     readers = naming("threads.torch_intra_op")
-    assert verdict_map(found) == {**quiet(), "serve": DOWNSTREAM, **dict.fromkeys(readers, DIRECT)}
+    assert verdict_map(found) == invalidated(readers)
     causes = {c.what: c for c in root_causes(found)}
     intra = causes["threads.torch_intra_op"]
     assert (intra.kind, intra.old, intra.new, intra.stages) == ("machine", None, 2, readers)
