@@ -205,7 +205,9 @@ def test_dvc_repro_records_not_run_then_serves_once_the_environment_is_set_up(vl
     assert record["proposals"]["agreement"] == 1.0 and record["contract"]["bugs"] == 0
     explained = run(["dflashpipe", "explain", "HEAD"], project, env=with_vllm).stdout
     print(explained)
-    assert "serving.vllm" in explained and "metrics/serve.json" in explained
+    cause = next(line for line in explained.splitlines() if "param serving:" in line)
+    assert "vllm" in cause and "served tau" in explained, explained
+    assert "metrics/serve.json" in run(["dflashpipe", "explain", "HEAD", "--all"], project, env=with_vllm).stdout
     run(["git", "add", "-A"], project)
     run(["git", "commit", "-qm", "served"], project)
     followed = run(["dflashpipe", "history", "--metric", "metrics/serve.json:tau"], project, env=with_vllm).stdout

@@ -11,6 +11,7 @@ Invariant: pure, like comparison.py: it reads only the Report. Facts are shorten
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,7 +192,14 @@ def _cause_lines(
         elif kind in ("param", "machine"):  # one fingerprint group: each key's own move, the group's prefix once
             members.sort(key=_printed)
             what = name
-            change = "; ".join(f"{_printed(c).split('.', 1)[-1]}: {_change(c)}" for c in members)
+            keys = [_printed(c).split(".", 1)[-1] for c in members]
+            olds = {json.dumps(c.old, sort_keys=True, default=str) for c in members}
+            if len(olds) == 1 and not isinstance(members[0].old, dict):  # a group set up at once (all were null):
+                # the keys first, so that a clipped line still names every one
+                moves = [_change(c).split(" -> ", 1) for c in members]
+                change = f"{', '.join(keys)}: {moves[0][0]} -> {', '.join(m[-1] for m in moves)}"
+            else:
+                change = "; ".join(f"{k}: {_change(c)}" for k, c in zip(keys, members, strict=True))
         else:  # one path, changed for some stages and dropped from another's deps: each change once
             what, change = name, ", ".join(dict.fromkeys(_change(c) for c in members))
         if kind == "out":
