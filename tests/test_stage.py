@@ -216,7 +216,7 @@ def test_a_stage_refuses_a_machine_the_fingerprint_file_does_not_describe(tmp_pa
     record = project / "data/env/fingerprint.json"
     check_machine_current("timed", project)  # no fingerprint file yet: DVC cannot run the stage, nothing to compare
 
-    live = env.observe(project / env.HASH_STATE).facts
+    live = env.observe(project / env.HASH_STATE, project=project).facts
     record.parent.mkdir(parents=True)
     record.write_text(json.dumps(live))
     check_machine_current("timed", project)  # the file describes this machine
@@ -259,7 +259,7 @@ def test_every_stage_that_declares_target_dtype_refuses_a_file_whose_target_dtyp
     ]
     assert {"regenerate", "features", "warmup", "train", "bench", "evaluate"} <= set(declaring)
 
-    live = env.observe(project / env.HASH_STATE).facts
+    live = env.observe(project / env.HASH_STATE, project=project).facts
     other = json.loads(json.dumps(live))
     was = live["target_dtype"]["cpu"]["batched"]
     other["target_dtype"]["cpu"]["batched"] = "bfloat16" if was != "bfloat16" else "float32"
