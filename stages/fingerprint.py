@@ -15,7 +15,7 @@ from dflashpipe.stage import run_stage  # noqa: E402
 
 
 def _write(params) -> None:
-    seen = observe(HASH_STATE, LOADED_STATE)
+    seen = observe(HASH_STATE, LOADED_STATE, project=".")  # DVC runs a stage in the project root
     integrity = seen.integrity
     write_json_atomic("data/env/fingerprint.json", seen.facts)
     kind = "full check" if integrity.full else "only files whose size/mtime moved"

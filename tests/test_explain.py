@@ -768,27 +768,26 @@ def test_the_live_check_imports_torch_only_when_its_key_moved(tmp_path, monkeypa
     from dflashpipe import env
 
     hashes, loaded = tmp_path / "hashes.json", tmp_path / "loaded.json"
-    monkeypatch.chdir(tmp_path)  # where the child observes too: the serving environment recorded is the cwd's
     if (ROOT / env.HASH_STATE).is_file():  # spares hashing torch's 12K files again: the test is not about that
         shutil.copy(ROOT / env.HASH_STATE, hashes)
-    stage = env.observe(hashes, loaded)  # as the fingerprint stage runs it: always imports torch, records
+    stage = env.observe(hashes, loaded, project=tmp_path)  # as the fingerprint stage runs it: imports torch, records
     assert stage.probed and json.loads(loaded.read_text())["key"] == env.loaded_key(stage.integrity)
-    reused = env.observe(hashes, loaded, reuse_loaded=True)
+    reused = env.observe(hashes, loaded, reuse_loaded=True, project=tmp_path)
     assert (reused.probed, reused.facts, reused.integrity.rehashed) == (False, stage.facts, 0)
     code = (
         "import json, sys; from dflashpipe import env; "
-        f"o = env.observe({str(hashes)!r}, {str(loaded)!r}, reuse_loaded=True); "
+        f"o = env.observe({str(hashes)!r}, {str(loaded)!r}, reuse_loaded=True, project={str(tmp_path)!r}); "
         "print(o.probed, 'torch' in sys.modules, json.dumps(o.facts, sort_keys=True))"
     )
     probed, imported, facts = run([sys.executable, "-c", code], tmp_path).stdout.split(" ", 2)
     assert (probed, imported, json.loads(facts)) == ("False", "False", stage.facts)
     # a variable that steers which libraries load moved: import torch again, and record under the new key
     monkeypatch.setenv("LD_LIBRARY_PATH", str(tmp_path))
-    assert env.observe(hashes, loaded, reuse_loaded=True).probed
-    assert not env.observe(hashes, loaded, reuse_loaded=True).probed
+    assert env.observe(hashes, loaded, reuse_loaded=True, project=tmp_path).probed
+    assert not env.observe(hashes, loaded, reuse_loaded=True, project=tmp_path).probed
     # a record made under another key (another machine, other torch files) is never taken
     loaded.write_text(json.dumps({**json.loads(loaded.read_text()), "key": "another machine's"}))
-    assert env.observe(hashes, loaded, reuse_loaded=True).probed
+    assert env.observe(hashes, loaded, reuse_loaded=True, project=tmp_path).probed
 
 
 def test_a_figure_read_off_a_clock_is_never_called_a_deterministic_move():

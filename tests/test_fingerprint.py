@@ -14,15 +14,14 @@ from dflashpipe.env import HASH_STATE, compile_environment, distribution_integri
 from tests.conftest import run
 
 
-def test_the_stage_writes_the_same_bytes_twice_and_records_compile_env_vars(dvc_project, monkeypatch):
+def test_the_stage_writes_the_same_bytes_twice_and_records_compile_env_vars(dvc_project):
     # the first run hashes every torch file; the second reuses the hash state: same bytes either way
     assert "(full check)" in run(["python", "stages/fingerprint.py"], dvc_project).stderr
     first = (dvc_project / "data/env/fingerprint.json").read_bytes()
     assert (dvc_project / HASH_STATE).is_file()
     assert "re-hashed 0 of " in run(["python", "stages/fingerprint.py"], dvc_project).stderr
     assert (dvc_project / "data/env/fingerprint.json").read_bytes() == first
-    monkeypatch.chdir(dvc_project)  # the serving environment it records is the project's (none there)
-    assert canonical_json(fingerprint()) == first  # no hash state at all
+    assert canonical_json(fingerprint(dvc_project)) == first  # no hash state at all
     assert "dflashpipe-installed-files" not in run(["git", "status", "--porcelain"], dvc_project).stdout
     facts = json.loads(first)
     import torch

@@ -508,20 +508,22 @@ def fact_change(was: Any, now: Any, width: int = 60, gone: str = "absent") -> st
     return f"{short(was, 'absent')} -> {short(now, gone)}"
 
 
-def fingerprint(hash_state: Path | None = None) -> dict[str, Any]:
-    """Observe this machine. Same machine, same packages, same variables: same dict (with or without
+def fingerprint(project: Path | str, hash_state: Path | None = None) -> dict[str, Any]:
+    """Observe this machine for `project`. Same machine, same packages, same variables: same dict (with or without
     `hash_state`, which only saves re-hashing torch's unchanged files)."""
-    return observe(hash_state).facts
+    return observe(hash_state, project=project).facts
 
 
 def observe(
     hash_state: Path | None = None,
     loaded_state: Path | None = None,
     reuse_loaded: bool = False,
-    project: Path | str = ".",
+    *,
+    project: Path | str,
 ) -> Observation:
     """The fingerprint of `project` on this machine and the torch files check behind it (edited files' hashes, how
-    many were re-hashed). The project matters only for its serving environment (`.venv-serve` lies in it).
+    many were re-hashed). The project matters only for its serving environment (`.venv-serve` lies in it), and is
+    named by every caller: the working directory is not always the project the facts are compared with.
 
     With `reuse_loaded`, the facts that need torch imported come from `loaded_state` when it was recorded
     under this `loaded_key`; otherwise torch is imported, and the facts recorded there (when given)."""

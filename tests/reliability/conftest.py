@@ -12,13 +12,11 @@ from dflashpipe.artifacts import canonical_json, write_bytes_atomic
 @pytest.fixture(scope="session")
 def fingerprint_bytes(tmp_path_factory) -> bytes:
     """This machine's fingerprint, observed once: what `stages/fingerprint.py` writes in a test project (observed
-    in an empty directory: the fingerprint records the serving environment of the project it runs in, and a test
-    project has none, while this repository may)."""
+    for an empty directory: the fingerprint records the serving environment of its project, and a test project has
+    none, while this repository may)."""
     from dflashpipe.env import fingerprint
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(tmp_path_factory.mktemp("no-serving-environment"))
-        return canonical_json(fingerprint())
+    return canonical_json(fingerprint(tmp_path_factory.mktemp("no-serving-environment")))
 
 
 @pytest.fixture
