@@ -58,7 +58,7 @@ class EngineRequest:
 
 class Engine(Protocol):
     def __call__(self, request: EngineRequest, scratch: Path, config: dict | None = None) -> dict:
-        """Serve `request` (files under `scratch`); its result (engine versions, plain and speculative runs).
+        """Serve `request` (files under `scratch`); its result (start seconds, plain and speculative runs).
         `config`: the drafter's config.json, to name the field a loading error is about."""
         ...
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflashpipe.errors import DflashpipeError
+from dflashpipe.serve.engine import engine_env
 
 
 class ServerError(DflashpipeError):
@@ -76,8 +77,8 @@ class VllmServer:
     def start(self, timeout_s: float = 600.0) -> VllmServer:
         """Start it and wait until /health answers (the model loaded); raise ServerError with the log's tail if it
         exits first or takes longer than `timeout_s`."""
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-        env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+        env = engine_env()
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: vLLM's CPU build otherwise reserves most of memory
         if self.in_process_worker:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         with open(self.log, "ab") as log:

@@ -124,9 +124,6 @@ def plain_key(request: dict) -> str:
 def run(request: dict, progress: dict, plain_runs: dict | None = None) -> dict:
     """`plain_runs`: the plain engine's runs of earlier requests in this process, by `plain_key`; a request with
     the same target, prompts and settings takes its plain run from there instead of starting that engine again."""
-    import torch
-    import transformers
-    import vllm
     from vllm import SamplingParams
 
     observe_proposals()
@@ -137,7 +134,6 @@ def run(request: dict, progress: dict, plain_runs: dict | None = None) -> dict:
         logprobs=request["logprobs"],
     )
     result = {
-        "engine": {"vllm": vllm.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
         "init_seconds": {},
         "speculative": [],
         "plain": [],
