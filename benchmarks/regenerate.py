@@ -22,7 +22,6 @@ data/target and data/manifest.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,10 +30,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 BATCH = 16
-
-
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} ({min(values):.2f}..{max(values):.2f}, {len(values)} rounds)"
 
 
 def main() -> None:
@@ -49,6 +44,7 @@ def main() -> None:
 
     from dflashpipe.evaluate.prompts import TRAIN, eval_prompts
     from dflashpipe.kernels import RowsFirstLinear
+    from dflashpipe.spread import Spread
     from dflashpipe.target.adapter import Target
     from dflashpipe.target.batching import greedy_replies
     from dflashpipe.threads import thread_budget
@@ -138,12 +134,12 @@ def main() -> None:
         )
     for name in runs:
         print(
-            f"{name:10s} tokens/s {spread(rates[name])}; share of the matmul rate {spread(shares[name])}, "
-            f"counting the prompts read {spread(work_shares[name])}"
+            f"{name:10s} tokens/s {Spread.of(rates[name]).describe()}; share of the matmul rate "
+            f"{Spread.of(shares[name]).describe()}, counting the prompts read {Spread.of(work_shares[name]).describe()}"
         )
     for name in ("batches", "generate"):
         ratio = [c / o for c, o in zip(rates["continuous"], rates[name], strict=True)]
-        print(f"continuous / {name} (same round): {spread(ratio)}")
+        print(f"continuous / {name} (same round): {Spread.of(ratio).describe()}")
     form(RowsFirstLinear)
     alone = [greedy_replies(target, [p], limit, stop)[0].tokens for p in prompts]
     for name in runs:
