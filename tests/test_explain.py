@@ -1157,9 +1157,9 @@ def test_a_stage_rerun_by_no_cause_says_why_on_the_first_screen(dag):
     report = Report("HEAD", "new", root_causes(found), found, [])
     lines = answer_lines(answer(report))
     assert (ITEM, "nothing: every stage's recorded inputs are the same") in lines
-    invalidated = [stage for stage, verdict in verdict_map(found).items() if verdict == DOWNSTREAM]
-    assert invalidated[0] == "evaluate"  # and what reads its outputs (the served check)
-    rerun = lines.index((ITEM, f"invalidated: {', '.join(invalidated)}"))
+    downstream = [stage for stage, verdict in verdict_map(found).items() if verdict == DOWNSTREAM]
+    assert downstream[0] == "evaluate"  # and what reads its outputs (the served check)
+    rerun = lines.index((ITEM, f"invalidated: {', '.join(downstream)}"))
     assert lines[rerun + 1] == (DETAIL, "evaluate <- metrics/bench.json (bench: unchanged)")
 
 
