@@ -331,7 +331,7 @@ def stage_key(
     unknown = sorted((without_deps - set(spec.deps)) | (without_params - {k for _, k in spec.params}))
     if unknown:
         raise PipelineError(f"{root / DVC_FILE}: stage {name!r} declares no dep or param {unknown}")
-    ignore = _dvcignore(root)
+    ignore = dvcignore(root)
     inputs: dict[str, str] = {}
     for dep in spec.deps:
         if dep not in without_deps:
@@ -384,7 +384,7 @@ def _dep_digests(root: Path, dep: str, ignore) -> dict[str, str]:
     return digests or {f"dep:{dep}": "empty"}
 
 
-def _dvcignore(root: Path):
+def dvcignore(root: Path):
     """DVC leaves what .dvcignore matches out of a directory's hash (e.g. __pycache__); so does the key."""
     import pathspec
 
