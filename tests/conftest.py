@@ -190,6 +190,21 @@ def copy_from_root(project: Path, rels) -> Path:
     return project
 
 
+def write_stand_ins(project: Path) -> Path:
+    """A small stand-in file for each stage output and dep of dvc.yaml that `project` lacks (outputs first: a dep
+    may be a file inside one), so that DVC and the stage keys can hash the whole pipeline without running it."""
+    from dflashpipe.pipeline import Pipeline
+
+    specs = Pipeline.read(project).specs.values()
+    for rel in [out for spec in specs for out in spec.outs] + [dep for spec in specs for dep in spec.deps]:
+        path = project / rel
+        if not path.exists():
+            file = path if path.suffix else path / "part-0.bin"
+            file.parent.mkdir(parents=True, exist_ok=True)
+            file.write_bytes(b"stand-in " + rel.encode())
+    return project
+
+
 def make_project(project: Path, tiny_target_dir: Path) -> Path:
     copy_from_root(project, PROJECT_FILES)
     shutil.copytree(tiny_target_dir, project / "models" / "tiny")

@@ -3,7 +3,6 @@ code it runs (every output path the code names, every module a stage imports, ev
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 from pathlib import Path
@@ -11,7 +10,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import RUN_PROFILE, copy_project, run, set_params
+from dflashpipe.pipeline import PipelineError, lies_under
+from dflashpipe.stage_code import (
+    INFRASTRUCTURE,
+    code_deps,
+    drift,
+    pipeline_code_deps,
+    runs,
+    stage_script,
+    with_code_deps,
+)
+from tests.conftest import RUN_PROFILE, copy_from_root, copy_project, run, set_params, write_stand_ins
 
 
 def status(project) -> dict:
@@ -89,20 +98,44 @@ def test_bad_params_stop_the_first_stage_with_one_message_and_nothing_recorded(d
     assert not (dvc_project / "dvc.lock").exists()
 
 
+def test_an_edit_of_a_module_reruns_exactly_the_stages_that_run_it(dvc_project):
+    # DVC's own verdict, on a lock recorded without running anything: every output a stand-in file, then
+    # `dvc commit` hashes deps and outs as they are. tokens/shards.py is tokenize's (under its package dep)
+    # and read by features, train and evaluate (a dep by itself): those four rerun, and no other stage.
+    write_stand_ins(copy_from_root(dvc_project, [FINGERPRINT_FILE]))
+    run(["dvc", "commit", "--force"], dvc_project)
+    assert status(dvc_project) == {"fingerprint": ["always changed"]}
+
+    module = "src/dflashpipe/tokens/shards.py"
+    with open(dvc_project / module, "a") as file:
+        file.write("\n# an edit\n")
+    running = {
+        name for name, script in scripts(dvc_project).items() if module in runs(dvc_project / script, dvc_project)
+    }
+    assert running == {"tokenize", "features", "train", "evaluate"}
+    assert set(status(dvc_project)) == running | {"fingerprint"}
+
+
 # --- dvc.yaml against the code: fast, no DVC run --------------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 FINGERPRINT_FILE = "data/env/fingerprint.json"
-# Imported by every stage and validated on their own (tests/test_params.py, the stage runner): a
-# stage does not list them, and an edit to them is not meant to rerun the pipeline.
-INFRASTRUCTURE = {f"dflashpipe.{m}" for m in ("params", "errors", "stage", "artifacts", "pipeline", "cli")}
 KERNEL_STAGES = ("warmup", "train", "bench", "evaluate")
+
+
+def stages_of(root: Path) -> dict:
+    return yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
 
 
 @pytest.fixture(scope="module")
 def stages() -> dict:
-    return yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    return stages_of(ROOT)
+
+
+def scripts(root: Path) -> dict[str, str]:
+    """Each stage's stages/ script, by stage."""
+    return {name: script for name, entry in stages_of(root).items() if (script := stage_script(entry["cmd"]))}
 
 
 def _path(entry) -> str:
@@ -123,76 +156,7 @@ def fingerprint_keys(stage: dict) -> list[str] | None:
 
 
 def covered(path: str, deps: list[str]) -> bool:
-    return any(path == dep or path.startswith(dep.rstrip("/") + "/") for dep in deps)
-
-
-def module_file(module: str) -> Path | None:
-    """The source file of a dflashpipe module (a package's __init__.py), or None if there is none."""
-    base = SRC.joinpath(*module.split("."))
-    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def _imported(tree: ast.Module, file: Path) -> set[str]:
-    """Every module an import statement anywhere in `tree` (functions included) may load, but not
-    those only under `if TYPE_CHECKING:`; `from pkg import name` yields pkg and pkg.name."""
-    skip = {
-        id(n)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If)
-        and isinstance(node.test, ast.Name | ast.Attribute)
-        and "TYPE_CHECKING" in ast.unparse(node.test)
-        for n in ast.walk(node)
-    }
-    package = file.parent.relative_to(SRC).as_posix().replace("/", ".") if file.is_relative_to(SRC) else ""
-    found = set()
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
-            else:
-                base = node.module or ""
-            found.add(base)
-            found |= {f"{base}.{alias.name}" for alias in node.names}
-    return found
-
-
-def inert(tree: ast.Module) -> bool:
-    """Nothing but a docstring (a package's __init__.py, often): editing it cannot change an output,
-    and once it holds code it is no longer inert and must be listed."""
-    return all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in tree.body)
-
-
-def stage_code(script: Path) -> set[str]:
-    """The dflashpipe source files a stage script runs: its imports, transitively, with the packages
-    that hold them (importing a.b.c runs a/__init__.py and a/b/__init__.py), infrastructure and
-    inert files aside."""
-    files: set[str] = set()
-    todo, seen = [script], set()
-    while todo:
-        file = todo.pop()
-        if file in seen:
-            continue
-        seen.add(file)
-        tree = ast.parse(file.read_text(), str(file))
-        if file != script and not inert(tree):
-            files.add(file.relative_to(ROOT).as_posix())
-        for module in _imported(tree, file):
-            parts = module.split(".")
-            if parts[0] != "dflashpipe" or any(".".join(parts[:i]) in INFRASTRUCTURE for i in range(2, len(parts) + 1)):
-                continue
-            for i in range(2, len(parts) + 1):  # the enclosing packages, then the module itself
-                found = module_file(".".join(parts[:i]))
-                if found is not None:
-                    todo.append(found)
-    return files
+    return any(lies_under(path, dep) for dep in deps)
 
 
 def test_every_output_path_the_code_names_is_written_by_exactly_one_stage(stages):
@@ -222,30 +186,63 @@ def test_every_output_path_the_code_names_is_written_by_exactly_one_stage(stages
     assert len(every) == len(set(every)), "a path is an output of two stages"
 
 
-def test_every_stage_lists_its_script_and_every_module_it_imports_as_deps(stages):
-    missing = {}
-    for name, entry in stages.items():
-        (script,) = re.findall(r"stages/\w+\.py", entry["cmd"])
-        deps = [_path(d) for d in entry.get("deps", []) or []]
-        needed = {script} | stage_code(ROOT / script)
-        gaps = sorted(path for path in needed if not covered(path, deps))
-        if gaps:
-            missing[name] = gaps
-    # A module a stage runs but does not list: editing it changes the stage's output and DVC never reruns it.
-    assert missing == {}, f"dvc.yaml deps miss code the stage runs: {missing}"
+def test_dvc_yaml_lists_the_code_each_stage_runs_as_bin_deps_writes_it():
+    # A module a stage runs but does not list is code whose edits DVC never sees; one it lists but does not run
+    # reruns it for nothing. Each line names the stage, the path and the command that mends dvc.yaml.
+    lines = drift(ROOT)
+    assert not lines, "\n".join(lines)
+
+
+def test_a_drifted_dvc_yaml_is_named_stage_by_stage_and_written_back_stably(tmp_path):
+    project = copy_from_root(tmp_path, ["dvc.yaml", ".dvcignore", "stages", "src/dflashpipe"])
+    path = project / "dvc.yaml"
+    written = path.read_text()
+    drifted = written.replace("      - src/dflashpipe/tokens\n", "").replace(
+        "      - stages/target.py\n", "      - stages/target.py\n      - src/dflashpipe/target/adapter.py\n"
+    )
+    path.write_text(drifted)
+    assert drift(project) == [
+        "dvc.yaml stage target: extra src/dflashpipe/target/adapter.py (run bin/deps --write)",
+        "dvc.yaml stage tokenize: missing src/dflashpipe/tokens (run bin/deps --write)",
+    ]
+    deps = pipeline_code_deps(project)
+    assert with_code_deps(drifted, deps) == written
+    assert with_code_deps(written, deps) == written  # a second --write changes nothing
+    path.write_text(written.replace("      - stages/serve.py\n", ""))
+    with pytest.raises(PipelineError, match=r"\['serve'\] do not list their script under deps"):
+        with_code_deps(path.read_text(), pipeline_code_deps(project))
 
 
 def test_the_import_walk_finds_what_a_stage_runs():
     # the walk itself must be able to see a gap: train runs its package's modules and the model
-    code = stage_code(ROOT / "stages/train.py")
+    code = set(runs(ROOT / "stages/train.py", ROOT))
     # through the model package's __init__ (it re-exports), and lazily imported modules too
     assert {"src/dflashpipe/model/__init__.py", "src/dflashpipe/model/mask.py"} <= code
     assert "src/dflashpipe/target/adapter.py" in code
     assert not any(f"src/{m.replace('.', '/')}.py" in code for m in INFRASTRUCTURE)
     # the target package's modules, each by itself: train runs the adapter, never the target stage's code
     assert "src/dflashpipe/target/materialise.py" not in code and "src/dflashpipe/target/batching.py" not in code
-    assert not covered("src/dflashpipe/target/adapter.py", ["src/dflashpipe/train"])
-    assert covered("src/dflashpipe/train/loop.py", ["src/dflashpipe/train"])
+    deps = code_deps(ROOT / "stages/train.py", ROOT)
+    assert "src/dflashpipe/train" in deps and "src/dflashpipe/target/adapter.py" in deps
+    assert not any(covered("src/dflashpipe/target/materialise.py", [dep]) for dep in deps)
+    # a script that serve's engine starts in the serving environment's interpreter: no import shows it
+    assert "src/dflashpipe/serve/vllm_run.py" in code_deps(ROOT / "stages/serve.py", ROOT)
+
+
+def test_every_module_lies_under_the_deps_of_exactly_the_stages_that_run_it(stages):
+    # Every module, not only the one DVC was shown above: DVC hashes every file under a dep (.dvcignore aside),
+    # so a module lying under a stage's deps is a module whose edit reruns it. Infrastructure lies under none;
+    # an inert file lies under at most the stages that run it (where its package is one dep).
+    ran = {name: runs(ROOT / script, ROOT) for name, script in scripts(ROOT).items()}
+    under = {name: [_path(d) for d in stages[name].get("deps", [])] for name in ran}
+    for module in sorted(SRC.rglob("*.py")):
+        rel = module.relative_to(ROOT).as_posix()
+        rerun = {name for name in ran if covered(rel, under[name])}
+        running = {name for name in ran if rel in ran[name]}
+        if any(ran[name][rel] for name in running):  # inert
+            assert rerun <= running, rel
+        else:
+            assert rerun == running, rel
 
 
 TIMED_STAGES = ("train", "bench", "evaluate")

@@ -15,24 +15,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashpipe.pipeline import DVC_FILE, PARAMS_FILE, REUSE, reuse_key, stage_names, stage_spec
-from tests.conftest import copy_from_root
+from dflashpipe.pipeline import DVC_FILE, PARAMS_FILE, REUSE, reuse_key, stage_spec
+from tests.conftest import copy_from_root, write_stand_ins
 
 CODE = ["dvc.yaml", "params.yaml", ".dvcignore", "stages", "src/dflashpipe", "data/env/fingerprint.json"]
 
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
-    """The project's code and params, with a small stand-in file in every data dep of every stage."""
-    project = copy_from_root(tmp_path_factory.mktemp("keys"), CODE)
-    for name in stage_names(project):
-        for dep in stage_spec(name, project).deps:
-            path = project / dep
-            if not path.exists():
-                file = path if path.suffix else path / "part-0.bin"
-                file.parent.mkdir(parents=True, exist_ok=True)
-                file.write_bytes(b"stand-in " + dep.encode())
-    return project
+    """The project's code and params, with a small stand-in file for every output and data dep of every stage."""
+    return write_stand_ins(copy_from_root(tmp_path_factory.mktemp("keys"), CODE))
 
 
 def files_under(project: Path, dep: str) -> list[Path]:
