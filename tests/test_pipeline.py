@@ -239,10 +239,11 @@ def test_every_module_lies_under_the_deps_of_exactly_the_stages_that_run_it(stag
         rel = module.relative_to(ROOT).as_posix()
         rerun = {name for name in ran if covered(rel, under[name])}
         running = {name for name in ran if rel in ran[name]}
+        said = f"{rel}: under the deps of {sorted(rerun)}, run by {sorted(running)}"
         if any(ran[name][rel] for name in running):  # inert
-            assert rerun <= running, rel
+            assert rerun <= running, said
         else:
-            assert rerun == running, rel
+            assert rerun == running, said
 
 
 TIMED_STAGES = ("train", "bench", "evaluate")

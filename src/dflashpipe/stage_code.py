@@ -254,8 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if new == text:
         return 0
-    print("\n".join(drift()), file=sys.stderr)
     sys.stdout.writelines(difflib.unified_diff(text.splitlines(True), new.splitlines(True), DVC_FILE, DVC_FILE))
+    sys.stdout.flush()
+    print("\n".join(drift()), file=sys.stderr)
     return 1
 
 
