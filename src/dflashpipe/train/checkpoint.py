@@ -73,11 +73,12 @@ def save_checkpoint(
 def verify_checkpoint(path: Path) -> None:
     """Check every file of the checkpoint at `path` against its files.json; raise TrainCheckpointError otherwise."""
     # Written whole or not at all (atomic_directory), so damage here came from outside: say so, never
-    # resume from wrong numbers and never silently throw away hours of training either.
+    # resume from wrong numbers and never silently throw away hours of training either. dvc.yaml caches
+    # data/train-state, so the copy DVC recorded can be restored.
     verify_file_listing(
         path,
-        f"delete it to start this run from step 0 (`rm -r {path}`); a checkpoint "
-        f"is not cached by DVC, so it cannot be restored",
+        f"restore the recorded one (`dvc checkout {path.parent}`), or delete it to start this run from "
+        f"step 0 (`rm -r {path}`)",
         TrainCheckpointError,
     )
 
