@@ -45,6 +45,7 @@ import yaml  # noqa: E402
 
 from dflashpipe.params import (  # noqa: E402
     CompileParams,
+    ComputeParams,
     DataParams,
     ModelParams,
     SourceSpec,
@@ -76,6 +77,10 @@ class OverfitRun:
     def model_params(self) -> ModelParams:
         raw = {**_project("model"), **dict(self.model), "seq_len": self.seq_len, "num_anchors": self.num_anchors}
         return build(ModelParams, raw, "model")
+
+    def compute_params(self) -> ComputeParams:
+        """params.yaml's compute section: the proof's target computes as the pipeline's does, kind by kind."""
+        return build(ComputeParams, _project("compute"), "compute")
 
     def train_params(self, max_steps: int) -> TrainParams:
         # Constant after warmup (min_lr_ratio 1): a run resumed at every checkpoint is one run.
@@ -233,9 +238,25 @@ def prepare(run: OverfitRun, target_dir: Path, work: Path) -> None:
         {**_project("regenerate"), "enabled": True, "max_new_tokens": run.max_new_tokens, "max_prompt_tokens": fits},
         "regenerate",
     )
-    regenerate_manifest(regenerate, ["cpu"], work / "manifest", target_dir, work / "regenerated")
+    dtype = run.compute_params().target_dtype
+    regenerate_manifest(regenerate, ["cpu"], work / "manifest", target_dir, work / "regenerated", target_dtype=dtype)
     tokenize = build(TokenizeParams, {**_project("tokenize"), "num_proc": 1, "min_supervised_tokens": 2}, "tokenize")
     tokenize_manifest(tokenize, work / "regenerated", target_dir, work / "tokens")
+
+
+def check_one_row(run: OverfitRun, tokens_dir: Path) -> None:
+    """Refuse data that does not fit one training row: each step trains one row, so data spread over two rows
+    is seen half as often and memorised at half the speed, a slower proof with nothing wrong in the trainer
+    (how the proof once fell from tau 7.4 to 1.3 at 40 steps: replies made in bfloat16 ran longer)."""
+    from dflashpipe.tokens.shards import load_tokens
+
+    lengths = [int(n) for n in load_tokens(tokens_dir).lengths]
+    if sum(lengths) > run.seq_len:
+        raise SystemExit(
+            f"overfit: {tokens_dir}: the {len(lengths)} memorised sequences hold {sum(lengths)} tokens "
+            f"({', '.join(map(str, lengths))}), more than one training row of seq_len {run.seq_len}: each step would "
+            f"train on part of them; raise --seq-len to at least {sum(lengths)} or lower --samples"
+        )
 
 
 def code_key(*stages: str) -> dict[str, str]:
@@ -264,6 +285,7 @@ def prepared_data(run: OverfitRun, target_dir: Path, work: Path) -> Path:
     data = work / f"data-{hashlib.sha256(canonical_json(inputs)).hexdigest()[:16]}"
     if not (data / "tokens" / "files.json").is_file():
         prepare(run, target_dir, data)
+    check_one_row(run, data / "tokens")
     return data
 
 
@@ -282,6 +304,7 @@ def train(run: OverfitRun, target_dir: Path, tokens_dir: Path, out: Path, steps:
             "topology",
         ),
         train=run.train_params(steps),
+        compute=run.compute_params(),
     )
     # The run's settings (not its length: each segment resumes the one before it) and what dvc.yaml lists for
     # train (its code, params.yaml's train and model keys that the run does not set, the kernel environment).
@@ -310,16 +333,18 @@ def decode(run: OverfitRun, target_dir: Path, drafter_dir: Path, prompts_dir: Pa
     from dflashpipe.evaluate.evaluation import decode_prompts
     from dflashpipe.evaluate.metrics import eval_metrics
     from dflashpipe.evaluate.prompts import HELD_OUT, TRAIN, eval_prompts
+    from dflashpipe.kernels import rows_first
     from dflashpipe.model import DFlashDrafter, TargetHead
     from dflashpipe.target.adapter import Target
     from dflashpipe.tokens.chat import load_chat_tokenizer
     from dflashpipe.tokens.shards import load_tokens
 
-    target = Target.load(target_dir, "cpu", "auto")
+    # as evaluate decodes: the decode kind's dtype, with the decoding form of the linear layers
+    target = Target.load(target_dir, "cpu", run.compute_params().target_dtype, decoding=True, kind="decode")
     chat = load_chat_tokenizer(target_dir)
     stop = frozenset(target.stop_token_ids(chat.tokenizer))
     head = TargetHead.of(target.model)
-    drafter = DFlashDrafter.from_pretrained(drafter_dir, head, dtype=target.dtype, attention="sdpa").eval()
+    drafter = rows_first(DFlashDrafter.from_pretrained(drafter_dir, head, dtype=target.dtype, attention="sdpa").eval())
     prompts, _ = eval_prompts(prompts_dir, chat, run.samples, 1024, TRAIN)
     # eval_metrics' headline figures are the held-out split's: here the memorised prompts stand in that place.
     prompts = [replace(p, split=HELD_OUT) for p in prompts]

@@ -34,7 +34,7 @@ BLOCK = 4
 RUN = overfit.OverfitRun(
     samples=8,
     max_new_tokens=24,
-    seq_len=256,
+    seq_len=320,  # the four conversations it keeps (259 tokens) in one row: every step trains on all of them
     num_anchors=128,
     lr=3e-3,
     # The last layer among the features: its hidden state is the target's next token, as in a trained model.
@@ -45,10 +45,10 @@ PROOF_SHAPE = {"num_attention_heads": 4, "num_key_value_heads": 2}
 that vLLM can serve it). On the 2-head target the replies are other tokens, and a drafter trained with another
 mask token than decoding uses still reached tau 2.0-2.6 at 100-160 steps: too close to the aligned 3.1-3.3 for
 a proof."""
-STEPS = 160
-"""Aligned, this target memorises to tau 3.83 of 4 at 160 steps (3.68 at 140, 2.97 at 120); the misaligned
-trainers stay below 1.8. 120 sufficed while replies were re-tokenized text: one reply of the four then became 28
-tokens where the target had produced 25, and the proof judged only the prompts whose reply matched."""
+STEPS = 120
+"""Aligned, this target memorises its replies in 120 steps, the misaligned trainers stay below 2. (The bar was once
+moved to 160 steps for data that had spilled into a second training row, which halves how often each conversation
+is trained on; overfit.check_one_row now refuses such data instead.)"""
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +79,30 @@ def test_a_trainer_misaligned_with_decoding_fails_the_proof(prepared, misalignme
     assert checkpoint.lossless  # decoding stays the target's own: only the drafts get worse
     assert checkpoint.verdict(BLOCK) != "aligned", checkpoint
     assert checkpoint.tau < 2.0, checkpoint
+
+
+GUARD_STEPS = 40
+GUARD_TAU = 7.0
+"""The guard's bar on the real default target: a correct trainer memorised its proof data to tau 7.43 of 8 in 40
+steps (and still does); when replies made in another dtype than decoding's no longer fit one training row, the
+same trainer reached 1.34. A data path or trainer that learns slower fails here instead of moving the bar."""
+
+
+@pytest.mark.slow
+def test_the_real_default_target_memorises_its_replies_in_forty_steps(tmp_path_factory):
+    """The overfit proof as it ran when it reached tau 7.4: SmolLM2-135M materialised from the shipped GGUF, four
+    chitchat conversations answered by it, trained on with the train stage's loop, then decoded by evaluate's."""
+    from dflashpipe.params import TargetParams
+    from dflashpipe.target.materialise import materialise_target
+    from tests.conftest import SMOLLM2
+
+    target = tmp_path_factory.mktemp("smollm2") / "target"
+    materialise_target(TargetParams(source=SMOLLM2, dtype="bfloat16"), target)
+    [checkpoint] = overfit.overfit(overfit.OverfitRun(), target, tmp_path_factory.mktemp("proof"), [GUARD_STEPS])
+    assert checkpoint.lossless
+    assert checkpoint.exact_prompts == checkpoint.prompts, "a decoded reply is not the one trained on"
+    assert checkpoint.tau >= GUARD_TAU, checkpoint
+    assert checkpoint.verdict(8) == "aligned", checkpoint
 
 
 def block_against_decoding_error(drafter, features, input_ids, anchors) -> float:

@@ -47,9 +47,9 @@ def rows_first(module: torch.nn.Module) -> torch.nn.Module:
 
 WORK_KINDS = ("batched", "decode")
 """The kinds of work the target does, each with its own best dtype: `batched`, forwards over many rows at once
-(the features stage, train's online target, regenerate's batches of replies, the drafter's training step that
-borrows the target's modules); `decode`, one sequence a token or a block at a time (evaluate's plain decode
-steps and verify forwards)."""
+(the features stage, train's online target, the drafter's training step that borrows the target's modules);
+`decode`, the target's own greedy tokens (evaluate's plain decode steps and verify forwards, and regenerate's
+replies, which must be the tokens decoding gives: a reply made in another dtype is another reply)."""
 
 
 def bfloat16_native(device_type: str) -> bool:
@@ -64,9 +64,8 @@ def bfloat16_native(device_type: str) -> bool:
 
 def native_dtypes(device_type: str) -> dict[str, str]:
     """What `compute.target_dtype: auto` computes each kind of work in on a device of this type (WORK_KINDS):
-    bfloat16 where the hardware computes it, except one sequence's decoding on a CPU, where bfloat16 measured
-    slower than float32 even with AVX512-BF16 (a batch-1 decode step 1.40x float32's time, while a batched
-    forward took 0.39x and batched replies 0.41x: benchmarks/target_dtype.py, docs/design.md). Recorded by the
+    bfloat16 where the hardware computes it, except decoding on a CPU, where bfloat16 measured slower than float32
+    for one sequence even with AVX512-BF16 (benchmarks/target_dtype.py; docs/measurements.md). Recorded by the
     fingerprint (`target_dtype`), so a stage's lock names the dtype it ran in."""
     if not bfloat16_native(device_type):
         return dict.fromkeys(WORK_KINDS, "float32")

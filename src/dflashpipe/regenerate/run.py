@@ -53,6 +53,9 @@ from dflashpipe.threads import ThreadBudget, thread_budget
 from dflashpipe.tokens.chat import ChatTokenizer, load_chat_tokenizer
 
 SKIPPED_TURNS = ("no_prompt", "prompt_too_long", "empty_reply")
+REPLY_KIND = "decode"
+"""The kind of work (kernels.WORK_KINDS) whose dtype replies are made in here: decoding's, so that they are the
+replies the decoding target gives. The shards record the dtype (`settings.dtype`)."""
 DROPPED_SAMPLES = ("no_assistant_turn", "no_reply")
 
 
@@ -134,7 +137,12 @@ class InProcessReplier(Replier):
                     f"{torch.cuda.device_count()} CUDA device(s)"
                 )
         devices = list(dict.fromkeys(devices))
-        self.targets = [Target.load(target_dir, device, target_dtype, decoding=True) for device in devices]
+        # The decode kind's dtype, not the batched one: a reply is a label only if it is the token sequence the
+        # decoding target (evaluate, the served check) produces, and on a CPU with AMX the two kinds differ
+        # (float32 against bfloat16), and so do the replies, enough to change what the overfit proof memorises.
+        self.targets = [
+            Target.load(target_dir, device, target_dtype, decoding=True, kind=REPLY_KIND) for device in devices
+        ]
         # one worker thread per target copy, sharing the cores with the others on the CPU (dflashpipe.threads)
         self.threads: ThreadBudget = thread_budget({"target": sum(t.device.type == "cpu" for t in self.targets)})
         self.chat, self.max_new_tokens = chat, params.max_new_tokens
@@ -431,6 +439,8 @@ def regenerate_manifest(
         return _finish(output, {"enabled": False, "shards": shards}, 0, began, [])
 
     chat = load_chat_tokenizer(target_dir)
+    from dflashpipe.target.dtype import compute_dtype  # torch, only where replies are made here
+
     settings: dict = {
         "temperature": 0,
         "max_new_tokens": params.max_new_tokens,
@@ -438,6 +448,10 @@ def regenerate_manifest(
         "batch_size": params.batch_size,
         "chat_template_sha256": hashlib.sha256(chat.template.encode()).hexdigest(),
         "target_sha256": _target_sha256(target_dir),
+        # the numerics the replies were made in (in process: this machine's decode dtype; an endpoint's are its own)
+        "dtype": str(compute_dtype(devices[0], target_dtype, REPLY_KIND)).removeprefix("torch.")
+        if endpoint is None
+        else None,
         "generator": "in_process" if endpoint is None else {"endpoint": endpoint.base_url, "model": endpoint.model},
     }
     if served is not None:
