@@ -35,13 +35,13 @@ share_the_cores_among_xdist_workers()
 
 SLOWEST_FIRST = (
     "tests/test_explain.py",  # 199 s with the 83 s of building pipeline_run, which its first test asks for
-    "tests/test_gpu_check.py",  # 93 s, none of it on pipeline_run: the other worker's start
+    "tests/test_overfit.py",  # the real target's 40-step proof and the tiny arms: the other worker's start
+    "tests/test_gpu_check.py",  # 93 s, none of it on pipeline_run
     "tests/test_served_regenerate.py",  # vLLM's server, started twice; no pipeline_run
     "tests/test_serve.py",  # two vLLM processes (three checks, then dvc repro's); its last test copies pipeline_run
     "tests/reliability/test_killed.py",  # 156 s
     "tests/test_train.py",  # 104 s
     "tests/test_sharing.py",  # ~60 s quiet (126 + 101 s at a load of 7 on 2 cores, 2026-12-05): on pipeline_run
-    "tests/test_overfit.py",  # 81 s
     "tests/reliability/test_deterministic.py",  # 72 s
     "tests/test_compile.py",  # 62 s
     "tests/test_explain_machine.py",  # 51 s
@@ -110,6 +110,10 @@ TINY_PROFILE = {
     # The manifest's replies as they are: a random tiny target answers few turns (most samples would drop), and
     # regeneration has its own tests (test_regenerate, test_served_regenerate), which switch it on.
     "regenerate__enabled": False,
+    # The proof's own tests (test_overfit) use a target that talks; this random one answers none of its prompts,
+    # which the stage records as a failed proof: one conversation, to record it in seconds.
+    "proof__samples": 1,
+    "proof__steps": 3,
     "train__max_steps": 3,
     "train__warmup_steps": 1,
     "train__checkpoint_every": 0,

@@ -453,6 +453,44 @@ class ServeParams:
             )
 
 
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ProofParams:
+    """The overfit proof (stage `proof`): the drafter, shaped as `model` says, memorises the target's own replies to
+    a few conversations and must then draft them. Its recipe is its own (a constant learning rate after 10
+    warmup steps, one training row a step), so that a slower trainer or data path shows as a lower tau."""
+
+    samples: int
+    """Chitchat conversations memorised; together they must fit one row of `seq_len` tokens."""
+    steps: int
+    """Training steps before the drafter is decoded."""
+    max_new_tokens: int
+    """Longest regenerated reply, and the tokens decoded per prompt."""
+    seq_len: int
+    """The training row's length (the drafter's `model.seq_len` for this run)."""
+    num_anchors: int
+    """Blocks per row (the drafter's `model.num_anchors` for this run)."""
+    lr: float
+    """The constant learning rate after warmup."""
+    min_tau: float
+    """The bar: the memorised tau (of model.block_size) at least this, else metrics/proof.json says failed."""
+
+    def __post_init__(self) -> None:
+        for key, value, low, high in (
+            ("samples", self.samples, 1, 1024),
+            ("steps", self.steps, 1, 100_000),
+            ("max_new_tokens", self.max_new_tokens, 1, 65_536),
+            ("seq_len", self.seq_len, 16, 1_048_576),
+            ("num_anchors", self.num_anchors, 1, 65_536),
+        ):
+            if not (low <= value <= high):
+                raise ParamsError(f"params.yaml: proof.{key} = {value}: must be between {low} and {high}")
+        if not (self.lr > 0 and self.min_tau >= 0):
+            raise ParamsError(
+                f"params.yaml: proof.lr = {self.lr}, proof.min_tau = {self.min_tau}: lr must be positive and "
+                "min_tau not negative"
+            )
+
+
 SECTIONS: dict[str, type] = {
     "target": TargetParams,
     "compute": ComputeParams,
@@ -466,5 +504,6 @@ SECTIONS: dict[str, type] = {
     "train": TrainParams,
     "evaluate": EvaluateParams,
     "serve": ServeParams,
+    "proof": ProofParams,
 }
 """params.yaml's top-level sections and the dataclass that each one must fit."""

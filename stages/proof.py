@@ -1,0 +1,21 @@
+"""Stage `proof`: the overfit proof on data/target, into metrics/proof.json.
+
+python stages/proof.py      (what dvc.yaml runs; `dvc metrics diff` and `dflashpipe history` read its tau)
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the code DVC hashed
+
+from dflashpipe.pipeline import PROOF_METRICS, TARGET  # noqa: E402
+from dflashpipe.proof.stage import run_proof  # noqa: E402
+from dflashpipe.stage import run_stage  # noqa: E402
+
+
+def proof(p) -> None:
+    run_proof(p.proof, p.model, p.compute, TARGET, PROOF_METRICS)
+
+
+if __name__ == "__main__":
+    run_stage("proof", proof)
