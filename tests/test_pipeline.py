@@ -101,7 +101,7 @@ def test_bad_params_stop_the_first_stage_with_one_message_and_nothing_recorded(d
 def test_an_edit_of_a_module_reruns_exactly_the_stages_that_run_it(dvc_project):
     # DVC's own verdict, on a lock recorded without running anything: every output a stand-in file, then
     # `dvc commit` hashes deps and outs as they are. tokens/shards.py is tokenize's (under its package dep)
-    # and read by features, train and evaluate (a dep by itself): those four rerun, and no other stage.
+    # and read by features, train, proof and evaluate (a dep by itself): those five rerun, and no other stage.
     write_stand_ins(copy_from_root(dvc_project, [FINGERPRINT_FILE]))
     run(["dvc", "commit", "--force"], dvc_project)
     assert status(dvc_project) == {"fingerprint": ["always changed"]}
@@ -112,7 +112,7 @@ def test_an_edit_of_a_module_reruns_exactly_the_stages_that_run_it(dvc_project):
     running = {
         name for name, script in scripts(dvc_project).items() if module in runs(dvc_project / script, dvc_project)
     }
-    assert running == {"tokenize", "features", "train", "evaluate"}
+    assert running == {"tokenize", "features", "train", "proof", "evaluate"}
     assert set(status(dvc_project)) == running | {"fingerprint"}
 
 
