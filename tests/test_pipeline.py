@@ -38,6 +38,7 @@ def test_repro_runs_the_stages_then_reruns_only_what_changed(pipeline_run, tmp_p
         "warmup",
         "train",
         "bench",
+        "proof",
         "evaluate",
     ):
         assert f"Running stage '{stage}'" in first
@@ -47,7 +48,7 @@ def test_repro_runs_the_stages_then_reruns_only_what_changed(pipeline_run, tmp_p
     assert json.loads((project / "data/manifest/summary.json").read_text())["num_samples"] == samples
 
     again = run(["dvc", "repro"], project).stdout
-    for stage in ("target", "manifest", "regenerate", "tokenize", "warmup", "train", "bench", "evaluate"):
+    for stage in ("target", "manifest", "regenerate", "tokenize", "warmup", "train", "bench", "proof", "evaluate"):
         assert f"Stage '{stage}' didn't change, skipping" in again
     assert status(project) == {"fingerprint": ["always changed"]}
 
