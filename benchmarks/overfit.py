@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from dflashpipe.params import (  # noqa: E402
+from dflashpipe.core.params import (  # noqa: E402
     CompileParams,
     DataParams,
     ModelParams,
@@ -53,7 +53,7 @@ from dflashpipe.params import (  # noqa: E402
     TrainParams,
     build,
 )
-from dflashpipe.params.sections import RegenerateParams  # noqa: E402
+from dflashpipe.core.params.sections import RegenerateParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -242,7 +242,7 @@ def code_key(*stages: str) -> dict[str, str]:
     """What dvc.yaml lists for `stages` (their code, params and fingerprint keys), less their data deps: the
     benchmark makes its own data, which its directory's key covers. A change that would rerun those stages
     never lets the benchmark reuse what it made before."""
-    from dflashpipe.pipeline import stage_key, stage_spec
+    from dflashpipe.core.pipeline import stage_key, stage_spec
 
     inputs = {}
     for name in stages:
@@ -256,7 +256,7 @@ def prepared_data(run: OverfitRun, target_dir: Path, work: Path) -> Path:
     reply length, the row length that bounds the prompts, the target's files, and what dvc.yaml lists for the
     stages that make it), so a changed target, setting or stage never finds the old data, nor resumes an arm
     trained on it."""
-    from dflashpipe.artifacts import canonical_json, file_sha256
+    from dflashpipe.core.artifacts import canonical_json, file_sha256
 
     files = {name: file_sha256(target_dir / name) for name in ("config.json", "model.safetensors", "tokenizer.json")}
     stages = code_key("manifest", "regenerate", "tokenize")
@@ -269,7 +269,7 @@ def prepared_data(run: OverfitRun, target_dir: Path, work: Path) -> Path:
 
 def train(run: OverfitRun, target_dir: Path, tokens_dir: Path, out: Path, steps: int) -> dict:
     """Train to `steps` steps with the train stage's own function, resuming `out`'s last checkpoint."""
-    from dflashpipe.pipeline import StageKey
+    from dflashpipe.core.pipeline import StageKey
     from dflashpipe.train.stage import TrainPaths, train_drafter
     from dflashpipe.train.state import TrainInputs
 

@@ -34,13 +34,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
+    from dflashpipe.core.params import load_params
+    from dflashpipe.core.serving_env import SETUP, engine_versions, serving_python
+    from dflashpipe.core.spread import Spread
     from dflashpipe.evaluate.prompts import TRAIN, eval_prompts
-    from dflashpipe.params import load_params
     from dflashpipe.regenerate.endpoint import Endpoint
     from dflashpipe.regenerate.run import EndpointReplier, InProcessReplier
     from dflashpipe.serve.server import VllmServer
-    from dflashpipe.serving import SETUP, engine_versions, serving_python
-    from dflashpipe.spread import Spread
     from dflashpipe.tokens.chat import load_chat_tokenizer
 
     python = serving_python(ROOT)

@@ -76,9 +76,9 @@ def main() -> None:
 
     import torch
 
+    from dflashpipe.core.params import load_params
     from dflashpipe.evaluate.prompts import eval_prompts
     from dflashpipe.model.target_layers import spaced_target_layer_ids
-    from dflashpipe.params import load_params
     from dflashpipe.target.adapter import Target
     from dflashpipe.tokens.chat import load_chat_tokenizer
 

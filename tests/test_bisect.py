@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashpipe.errors import DflashpipeError
+from dflashpipe.core.errors import DflashpipeError
 from dflashpipe.rerun.bisect import bisect, bisect_lines
 from tests.conftest import run
 
@@ -135,7 +135,7 @@ def test_repeated_runs_pool_by_one_rule_a_rate_brought_to_one_machine_speed_by_i
     """bisect's probes and --verify's arms pool their runs by spread.pool and are judged by one rule, so the same
     runs are moved for both or for neither. Two runs of one rate, the second on a machine 2x slower (its control
     twice the time): each is first brought to the runs' mean machine speed, then pooled."""
-    from dflashpipe import spread
+    from dflashpipe.core import spread
     from dflashpipe.explain.history import Measured, moved
     from dflashpipe.rerun.tree import pooled
 

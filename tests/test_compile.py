@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashpipe.artifacts import write_file_listing, write_json_atomic
 from dflashpipe.compile.artifact import (
     BUILT_FOR,
     INDUCTOR_DIR,
@@ -28,7 +27,8 @@ from dflashpipe.compile.artifact import (
     load_artifact_or_go_cold,
     verify_artifact,
 )
-from dflashpipe.pipeline import StageKey, stage_key
+from dflashpipe.core.artifacts import write_file_listing, write_json_atomic
+from dflashpipe.core.pipeline import StageKey, stage_key
 from tests.conftest import ROOT
 
 SCRIPT = ROOT / "tests" / "scenarios" / "compile_guard.py"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashpipe.env import ABSENT, fact_at
+from dflashpipe.core.env import ABSENT, fact_at
 from dflashpipe.explain import (
     ALWAYS,
     CHANGE,
@@ -765,7 +765,7 @@ def test_the_live_check_imports_torch_only_when_its_key_moved(tmp_path, monkeypa
     tells are reused when recorded under the same key (torch's files, the CPU, the GPUs, the loading variables)."""
     import sys
 
-    from dflashpipe import env
+    from dflashpipe.core import env
 
     hashes, loaded = tmp_path / "hashes.json", tmp_path / "loaded.json"
     if (ROOT / env.HASH_STATE).is_file():  # spares hashing torch's 12K files again: the test is not about that

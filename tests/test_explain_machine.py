@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from dflashpipe import env
+from dflashpipe.core import env
+from dflashpipe.core.pipeline import Pipeline
 from dflashpipe.explain import DIRECT, DOWNSTREAM, NOISE, explain, print_text, to_json, to_markdown
-from dflashpipe.pipeline import Pipeline
 from tests.conftest import copy_project, run, set_params
 from tests.test_explain import N, invalidated, naming, quiet, verdicts
 

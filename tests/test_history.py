@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashpipe.errors import DflashpipeError
+from dflashpipe.core.errors import DflashpipeError
 from dflashpipe.explain import CHANGE, DOWNSTREAM, NOISE, UNMEASURED, explain, to_markdown
 from dflashpipe.explain.history import history, history_lines, history_markdown
 from tests.conftest import run
@@ -338,8 +338,8 @@ def test_no_dvc_lock_anywhere_is_an_error(tmp_path):
 
 
 def test_levels_mark_a_drift_no_step_shows_and_ignore_a_blip_and_the_machine():
+    from dflashpipe.core.spread import Control, Spread
     from dflashpipe.explain.history import Measured, Step, change_points
-    from dflashpipe.spread import Control, Spread
 
     metric = f"{TRAIN}:tokens_per_s"
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dflashpipe.evaluate.speculative import prefill
-from dflashpipe.packing import collate
+from dflashpipe.features.packing import collate
 from dflashpipe.target.adapter import Target
 from dflashpipe.train import loop
 from tests.conftest import ROOT

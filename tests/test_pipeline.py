@@ -96,7 +96,9 @@ SRC = ROOT / "src"
 FINGERPRINT_FILE = "data/env/fingerprint.json"
 # Imported by every stage and validated on their own (tests/test_params.py, the stage runner): a
 # stage does not list them, and an edit to them is not meant to rerun the pipeline.
-INFRASTRUCTURE = {f"dflashpipe.{m}" for m in ("params", "errors", "stage", "artifacts", "pipeline", "cli")}
+INFRASTRUCTURE = {f"dflashpipe.core.{m}" for m in ("params", "errors", "stage", "artifacts", "pipeline")} | {
+    "dflashpipe.cli"
+}
 KERNEL_STAGES = ("warmup", "train", "bench", "evaluate")
 
 
@@ -196,7 +198,7 @@ def stage_code(script: Path) -> set[str]:
 
 
 def test_every_output_path_the_code_names_is_written_by_exactly_one_stage(stages):
-    from dflashpipe import pipeline
+    from dflashpipe.core import pipeline
 
     names = (
         "FINGERPRINT",
@@ -267,7 +269,7 @@ def test_the_stages_that_run_compiled_kernels_name_the_same_environment_keys(sta
 
 
 def test_every_fingerprint_key_a_stage_names_is_in_the_fingerprint(stages):
-    from dflashpipe.env import fingerprint
+    from dflashpipe.core.env import fingerprint
 
     facts = fingerprint(ROOT)
     for name, entry in stages.items():

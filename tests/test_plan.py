@@ -19,7 +19,7 @@ import yaml
 from typer.testing import CliRunner
 
 from dflashpipe.cli import app
-from dflashpipe.devices import published
+from dflashpipe.core.devices import published
 from dflashpipe.plan import PlanError, make_plan
 from dflashpipe.plan.published import SPECFORGE_QWEN3_8B
 from dflashpipe.plan.throughput import sides, splits

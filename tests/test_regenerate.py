@@ -21,8 +21,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from dflashpipe.params.sections import RegenerateParams
-from dflashpipe.pipeline import REGENERATE_METRICS, REGENERATED, TOKENS, StageKey
+from dflashpipe.core.params.sections import RegenerateParams
+from dflashpipe.core.pipeline import REGENERATE_METRICS, REGENERATED, TOKENS, StageKey
 from dflashpipe.regenerate.endpoint import Endpoint, EndpointError
 from dflashpipe.regenerate.run import regenerate_manifest
 from dflashpipe.tokens.chat import load_chat_tokenizer

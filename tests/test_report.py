@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashpipe import plots
+from dflashpipe.core import plots
 from dflashpipe.explain import ALWAYS, DIRECT, DOWNSTREAM, UNCHANGED
 from dflashpipe.report import _axes, _chart_spec, _spread
 from tests.conftest import copy_project, run, set_params

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflashpipe.errors import SourceError
-from dflashpipe.params import TargetParams
+from dflashpipe.core.errors import SourceError
+from dflashpipe.core.params import TargetParams
 from dflashpipe.target.materialise import materialise_target
 from tests.conftest import SMOLLM2
 
@@ -75,8 +75,8 @@ def test_the_embedded_smollm2_gguf_becomes_a_deterministic_reloadable_model(tmp_
 
 
 def test_compute_target_dtype_is_the_devices_native_dtype_per_kind_of_work_and_the_fingerprint_records_it(tmp_path):
-    from dflashpipe.env import fingerprint
-    from dflashpipe.kernels import bfloat16_native
+    from dflashpipe.core.env import fingerprint
+    from dflashpipe.core.kernels import bfloat16_native
     from dflashpipe.target.dtype import compute_dtype
 
     native = bfloat16_native("cpu")  # AMX or AVX512-BF16 (an AVX2-only CPU emulates bfloat16)
@@ -90,8 +90,8 @@ def test_compute_target_dtype_is_the_devices_native_dtype_per_kind_of_work_and_t
 
 
 def test_bfloat16_on_a_device_that_cannot_compute_it_is_one_line_naming_key_device_and_support():
-    from dflashpipe.errors import ParamsError
-    from dflashpipe.kernels import bfloat16_native
+    from dflashpipe.core.errors import ParamsError
+    from dflashpipe.core.kernels import bfloat16_native
     from dflashpipe.target.dtype import compute_dtype
 
     if bfloat16_native("cuda"):

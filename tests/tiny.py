@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from dflashpipe.params import DataParams, ModelParams, SourceSpec, TokenizeParams, build
+from dflashpipe.core.params import DataParams, ModelParams, SourceSpec, TokenizeParams, build
 
 if TYPE_CHECKING:
     import torch

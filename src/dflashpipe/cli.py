@@ -9,8 +9,8 @@ import typer
 from typer.core import TyperGroup
 
 from dflashpipe import explain as explaining
-from dflashpipe.errors import DflashpipeError
-from dflashpipe.params import load_params, load_stage_params
+from dflashpipe.core.errors import DflashpipeError
+from dflashpipe.core.params import load_params, load_stage_params
 from dflashpipe.rerun import verify as verifying
 
 
@@ -47,7 +47,7 @@ def profile(
     name: str = typer.Option(None, help="The experiment's name (default: the file's name)."),
 ) -> None:
     """Check a profile over params.yaml and print the `dvc exp run` line that applies it."""
-    from dflashpipe.params.profile import experiment_command
+    from dflashpipe.core.params.profile import experiment_command
 
     typer.echo(experiment_command(file, name))
 
@@ -71,13 +71,13 @@ def plan(
     features' link or disk, the wall time, every figure with its source; refused when it cannot fit."""
     import subprocess
 
-    from dflashpipe.params.profile import experiment_words
+    from dflashpipe.core.params.profile import experiment_words
     from dflashpipe.plan import make_plan, plan_json, plan_lines
 
     made = make_plan(profile, sets, device, devices, target_config)
     text = plan_json(made)
     if out:
-        from dflashpipe.artifacts import write_bytes_atomic
+        from dflashpipe.core.artifacts import write_bytes_atomic
 
         write_bytes_atomic(out, (text + "\n").encode())
     typer.echo(text if as_json else "\n".join(plan_lines(made)))
@@ -192,6 +192,6 @@ def plots_template(
     """Write the offline HTML template for `dvc plots show` / `dvc plots diff` (Vega inlined, no CDN).
 
     .dvc/config's plots.html_template points at it."""
-    from dflashpipe import plots
+    from dflashpipe.core import plots
 
     typer.echo(f"wrote {plots.write_template(path)}")

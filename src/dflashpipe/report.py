@@ -2,7 +2,7 @@
 
 The page holds (1) the DAG in dvc.yaml order with each stage's verdict and reason from `explain` HEAD vs the
 workspace, (2) the headline metrics with their spread and HEAD's value beside them, (3) the plots: PNG images
-found under metrics/ and an inline SVG chart (plots.py's Vega-Lite specs, rendered by vl-convert) for each
+found under metrics/ and an inline SVG chart (core/plots.py's Vega-Lite specs, rendered by vl-convert) for each
 plot table dvc.yaml names, and (4) the `explain` Markdown itself. run_report.py says what the page holds (the
 `RunReport`, and which headline figures); report_page.py lays it out: HTML, one self-contained file (no script,
 no network URL), or Markdown with an images folder beside it.
@@ -20,15 +20,15 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from dflashpipe import plots
-from dflashpipe.artifacts import write_bytes_atomic
-from dflashpipe.errors import DflashpipeError
+from dflashpipe.core import plots
+from dflashpipe.core.artifacts import write_bytes_atomic
+from dflashpipe.core.errors import DflashpipeError
+from dflashpipe.core.headlines import HEADLINES, SLOT_ACCURACY
+from dflashpipe.core.pipeline import METRICS, Pipeline
+from dflashpipe.core.revision import commit_of
 from dflashpipe.explain import WORKSPACE, Report, explain, to_markdown
 from dflashpipe.explain.render import verdict_reason
-from dflashpipe.headlines import HEADLINES, SLOT_ACCURACY
-from dflashpipe.pipeline import METRICS, Pipeline
 from dflashpipe.report_page import to_html, to_markdown_page
-from dflashpipe.revision import commit_of
 from dflashpipe.run_report import Chart, Headline, RunReport
 
 SINGLE = "single measurement"
@@ -207,7 +207,7 @@ def _charts(root: Path) -> list[Chart]:
 
 
 def _chart_spec(series: list[tuple[Any, float | None]], x: str | None, y: str, bar: bool, title: str) -> dict:
-    """plots.py's Vega-Lite spec for a series; fields "x"/"y" (a column name may hold a dot Vega-Lite would
+    """core/plots.py's Vega-Lite spec for a series; fields "x"/"y" (a column name may hold a dot Vega-Lite would
     read as a path), with the columns' names as axis titles. Bars run horizontally, as DVC's bar_horizontal."""
     if bar:
         rows = [{"x": str(xv), "y": yv} for xv, yv in series]

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflashpipe.artifacts import verify_file_listing, write_bytes_atomic, write_file_listing, write_json_atomic
-from dflashpipe.errors import DflashpipeError
-from dflashpipe.pipeline import StageKey
+from dflashpipe.core.artifacts import verify_file_listing, write_bytes_atomic, write_file_listing, write_json_atomic
+from dflashpipe.core.errors import DflashpipeError
+from dflashpipe.core.pipeline import StageKey
 
 INDUCTOR_DIR = "inductor"
 MEGA_CACHE = "mega.bin"
@@ -42,7 +42,7 @@ REPORT = "report.json"
 BUILT_FOR = "built_for"
 """The report's record of warmup's stage key (StageKey.to_json) when the artifact was built."""
 INTRA_OP_THREADS = "intra_op_threads"
-"""The report's record of the count the step was compiled at (dflashpipe.threads): the kernels are bound to it."""
+"""The report's record of the count the step was compiled at (dflashpipe.core.threads): the kernels are bound to it."""
 NAMED_CHANGES = 5
 """A refusal names at most this many changed inputs and counts the rest: one readable line."""
 
@@ -130,7 +130,7 @@ def load_artifact(path: Path | str, workdir: Path | str, expected: StageKey | No
     if compiled_at is not None and compiled_at != now:
         raise CompileArtifactError(
             f"{path} was compiled at {compiled_at} intra-op threads per drafter, this run uses {now} "
-            f"(dflashpipe.threads: this process's cores over its workers): `dvc repro -f warmup` on this machine"
+            f"(dflashpipe.core.threads: this process's cores over its workers): `dvc repro -f warmup` on this machine"
         )
     if workdir.exists():
         shutil.rmtree(workdir)

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dflashpipe.errors import DflashpipeError
+from dflashpipe.core.errors import DflashpipeError
+from dflashpipe.core.pipeline import FINGERPRINT, PARAMS_FILE, Pipeline
+from dflashpipe.core.revision import WORKSPACE, Revision, Revisions, Workspace, parse_yaml
 from dflashpipe.explain.answer import Answer, answer
 from dflashpipe.explain.comparison import (
     compare,
@@ -61,8 +63,6 @@ from dflashpipe.explain.report import (
     Verdict,
 )
 from dflashpipe.explain.state import LocalCache, State, as_committed, read_revision_state, read_workspace_state
-from dflashpipe.pipeline import FINGERPRINT, PARAMS_FILE, Pipeline
-from dflashpipe.revision import WORKSPACE, Revision, Revisions, Workspace, parse_yaml
 
 __all__ = [
     "ALWAYS",

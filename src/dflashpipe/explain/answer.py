@@ -15,7 +15,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflashpipe import env
+from dflashpipe.core import env
+from dflashpipe.core.headlines import HEADLINES
+from dflashpipe.core.pipeline import FINGERPRINT, PARAMS_FILE
 from dflashpipe.explain.report import (
     ALWAYS,
     CHANGE,
@@ -34,8 +36,6 @@ from dflashpipe.explain.report import (
     Report,
     Verdict,
 )
-from dflashpipe.headlines import HEADLINES
-from dflashpipe.pipeline import FINGERPRINT, PARAMS_FILE
 
 
 @dataclass

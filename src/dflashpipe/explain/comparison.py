@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import json
 
-from dflashpipe import env, pipeline, spread
-from dflashpipe.artifacts import json_number
 from dflashpipe.compile.artifact import BUILT_FOR, REPORT
-from dflashpipe.errors import DflashpipeError
+from dflashpipe.core import env, pipeline, spread
+from dflashpipe.core.artifacts import json_number
+from dflashpipe.core.errors import DflashpipeError
+from dflashpipe.core.headlines import HEADLINES
+from dflashpipe.core.pipeline import COMPILE, FINGERPRINT, lies_under
+from dflashpipe.core.revision import WORKSPACE, read_metrics
 from dflashpipe.explain.report import (
     ALWAYS,
     DIRECT,
@@ -33,9 +36,6 @@ from dflashpipe.explain.report import (
     display_names,
 )
 from dflashpipe.explain.state import State, cached_json, dir_listing, in_cache, read_revision_state
-from dflashpipe.headlines import HEADLINES
-from dflashpipe.pipeline import COMPILE, FINGERPRINT, lies_under
-from dflashpipe.revision import WORKSPACE, read_metrics
 
 LISTED_FILES = 5
 """How many changed files of one directory a path names before it says how many more there are."""

@@ -25,9 +25,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflashpipe import spread
-from dflashpipe.artifacts import json_number
-from dflashpipe.errors import DflashpipeError
+from dflashpipe.core import spread
+from dflashpipe.core.artifacts import json_number
+from dflashpipe.core.errors import DflashpipeError
+from dflashpipe.core.headlines import HEADLINES
+from dflashpipe.core.pipeline import Pipeline, lies_under
+from dflashpipe.core.pipeline import _param_value as param_value  # the value as the stage keys read it
+from dflashpipe.core.revision import (
+    Revision,
+    Revisions,
+    commit_of,
+    experiment_refs,
+    git,
+    no_commit_reason,
+    read_metrics,
+    unknown_revision,
+)
 from dflashpipe.explain.comparison import compare, control, figure, is_rate, is_throughput, metric_deltas, root_causes
 from dflashpipe.explain.report import (
     CHANGE,
@@ -41,19 +54,6 @@ from dflashpipe.explain.report import (
     display_names,
 )
 from dflashpipe.explain.state import LocalCache, read_revision_state
-from dflashpipe.headlines import HEADLINES
-from dflashpipe.pipeline import Pipeline, lies_under
-from dflashpipe.pipeline import _param_value as param_value  # the value as the stage keys read it
-from dflashpipe.revision import (
-    Revision,
-    Revisions,
-    commit_of,
-    experiment_refs,
-    git,
-    no_commit_reason,
-    read_metrics,
-    unknown_revision,
-)
 
 LOCK = "dvc.lock"
 

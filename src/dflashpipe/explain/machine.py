@@ -2,7 +2,7 @@
 
 The fingerprint stage records the machine when it last ran; `dvc repro` reruns it, but `explain` and
 `dvc status` compare against the file as it is. So explain observes the machine now, with the fingerprint
-stage's own code (`dflashpipe.env.observe`), says first when the file is stale, and reads every fingerprint key
+stage's own code (`dflashpipe.core.env.observe`), says first when the file is stale, and reads every fingerprint key
 of the workspace off the machine, not the file (`with_live_fingerprint`): `dvc repro` reruns the fingerprint stage
 before anything that reads it, so the live value is what each stage will run with. A key whose live value the file
 does not show yet is the machine's change (`attribute_to_machine`): a `machine` cause of every stage that names it,
@@ -22,9 +22,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dflashpipe import env
+from dflashpipe.core import env
+from dflashpipe.core.pipeline import FINGERPRINT
 from dflashpipe.explain.report import DOWNSTREAM, Cause, EditedFile, Machine, StageState, Verdict
-from dflashpipe.pipeline import FINGERPRINT
 
 
 def fingerprint_changes(recorded: dict[str, Any], now: dict[str, Any]) -> list[Cause]:

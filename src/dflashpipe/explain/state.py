@@ -1,11 +1,11 @@
 """Reading one state of the pipeline: a git revision, a DVC experiment, or the workspace.
 
 A revision's state is what its dvc.yaml and dvc.lock recorded, read through the one revision reader
-(dflashpipe.revision) with the workspace untouched; the workspace's is what DVC computes from the files on
-disk now (DVC's own hashing, through its Python API). Stages come from dvc.yaml (dflashpipe.pipeline's
+(dflashpipe.core.revision) with the workspace untouched; the workspace's is what DVC computes from the files on
+disk now (DVC's own hashing, through its Python API). Stages come from dvc.yaml (dflashpipe.core.pipeline's
 model of it), so a new stage needs no change here.
 
-Invariant: with dflashpipe.revision, this is the only module of the package that reads files, git, DVC or
+Invariant: with dflashpipe.core.revision, this is the only module of the package that reads files, git, DVC or
 its cache. Every value it returns carries its evidence (`StageState.where`), and what it cannot read is
 None, never a guess.
 """
@@ -16,10 +16,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dflashpipe.errors import DflashpipeError
+from dflashpipe.core.errors import DflashpipeError
+from dflashpipe.core.pipeline import DVC_FILE, FINGERPRINT, PARAMS_FILE, Pipeline, lies_under
+from dflashpipe.core.revision import Revision, Workspace, changed_in_git
 from dflashpipe.explain.report import Cause, StageState
-from dflashpipe.pipeline import DVC_FILE, FINGERPRINT, PARAMS_FILE, Pipeline, lies_under
-from dflashpipe.revision import Revision, Workspace, changed_in_git
 
 State = Revision | Workspace
 """The files of one state: a commit's (read through git) or the workspace's."""

@@ -1,7 +1,7 @@
 """`dflashpipe plan`: a training run on paper, before its devices are paid for.
 
 Invariant: every figure is computed from the run's params (a profile and `-S` values over params.yaml), the
-target's config.json, the device table (dflashpipe.devices, the user's own rows, this CPU measured now) and MFUs
+target's config.json, the device table (dflashpipe.core.devices, the user's own rows, this CPU measured now) and MFUs
 calibrated from measurements (dflashpipe.plan.calibration); every input figure carries its source (measured here,
 published with its source, or assumed), in the text and in the JSON. The modules split where the work does:
 `inputs` (params, config, devices, data size), `model` (the models on the meta device), `calibration` (MFUs),

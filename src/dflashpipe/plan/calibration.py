@@ -21,9 +21,9 @@ from pathlib import Path
 
 import yaml
 
-from dflashpipe.devices import published
-from dflashpipe.params import PARAMS_FILE
-from dflashpipe.pipeline import BENCH_METRICS, FEATURES_METRICS, TRAIN_METRICS
+from dflashpipe.core.devices import published
+from dflashpipe.core.params import PARAMS_FILE
+from dflashpipe.core.pipeline import BENCH_METRICS, FEATURES_METRICS, TRAIN_METRICS
 from dflashpipe.plan.inputs import DeviceChoice, PlanError, Run, TargetConfig, resolve_run, target_config
 from dflashpipe.plan.model import Models, Shapes, feature_bytes_per_token, whole_forward_flops
 from dflashpipe.plan.published import SPECFORGE_QWEN3_8B, TARGET_CONFIGS, PublishedRun

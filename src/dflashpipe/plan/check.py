@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflashpipe.pipeline import TRAIN_METRICS
+from dflashpipe.core.pipeline import TRAIN_METRICS
 from dflashpipe.plan.calibration import measured_run
 from dflashpipe.plan.model import feature_bytes_per_token
 

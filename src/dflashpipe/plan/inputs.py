@@ -15,14 +15,14 @@ from typing import Any
 
 import yaml
 
-from dflashpipe.devices import GB, PUBLISHED, Device
-from dflashpipe.errors import DflashpipeError, ParamsError
-from dflashpipe.params import PARAMS_FILE, SECTIONS, build
-from dflashpipe.params.loading import _read_yaml
-from dflashpipe.params.profile import profile_overrides
-from dflashpipe.pipeline import TARGET, TOKENIZE_METRICS, TRAIN_METRICS
+from dflashpipe.core.devices import GB, PUBLISHED, Device
+from dflashpipe.core.errors import DflashpipeError, ParamsError
+from dflashpipe.core.params import PARAMS_FILE, SECTIONS, build
+from dflashpipe.core.params.loading import _read_yaml
+from dflashpipe.core.params.profile import profile_overrides
+from dflashpipe.core.pipeline import TARGET, TOKENIZE_METRICS, TRAIN_METRICS
+from dflashpipe.core.threads import thread_budget
 from dflashpipe.plan.published import TARGET_CONFIGS
-from dflashpipe.threads import thread_budget
 
 
 class PlanError(DflashpipeError):
@@ -153,7 +153,7 @@ def _read_config(path: Path, key: str, value: str) -> TargetConfig:
 
 def this_cpu(root: Path) -> Device:
     """This CPU as a device, from measurements of this machine: its fp32 rate is the fixed matmul that train timed
-    beside its own run (dflashpipe.spread's control, in metrics/train/metrics.json), per thread, times the cores
+    beside its own run (dflashpipe.core.spread's control, in metrics/train/metrics.json), per thread, times the cores
     this process may use; without it, and for bf16, a matmul timed now. Its memory: physical (or the cgroup's
     limit, if lower). A rate against a measured matmul, not a datasheet peak: an MFU here can pass 1 where a
     kernel beats that matmul."""
@@ -181,7 +181,7 @@ def this_cpu(root: Path) -> Device:
 
 def recorded_control(root: Path) -> tuple[float | None, str]:
     """FLOP/s per thread of the control matmul that train timed before and after its steps, or None."""
-    from dflashpipe.spread import CONTROL_SHAPE
+    from dflashpipe.core.spread import CONTROL_SHAPE
 
     try:
         metrics = json.loads((root / TRAIN_METRICS).read_text())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dflashpipe.devices import Device
+from dflashpipe.core.devices import Device
 from dflashpipe.model.loss import LOGITS_CHUNK_BYTES
 from dflashpipe.plan.inputs import Run
 from dflashpipe.plan.model import BYTES, Shapes

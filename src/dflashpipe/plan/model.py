@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
+from dflashpipe.core.params import ComputeParams, ModelParams
 from dflashpipe.model import DFlashDrafter, TargetHead
 from dflashpipe.model.attention import resolve_backend
 from dflashpipe.model.config import DFlashConfig, text_config
-from dflashpipe.params import ComputeParams, ModelParams
 from dflashpipe.target.dtype import compute_dtype
 from dflashpipe.train.flops import side_flops, target_forward_flops
 

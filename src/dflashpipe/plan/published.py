@@ -41,7 +41,7 @@ class PublishedRun:
 
     source: str
     device: str
-    """The GPU it ran on (a row of dflashpipe.devices)."""
+    """The GPU it ran on (a row of dflashpipe.core.devices)."""
     target: str
     """Its target's config (a key of TARGET_CONFIGS)."""
     drafter_layers: int

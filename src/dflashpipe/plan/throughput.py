@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dflashpipe.core.threads import training_budget
 from dflashpipe.plan.calibration import Calibration
 from dflashpipe.plan.inputs import DataSize, DeviceChoice, Run
 from dflashpipe.plan.model import Shapes, feature_bytes_per_token
-from dflashpipe.threads import training_budget
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Split:
 
 
 def worker_peaks(run: Run, sh: Shapes, devices: DeviceChoice) -> dict[str, float]:
-    """Each role's peak for one worker: a GPU's own, or its share of this CPU's cores (dflashpipe.threads)."""
+    """Each role's peak for one worker: a GPU's own, or its share of this CPU's cores (dflashpipe.core.threads)."""
     budget = training_budget(run.topology.target_devices, run.topology.drafter_devices)
     peaks = {}
     for role, device, dtype in (

@@ -29,16 +29,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflashpipe import spread
-from dflashpipe.artifacts import json_number
-from dflashpipe.errors import DflashpipeError
+from dflashpipe.core import spread
+from dflashpipe.core.artifacts import json_number
+from dflashpipe.core.errors import DflashpipeError
+from dflashpipe.core.pipeline import FINGERPRINT
+from dflashpipe.core.revision import Revisions, Workspace, commit_of, git, has_file, read_metrics, run_git
 from dflashpipe.explain import DIRECT, OUTPUTS, RESTORABLE, WORKSPACE, Cause, Report, cause_line, explain
 from dflashpipe.explain.comparison import topological, upstream_of
 from dflashpipe.explain.history import Measured, moved
 from dflashpipe.explain.state import State, read_revision_state
-from dflashpipe.pipeline import FINGERPRINT
 from dflashpipe.rerun.tree import ScratchTree, pooled, shared_cache
-from dflashpipe.revision import Revisions, Workspace, commit_of, git, has_file, read_metrics, run_git
 
 MEASURED, FIXED, OVER_BUDGET, FAILED = "measured", "cannot revert here", "over budget", "failed"
 

@@ -27,18 +27,18 @@ from pathlib import Path
 
 import torch
 
-from dflashpipe.artifacts import verify_file_listing, write_json_atomic
-from dflashpipe.errors import DflashpipeError, SourceError
+from dflashpipe.core.artifacts import verify_file_listing, write_json_atomic
+from dflashpipe.core.errors import DflashpipeError, SourceError
+from dflashpipe.core.params import ComputeParams, EvaluateParams, ServeParams
+from dflashpipe.core.serving_env import PYTHON_ENV, SERVE_VENV, SETUP, engine_versions, serving_python
+from dflashpipe.core.spread import Spread
 from dflashpipe.evaluate import lossless
 from dflashpipe.evaluate.prompts import HELD_OUT, TRAIN, EvalPrompt, eval_prompts
 from dflashpipe.evaluate.speculative import DFlashProposer
 from dflashpipe.model import DFlashDrafter, TargetHead
-from dflashpipe.params import ComputeParams, EvaluateParams, ServeParams
 from dflashpipe.serve.engine import Engine, EngineError, EngineRequest, run_engine
 from dflashpipe.serve.replay import EngineStep, replay
 from dflashpipe.serve.served_files import write_served_files
-from dflashpipe.serving import PYTHON_ENV, SERVE_VENV, SETUP, engine_versions, serving_python
-from dflashpipe.spread import Spread
 from dflashpipe.target.adapter import Target
 
 PASSED, FAILED, NOT_RUN = "passed", "failed", "not_run"

@@ -20,7 +20,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflashpipe.errors import DflashpipeError
+from dflashpipe.core.errors import DflashpipeError
 from dflashpipe.serve.engine import engine_env
 
 
@@ -37,7 +37,7 @@ def free_port() -> int:
 @dataclass
 class VllmServer:
     python: Path
-    """The serving environment's interpreter (dflashpipe.serving.serving_python)."""
+    """The serving environment's interpreter (dflashpipe.core.serving_env.serving_python)."""
     model: Path
     served_name: str
     log: Path

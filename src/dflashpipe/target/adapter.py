@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from dflashpipe.errors import SourceError
-from dflashpipe.kernels import rows_first
+from dflashpipe.core.errors import SourceError
+from dflashpipe.core.kernels import rows_first
 from dflashpipe.target.dtype import compute_dtype
 
 

@@ -47,7 +47,7 @@ def target_layer_features(
     returns the final-normed output as the last hidden state, so when the last decoder layer is chosen it
     is normed here too.
 
-    Packed rows (dflashpipe.packing) pass `document_ids` and in-document `position_ids` [B, S]: each document
+    Packed rows (dflashpipe.features.packing) pass `document_ids` and in-document `position_ids` [B, S]: each document
     then attends only within itself (document_causal_mask, an explicit 4D mask that the decoder layers of
     every transformers 5.x read alike), so its features are those of the document alone. The padding
     is then document -1 and `attention_mask` goes unused.

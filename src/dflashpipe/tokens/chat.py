@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflashpipe.errors import SourceError
+from dflashpipe.core.errors import SourceError
 
 SENTINEL = "\ue000{}\ue001"
 """Private-use characters around a message index: no template writes them itself."""

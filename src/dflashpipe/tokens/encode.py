@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from dflashpipe.params import TokenizeParams
+from dflashpipe.core.params import TokenizeParams
 from dflashpipe.tokens.chat import ChatTokenizer, ReplyLocator, template_errors
 
 SKIP_REASONS = (

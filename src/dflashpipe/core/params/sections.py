@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from dflashpipe.errors import ParamsError
+from dflashpipe.core.errors import ParamsError
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -114,7 +114,7 @@ class ModelParams:
     """The DFlash drafter: its architecture, its training shapes and its attention backend.
 
     The shapes are static on purpose: whole sequences are packed into rows of `seq_len` tokens
-    (dflashpipe.packing) and every row gets `num_anchors` blocks (unused ones masked out), so one
+    (dflashpipe.features.packing) and every row gets `num_anchors` blocks (unused ones masked out), so one
     compiled flex_attention serves a whole run.
     """
 

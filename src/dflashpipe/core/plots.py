@@ -21,7 +21,7 @@ import math
 import re
 from pathlib import Path
 
-from dflashpipe.artifacts import write_bytes_atomic
+from dflashpipe.core.artifacts import write_bytes_atomic
 
 PLOT_DIVS = "{plot_divs}"
 """What DVC replaces with the plots' divs (dvc_render.html.HTML.PLOTS_PLACEHOLDER)."""

@@ -7,7 +7,7 @@ The step is warmup's: the same drafter (sized from data/target's config.json, in
 the same fixed shapes (model.seq_len x compile.micro_batch), compiled from warmup's artifact when it was
 built for warmup's key now. The eager and the compiled step run in interleaved rounds on the same random
 inputs, so a machine that gets busier slows both alike: each round gives one rate of each and their ratio,
-and the rounds give the spread (dflashpipe.spread) that tells a real change from noise.
+and the rounds give the spread (dflashpipe.core.spread) that tells a real change from noise.
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dflashpipe.artifacts import PARTIAL, write_json_atomic
 from dflashpipe.compile.warmup import autocast, compiled_step, run_step_once, step_inputs
-from dflashpipe.errors import SourceError
+from dflashpipe.core.artifacts import PARTIAL, write_json_atomic
+from dflashpipe.core.errors import SourceError
+from dflashpipe.core.params import CompileParams, ModelParams
+from dflashpipe.core.pipeline import StageKey
+from dflashpipe.core.spread import Measuring, Spread, clock
+from dflashpipe.core.threads import ThreadBudget, thread_budget
 from dflashpipe.model import DFlashDrafter, StepInputs
-from dflashpipe.params import CompileParams, ModelParams
-from dflashpipe.pipeline import StageKey
-from dflashpipe.spread import Measuring, Spread, clock
 from dflashpipe.target.dtype import compute_dtype
-from dflashpipe.threads import ThreadBudget, thread_budget
 
 REPEATS = 5
 """Interleaved rounds; each gives one sample of every figure (the spread needs 2 or more)."""
@@ -99,7 +99,7 @@ def bench_step(
     from dflashpipe.compile.guard import dynamo_counters
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    # compiled and timed at the drafter threads' count (the kernels are bound to it: dflashpipe.threads);
+    # compiled and timed at the drafter threads' count (the kernels are bound to it: dflashpipe.core.threads);
     # without a topology, the one step thread gets every core this process may use
     threads = threads or thread_budget({"drafter": 1})
     threads.apply("drafter", device)

@@ -24,10 +24,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from dflashpipe import env
-from dflashpipe.errors import DflashpipeError
-from dflashpipe.params import StageParams, load_stage_params
-from dflashpipe.pipeline import FINGERPRINT, StageKey, stage_key, stage_spec
+from dflashpipe.core import env
+from dflashpipe.core.errors import DflashpipeError
+from dflashpipe.core.params import StageParams, load_stage_params
+from dflashpipe.core.pipeline import FINGERPRINT, StageKey, stage_key, stage_spec
 
 
 class InputsChangedError(DflashpipeError):

@@ -17,9 +17,9 @@ from typing import Any, Literal
 
 import yaml
 
-from dflashpipe.errors import ParamsError
-from dflashpipe.params.sections import SECTIONS
-from dflashpipe.pipeline import Pipeline, PipelineError
+from dflashpipe.core.errors import ParamsError
+from dflashpipe.core.params.sections import SECTIONS
+from dflashpipe.core.pipeline import Pipeline, PipelineError
 
 PARAMS_FILE = "params.yaml"
 DVC_FILE = "dvc.yaml"

@@ -18,7 +18,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from dflashpipe.errors import DflashpipeError
+from dflashpipe.core.errors import DflashpipeError
 
 SERVE_VENV = ".venv-serve"
 """Where `bin/setup --serve` puts the serving environment, under the project root (git-ignored)."""

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflashpipe.pipeline import BENCH_METRICS, EVAL_METRICS, METRICS, SERVE_METRICS, TRAIN_METRICS, TRAIN_METRICS_DIR
+from dflashpipe.core.pipeline import (
+    BENCH_METRICS,
+    EVAL_METRICS,
+    METRICS,
+    SERVE_METRICS,
+    TRAIN_METRICS,
+    TRAIN_METRICS_DIR,
+)
 
 EVAL = EVAL_METRICS.as_posix()
 TRAIN = TRAIN_METRICS.as_posix()

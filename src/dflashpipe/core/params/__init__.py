@@ -12,7 +12,7 @@ reads params.yaml and dvc.yaml into them. `__all__` is the public API.
 
 from __future__ import annotations
 
-from dflashpipe.params.loading import (
+from dflashpipe.core.params.loading import (
     DVC_FILE,
     PARAMS_FILE,
     StageParams,
@@ -21,7 +21,7 @@ from dflashpipe.params.loading import (
     load_params,
     load_stage_params,
 )
-from dflashpipe.params.sections import (
+from dflashpipe.core.params.sections import (
     SECTIONS,
     SOURCE_KINDS,
     USER_SOURCE_KINDS,

@@ -27,8 +27,8 @@ from typing import Any
 
 import yaml
 
-from dflashpipe.artifacts import canonical_json, file_sha256
-from dflashpipe.errors import DflashpipeError, SourceError
+from dflashpipe.core.artifacts import canonical_json, file_sha256
+from dflashpipe.core.errors import DflashpipeError, SourceError
 
 DVC_FILE = "dvc.yaml"
 PARAMS_FILE = "params.yaml"

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from dflashpipe.artifacts import json_number
+from dflashpipe.core.artifacts import json_number
 
 Verdict = Literal["noise", "change", "unmeasured", "machine"]
 SUFFIX = "_spread"

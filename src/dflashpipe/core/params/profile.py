@@ -13,9 +13,9 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from dflashpipe.errors import ParamsError
-from dflashpipe.params.loading import PARAMS_FILE, _read_yaml, build
-from dflashpipe.params.sections import SECTIONS
+from dflashpipe.core.errors import ParamsError
+from dflashpipe.core.params.loading import PARAMS_FILE, _read_yaml, build
+from dflashpipe.core.params.sections import SECTIONS
 
 
 def profile_overrides(profile: Path | str, root: Path | str = ".") -> dict[str, Any]:

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflashpipe.artifacts import canonical_json, write_json_atomic
-from dflashpipe.serving import serving_environment
-from dflashpipe.threads import CORES_ENV, CPU_MAX
+from dflashpipe.core.artifacts import canonical_json, write_json_atomic
+from dflashpipe.core.serving_env import serving_environment
+from dflashpipe.core.threads import CORES_ENV, CPU_MAX
 
 COMPILE_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHDYNAMO_", "TRITON_")
 COMPILE_ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "TORCH_CUDA_ARCH_LIST")
@@ -68,7 +68,7 @@ only says what each one reads."""
 
 THREAD_ENV_PREFIXES = tuple(sorted({prefix for prefixes in RUNTIME_VARIABLES.values() for prefix in prefixes}))
 """Every variable of these families is recorded, read or not: `threads.env` holds those the runtimes torch
-computes through read (and ours, `DFLASHPIPE_CORES`, which caps the cores dflashpipe.threads divides among a
+computes through read (and ours, `DFLASHPIPE_CORES`, which caps the cores dflashpipe.core.threads divides among a
 stage's workers), `threads.other_env` the rest (an `OPENBLAS_*` beside an MKL torch: numpy's OpenBLAS reads it,
 and no stage's output goes through numpy's linear algebra)."""
 
@@ -327,7 +327,7 @@ def _loaded_facts() -> dict[str, Any]:
     threads = _torch_threads()  # first: it knows whether this process imported torch before
     import torch
 
-    from dflashpipe.kernels import native_dtypes  # imports torch: here, where torch is imported anyway
+    from dflashpipe.core.kernels import native_dtypes  # imports torch: here, where torch is imported anyway
 
     if torch.version.cuda:
         build = f"cuda-{torch.version.cuda}"

@@ -10,7 +10,7 @@ The protocol, which a stage (tokenize, regenerate; the features stage next) foll
 
 1. Key. A shard's key is `shard_key(stage_key, input_sha256)`: the sha256 of the stage key's digest
    (every dep and param dvc.yaml lists for the stage, less its whole input directory: see
-   `dflashpipe.pipeline.REUSE`) and its own input shard's sha256. So a shard is reused on exactly
+   `dflashpipe.core.pipeline.REUSE`) and its own input shard's sha256. So a shard is reused on exactly
    the condition under which DVC would keep it, and growing the input writes only the new shards.
    Without a stage key the key is None: nothing says what made such a shard, it is never reused.
 2. Format. Each shard format stores, inside the shard file itself, its key, its record (the shard's
@@ -51,10 +51,16 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import pyarrow as pa
 
-from dflashpipe.artifacts import canonical_json, file_sha256, remove_partials, write_file_listing, write_json_atomic
+from dflashpipe.core.artifacts import (
+    canonical_json,
+    file_sha256,
+    remove_partials,
+    write_file_listing,
+    write_json_atomic,
+)
 
 if TYPE_CHECKING:
-    from dflashpipe.pipeline import StageKey
+    from dflashpipe.core.pipeline import StageKey
 
 SUMMARY_FILE = "summary.json"
 """The name every directory output gives its summary (data.shards and tokens.shards name it too)."""

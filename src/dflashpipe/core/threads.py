@@ -140,7 +140,7 @@ def thread_budget(
         try:
             limits[CORES_ENV] = max(1, int(env[CORES_ENV]))
         except ValueError:
-            from dflashpipe.errors import DflashpipeError
+            from dflashpipe.core.errors import DflashpipeError
 
             raise DflashpipeError(f"{CORES_ENV}={env[CORES_ENV]!r}: not a whole number of cores") from None
     limited_by = min(limits, key=lambda k: limits[k])

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from dflashpipe.errors import DflashpipeError
+from dflashpipe.core.errors import DflashpipeError
 
 WORKSPACE = "workspace"
 EXPS_NAMESPACE = "refs/exps/"
