@@ -98,8 +98,8 @@ def load(args):
     from dflashpipe.evaluate.prompts import eval_prompts
     from dflashpipe.model import DFlashDrafter, TargetHead
     from dflashpipe.target.adapter import load_materialised_target, stop_token_ids
+    from dflashpipe.target.chat import load_chat_tokenizer
     from dflashpipe.target.dtype import compute_dtype
-    from dflashpipe.tokens.chat import load_chat_tokenizer
 
     target = load_materialised_target(args.data / "target", "cpu", compute_dtype("cpu", "auto"))
     chat = load_chat_tokenizer(args.data / "target")
@@ -338,8 +338,8 @@ def compare_revisions(args) -> None:
     from dflashpipe.evaluate.prompts import eval_prompts
     from dflashpipe.model import DFlashDrafter, TargetHead
     from dflashpipe.target.adapter import load_materialised_target, stop_token_ids
+    from dflashpipe.target.chat import load_chat_tokenizer
     from dflashpipe.target.dtype import compute_dtype
-    from dflashpipe.tokens.chat import load_chat_tokenizer
 
     before = module_at(args.before, "src/dflashpipe/evaluate/speculative.py", "speculative_before")
     target = load_materialised_target(args.data / "target", "cpu", compute_dtype("cpu", "auto"))

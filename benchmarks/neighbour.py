@@ -87,8 +87,8 @@ def main() -> None:
     from dflashpipe.evaluate.prompts import eval_prompts
     from dflashpipe.target.adapter import Target
     from dflashpipe.target.batching import greedy_replies
+    from dflashpipe.target.chat import load_chat_tokenizer
     from dflashpipe.target.layers import target_layer_features
-    from dflashpipe.tokens.chat import load_chat_tokenizer
 
     budget = thread_budget({"worker": 1})
     threads = args.threads or budget.threads["worker"]

@@ -312,7 +312,7 @@ def decode(run: OverfitRun, target_dir: Path, drafter_dir: Path, prompts_dir: Pa
     from dflashpipe.evaluate.prompts import HELD_OUT, TRAIN, eval_prompts
     from dflashpipe.model import DFlashDrafter, TargetHead
     from dflashpipe.target.adapter import Target
-    from dflashpipe.tokens.chat import load_chat_tokenizer
+    from dflashpipe.target.chat import load_chat_tokenizer
     from dflashpipe.tokens.shards import load_tokens
 
     target = Target.load(target_dir, "cpu", "auto")

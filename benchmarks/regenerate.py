@@ -48,7 +48,7 @@ def main() -> None:
     from dflashpipe.evaluate.prompts import TRAIN, eval_prompts
     from dflashpipe.target.adapter import Target
     from dflashpipe.target.batching import greedy_replies
-    from dflashpipe.tokens.chat import load_chat_tokenizer
+    from dflashpipe.target.chat import load_chat_tokenizer
 
     thread_budget({"target": 1}).apply("target")
     target = Target.load(args.data / "target", "cpu", "auto")

@@ -41,7 +41,7 @@ def main() -> None:
     from dflashpipe.regenerate.endpoint import Endpoint
     from dflashpipe.regenerate.run import EndpointReplier, InProcessReplier
     from dflashpipe.serve.server import VllmServer
-    from dflashpipe.tokens.chat import load_chat_tokenizer
+    from dflashpipe.target.chat import load_chat_tokenizer
 
     python = serving_python(ROOT)
     if python is None:

@@ -80,7 +80,7 @@ def main() -> None:
     from dflashpipe.evaluate.prompts import eval_prompts
     from dflashpipe.model.target_layers import spaced_target_layer_ids
     from dflashpipe.target.adapter import Target
-    from dflashpipe.tokens.chat import load_chat_tokenizer
+    from dflashpipe.target.chat import load_chat_tokenizer
 
     torch.set_num_threads(args.threads)
     p = load_params(ROOT)

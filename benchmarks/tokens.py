@@ -32,7 +32,7 @@ from dflashpipe.core.params import DataParams, SourceSpec, TokenizeParams  # noq
 from dflashpipe.core.pipeline import TARGET, StageKey  # noqa: E402
 from dflashpipe.core.threads import thread_budget  # noqa: E402
 from dflashpipe.data.manifest import build_manifest  # noqa: E402
-from dflashpipe.tokens.chat import load_chat_tokenizer  # noqa: E402
+from dflashpipe.target.chat import load_chat_tokenizer  # noqa: E402
 from dflashpipe.tokens.run import tokenize_manifest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

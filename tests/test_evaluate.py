@@ -65,8 +65,8 @@ def tiny(tmp_path_factory, tiny_target_dir):
     from dflashpipe.core.params import TargetParams
     from dflashpipe.data.manifest import build_manifest
     from dflashpipe.target.adapter import load_materialised_target
+    from dflashpipe.target.chat import load_chat_tokenizer
     from dflashpipe.target.materialise import materialise_target
-    from dflashpipe.tokens.chat import load_chat_tokenizer
 
     work = tmp_path_factory.mktemp("evaluate")
     materialise_target(

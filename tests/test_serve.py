@@ -44,8 +44,8 @@ def served(tmp_path_factory, smollm2_tokenizer_dir) -> dict:
     from dflashpipe.core.params import TargetParams
     from dflashpipe.data.manifest import build_manifest
     from dflashpipe.target.adapter import Target
+    from dflashpipe.target.chat import load_chat_tokenizer
     from dflashpipe.target.materialise import materialise_target
-    from dflashpipe.tokens.chat import load_chat_tokenizer
 
     work = tmp_path_factory.mktemp("serve")
     write_talking_target(work / "models" / "talking", smollm2_tokenizer_dir)

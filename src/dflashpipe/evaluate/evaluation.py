@@ -146,7 +146,7 @@ def evaluate_drafter(
     `bench_metrics` (metrics/bench.json) is read for the regression check only; missing, its figure is
     reported as not measured. `tokens_dir` (data/tokens): the training tokens the bigram floor is counted on
     (evaluate.floor); None records no floor."""
-    from dflashpipe.tokens.chat import load_chat_tokenizer
+    from dflashpipe.target.chat import load_chat_tokenizer
 
     p = inputs.evaluate
     drafter_dir, metrics_dir = Path(drafter_dir), Path(metrics_dir)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflashpipe.core.errors import SourceError
-from dflashpipe.tokens.chat import ChatTokenizer
+from dflashpipe.target.chat import ChatTokenizer
 
 HELD_OUT, TRAIN = "held_out", "train"
 

@@ -50,7 +50,7 @@ from dflashpipe.core.threads import ThreadBudget, thread_budget
 from dflashpipe.data.shards import ShardWriter, conversation_hash, read_manifest_shard, verify_manifest
 from dflashpipe.regenerate.endpoint import Completion, Endpoint, ServedModel
 from dflashpipe.regenerate.shards import stored_shard, with_reply_ids, write_shard
-from dflashpipe.tokens.chat import ChatTokenizer, load_chat_tokenizer
+from dflashpipe.target.chat import ChatTokenizer, load_chat_tokenizer
 
 SKIPPED_TURNS = ("no_prompt", "prompt_too_long", "empty_reply")
 DROPPED_SAMPLES = ("no_assistant_turn", "no_reply")

@@ -181,7 +181,7 @@ def served_check(
     `evaluation`: metrics/eval.json. `served_dir`: what the engine serves instead of `drafter_dir`'s served files
     (a test plants a config fault there); our decoder always runs `drafter_dir`. `engine`: a process of the
     serving environment's interpreter for this check, unless given one (the tests share an `EngineWorker`)."""
-    from dflashpipe.tokens.chat import load_chat_tokenizer
+    from dflashpipe.target.chat import load_chat_tokenizer
 
     python = serving_python(root)
     if python is None:

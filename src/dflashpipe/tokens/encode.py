@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from dflashpipe.core.params import TokenizeParams
-from dflashpipe.tokens.chat import ChatTokenizer, ReplyLocator, template_errors
+from dflashpipe.target.chat import ChatTokenizer, ReplyLocator, template_errors
 
 SKIP_REASONS = (
     "no_assistant_turn",

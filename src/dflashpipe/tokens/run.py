@@ -38,7 +38,7 @@ from dflashpipe.core.pipeline import StageKey
 from dflashpipe.core.spread import Busy, Measuring, Spread
 from dflashpipe.core.threads import thread_budget
 from dflashpipe.regenerate.shards import REPLY_IDS, ConversationShard, read_conversation_shards
-from dflashpipe.tokens.chat import ChatTokenizer, load_chat_tokenizer
+from dflashpipe.target.chat import ChatTokenizer, load_chat_tokenizer
 from dflashpipe.tokens.encode import EncodedRows, SampleEncoder, TokenStats, concat_rows, length_edges
 from dflashpipe.tokens.shards import shard_name, stored_shard, write_shard
 
