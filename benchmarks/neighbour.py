@@ -88,7 +88,7 @@ def main() -> None:
     from dflashpipe.target.adapter import Target
     from dflashpipe.target.batching import greedy_replies
     from dflashpipe.target.chat import load_chat_tokenizer
-    from dflashpipe.target.layers import target_layer_features
+    from dflashpipe.target.hidden_states import target_layer_features
 
     budget = thread_budget({"worker": 1})
     threads = args.threads or budget.threads["worker"]

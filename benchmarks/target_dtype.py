@@ -39,7 +39,7 @@ def cases(target, prompts: list[list[int]], layer_ids: list[int], stop: list[int
     import torch
 
     from dflashpipe.target.batching import greedy_replies
-    from dflashpipe.target.layers import target_layer_features
+    from dflashpipe.target.hidden_states import target_layer_features
 
     stream = [t for p in prompts for t in p]
     stream = (stream * (2048 // len(stream) + 1))[:2048]

@@ -144,7 +144,9 @@ def test_the_compiled_step_loads_warmups_artifact_only_under_warmups_key(tiny_ta
     monkeypatch.setattr(dflashpipe.bench.stage, "compiled_step", lambda drafter: drafter)
     for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # the step points inductor at its scratch
         monkeypatch.setenv(name, "")
-    built = StageKey("warmup", {"dep:src/dflashpipe/model/layers.py": "1", "param:params.yaml:model.seq_len": "64"})
+    built = StageKey(
+        "warmup", {"dep:src/dflashpipe/model/decoder_layer.py": "1", "param:params.yaml:model.seq_len": "64"}
+    )
     artifact = stand_in_artifact(tmp_path / "compile", {BUILT_FOR: built_for(built)})
     compile = CompileParams(enabled=True, micro_batch=1, guard="error")
 
@@ -155,9 +157,9 @@ def test_the_compiled_step_loads_warmups_artifact_only_under_warmups_key(tiny_ta
         return metrics["compile_source"]
 
     assert source(built) == "artifact"
-    edited = StageKey("warmup", {**built.inputs, "dep:src/dflashpipe/model/layers.py": "2"})
+    edited = StageKey("warmup", {**built.inputs, "dep:src/dflashpipe/model/decoder_layer.py": "2"})
     assert source(edited) == (
         f"cold compile: {artifact} was built for other inputs "
-        f"(src/dflashpipe/model/layers.py changed): `dvc repro warmup` rebuilds it"
+        f"(src/dflashpipe/model/decoder_layer.py changed): `dvc repro warmup` rebuilds it"
     )
     assert source(None).startswith(f"cold compile: {artifact}: no warmup stage key to check it against")

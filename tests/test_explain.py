@@ -203,7 +203,7 @@ def test_a_compile_env_var_names_the_fingerprint_key_and_hits_warmup_not_data(co
 
 
 def test_an_edited_model_file_hits_warmup_and_train(committed):
-    with open(committed / "src/dflashpipe/model/layers.py", "a") as fh:
+    with open(committed / "src/dflashpipe/model/decoder_layer.py", "a") as fh:
         fh.write("\n# an edit\n")
     report = explain("HEAD", "workspace", committed)
     listed = listing("src/dflashpipe/model")

@@ -73,7 +73,7 @@ def assert_one_story(report, project: Path, capsys, extra_env: dict | None = Non
     text = capsys.readouterr().out
     for stage in report.machine.invalid:
         assert f"{stage}: {DIRECT}" in text or f"{stage}: {DOWNSTREAM}" in text
-    from dflashpipe.report import build
+    from dflashpipe.report.build import build
 
     assert {name: verdict for name, verdict, _, _ in build(project).stages} == found
     history = json.loads(run(["dflashpipe", "history", "--workspace", "--json"], project, env=extra_env).stdout)

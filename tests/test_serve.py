@@ -23,8 +23,8 @@ from dflashpipe.evaluate.evaluation import decode_prompts
 from dflashpipe.evaluate.metrics import eval_metrics
 from dflashpipe.evaluate.prompts import HELD_OUT, TRAIN, eval_prompts
 from dflashpipe.model import DFlashDrafter, TargetHead
-from dflashpipe.serve.check import ServedCheckError, ServeInputs, served_check
 from dflashpipe.serve.engine import EngineWorker
+from dflashpipe.serve.served_check import ServedCheckError, ServeInputs, served_check
 from dflashpipe.serve.served_files import write_served_files
 from tests.conftest import ROOT, copy_project, run
 from tests.test_evaluate import MAX_NEW, MODEL, fit_to_target

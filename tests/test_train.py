@@ -318,7 +318,7 @@ def test_the_flop_formulas_count_what_torch_counts_with_causal_attention_halved(
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from dflashpipe.target.layers import target_layer_features
+    from dflashpipe.target.hidden_states import target_layer_features
     from dflashpipe.train.flops import drafter_forward_flops, target_forward_flops
     from tests.tiny import random_batch, tiny_drafter, tiny_target
 

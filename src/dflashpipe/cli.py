@@ -169,7 +169,7 @@ def report(
     as_md: bool = typer.Option(False, "--md", help="Markdown plus an images folder beside it, instead of HTML."),
 ) -> None:
     """One self-contained page for the current state: the DAG's verdicts, headline metrics, plots, explain."""
-    from dflashpipe.report import write_report
+    from dflashpipe.report.build import write_report
 
     path = write_report(".", out, as_md)
     typer.echo(f"wrote {path}")

@@ -32,16 +32,7 @@ from dflashpipe.explain.comparison import (
     upstream_of,
 )
 from dflashpipe.explain.machine import attribute_to_machine, observe_machine, with_live_fingerprint
-from dflashpipe.explain.render import (
-    answer_lines,
-    cause_line,
-    machine_lines,
-    metric_line,
-    print_text,
-    to_json,
-    to_markdown,
-)
-from dflashpipe.explain.report import (
+from dflashpipe.explain.records import (
     ALWAYS,
     CHANGE,
     DIRECT,
@@ -61,6 +52,15 @@ from dflashpipe.explain.report import (
     Report,
     StageState,
     Verdict,
+)
+from dflashpipe.explain.render import (
+    answer_lines,
+    cause_line,
+    machine_lines,
+    metric_line,
+    print_text,
+    to_json,
+    to_markdown,
 )
 from dflashpipe.explain.state import LocalCache, State, as_committed, read_revision_state, read_workspace_state
 

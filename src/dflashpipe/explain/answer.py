@@ -18,7 +18,7 @@ from typing import Any
 from dflashpipe.core import env
 from dflashpipe.core.headlines import HEADLINES
 from dflashpipe.core.pipeline import FINGERPRINT, PARAMS_FILE
-from dflashpipe.explain.report import (
+from dflashpipe.explain.records import (
     ALWAYS,
     CHANGE,
     DIRECT,

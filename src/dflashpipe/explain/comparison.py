@@ -17,7 +17,7 @@ from dflashpipe.core.errors import DflashpipeError
 from dflashpipe.core.headlines import HEADLINES
 from dflashpipe.core.pipeline import COMPILE, FINGERPRINT, lies_under
 from dflashpipe.core.revision import WORKSPACE, read_metrics
-from dflashpipe.explain.report import (
+from dflashpipe.explain.records import (
     ALWAYS,
     DIRECT,
     DOWNSTREAM,

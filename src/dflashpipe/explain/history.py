@@ -42,7 +42,7 @@ from dflashpipe.core.revision import (
     unknown_revision,
 )
 from dflashpipe.explain.comparison import compare, control, figure, is_rate, is_throughput, metric_deltas, root_causes
-from dflashpipe.explain.report import (
+from dflashpipe.explain.records import (
     CHANGE,
     MACHINE,
     NOISE,

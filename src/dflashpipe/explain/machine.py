@@ -24,7 +24,7 @@ from typing import Any
 
 from dflashpipe.core import env
 from dflashpipe.core.pipeline import FINGERPRINT
-from dflashpipe.explain.report import DOWNSTREAM, Cause, EditedFile, Machine, StageState, Verdict
+from dflashpipe.explain.records import DOWNSTREAM, Cause, EditedFile, Machine, StageState, Verdict
 
 
 def fingerprint_changes(recorded: dict[str, Any], now: dict[str, Any]) -> list[Cause]:

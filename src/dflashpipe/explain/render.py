@@ -16,7 +16,7 @@ from dataclasses import asdict
 from typing import Any
 
 from dflashpipe.explain.answer import UNRECORDED, Answer, answer, no_causes
-from dflashpipe.explain.report import (
+from dflashpipe.explain.records import (
     DIRECT,
     DOWNSTREAM,
     MACHINE,

@@ -32,7 +32,7 @@ from dflashpipe.features.shards import (
     stored_shard,
     write_shard,
 )
-from dflashpipe.target.layers import target_layer_features
+from dflashpipe.target.hidden_states import target_layer_features
 
 if TYPE_CHECKING:
     from dflashpipe.core.params import ModelParams

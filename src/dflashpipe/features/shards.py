@@ -1,7 +1,7 @@
 """The features shard format: its writer, when an existing shard may be reused, and the reader training uses.
 
 What is stored, for each sequence of a token shard, is exactly what the online trainer hands the
-drafter for it: the chosen layers' hidden states (`dflashpipe.target.layers.target_layer_features`) of its
+drafter for it: the chosen layers' hidden states (`dflashpipe.target.hidden_states.target_layer_features`) of its
 first `model.seq_len` tokens (train cuts a longer sequence there), the document attending only
 within itself, computed in the target's compute dtype and stored as bfloat16 (2 bytes x layers x
 hidden a token: 2,304 bytes on SmolLM2-135M with 2 layers; 40 KB on Qwen3-8B with 5, which is why

@@ -5,7 +5,7 @@ target's config.json, the device table (dflashpipe.core.devices, the user's own 
 calibrated from measurements (dflashpipe.plan.calibration); every input figure carries its source (measured here,
 published with its source, or assumed), in the text and in the JSON. The modules split where the work does:
 `inputs` (params, config, devices, data size), `model` (the models on the meta device), `calibration` (MFUs),
-`memory`, `throughput`, `check` (the plan of the run train last made against what it measured), `render`.
+`memory`, `throughput`, `against_train` (the plan of the run train last made against what it measured), `render`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflashpipe.plan.against_train import against_train
 from dflashpipe.plan.calibration import Calibration, calibrate
-from dflashpipe.plan.check import against_train
 from dflashpipe.plan.inputs import (
     DataSize,
     DeviceChoice,

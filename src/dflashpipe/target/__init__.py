@@ -8,5 +8,5 @@ target depends on none of the materialising code, and only regenerate on the bat
 - `chat`: the target's tokenizer and chat template, and where the assistant replies lie in a rendering
   (regenerate renders the prompts with it, tokenize the conversations, evaluate and serve the eval prompts);
 - `batching`: continuous batching of greedy replies (regenerate);
-- `layers`: the hand-written decoder pass that gives the drafter's layers' hidden states (features, train).
+- `hidden_states`: the hand-written decoder pass that gives the drafter's layers' hidden states (features, train).
 """

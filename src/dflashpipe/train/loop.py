@@ -55,7 +55,7 @@ from dflashpipe.features.packing import Batch, collate, pack_rows
 from dflashpipe.model import DFlashDrafter, DraftLoss, StepInputs, TargetHead, sample_anchor_positions
 from dflashpipe.model.loss import prediction_positions
 from dflashpipe.target.adapter import Target
-from dflashpipe.target.layers import target_features_and_predictions, target_layer_features
+from dflashpipe.target.hidden_states import target_features_and_predictions, target_layer_features
 from dflashpipe.train.checkpoint import Checkpoint
 from dflashpipe.train.data import BatchPlan, held_out, without
 from dflashpipe.train.state import StepRecord, TrainInputs, TrainState, simulated_tau

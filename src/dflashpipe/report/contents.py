@@ -1,5 +1,5 @@
-"""What `dflashpipe report`'s page holds: the `RunReport` that report.py builds from the pipeline's state
-(its headline figures are dflashpipe.core.headlines') and report_page.py lays out.
+"""What `dflashpipe report`'s page holds: the `RunReport` that build.py builds from the pipeline's state
+(its headline figures are dflashpipe.core.headlines') and page.py lays out.
 
 Below both, so that no module of the report imports another that imports it back.
 """

@@ -1,4 +1,4 @@
-"""`dflashpipe report`'s page from a `RunReport` (run_report.py; report.py reads the state): HTML, one
+"""`dflashpipe report`'s page from a `RunReport` (contents.py; build.py reads the state): HTML, one
 self-contained file (inline CSS, PNG images as data: URIs, charts as inline SVG, no script, no network URL), or
 Markdown with the files of an images folder beside it. Both forms lay out the same tables from the same cells
 (`_tables`).
@@ -12,7 +12,7 @@ import json
 import re
 from typing import Any
 
-from dflashpipe.run_report import RunReport
+from dflashpipe.report.contents import RunReport
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em;max-width:1100px;color:#222}

@@ -3,8 +3,8 @@
 The page holds (1) the DAG in dvc.yaml order with each stage's verdict and reason from `explain` HEAD vs the
 workspace, (2) the headline metrics with their spread and HEAD's value beside them, (3) the plots: PNG images
 found under metrics/ and an inline SVG chart (core/plots.py's Vega-Lite specs, rendered by vl-convert) for each
-plot table dvc.yaml names, and (4) the `explain` Markdown itself. run_report.py says what the page holds (the
-`RunReport`, and which headline figures); report_page.py lays it out: HTML, one self-contained file (no script,
+plot table dvc.yaml names, and (4) the `explain` Markdown itself. contents.py says what the page holds (the
+`RunReport`, and which headline figures); page.py lays it out: HTML, one self-contained file (no script,
 no network URL), or Markdown with an images folder beside it.
 
 Invariant: the same state gives the same bytes. The only varying line is "generated from <git revision>";
@@ -28,8 +28,8 @@ from dflashpipe.core.pipeline import METRICS, Pipeline
 from dflashpipe.core.revision import commit_of
 from dflashpipe.explain import WORKSPACE, Report, explain, to_markdown
 from dflashpipe.explain.render import verdict_reason
-from dflashpipe.report_page import to_html, to_markdown_page
-from dflashpipe.run_report import Chart, Headline, RunReport
+from dflashpipe.report.contents import Chart, Headline, RunReport
+from dflashpipe.report.page import to_html, to_markdown_page
 
 SINGLE = "single measurement"
 
