@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--busy", type=int, default=0)
     args = parser.parse_args()
 
-    from dflashpipe.rerun.bisect import bisect, bisect_lines
+    from dflashpipe.commands.rerun.bisect import bisect, bisect_lines
 
     with tempfile.TemporaryDirectory(prefix="bisect-bench-") as tmp:
         project = Path(tmp)

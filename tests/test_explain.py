@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashpipe.core.env import ABSENT, fact_at
-from dflashpipe.explain import (
+from dflashpipe.commands.explain import (
     ALWAYS,
     CHANGE,
     DIRECT,
@@ -29,6 +28,7 @@ from dflashpipe.explain import (
     root_causes,
     to_markdown,
 )
+from dflashpipe.core.env import ABSENT, fact_at
 from tests.conftest import RUN_PROFILE, copy_project, run, set_params
 
 
@@ -241,7 +241,7 @@ def test_two_experiments_compare_by_name_and_json_is_complete(committed):
 
 
 def test_a_revision_whose_metrics_are_missing_or_unreadable_still_gets_every_stage_verdict(committed):
-    from dflashpipe.explain import answer, answer_lines
+    from dflashpipe.commands.explain import answer, answer_lines
 
     (committed / "metrics/bench.json").write_text("{ not json")
     (committed / "metrics/eval.json").unlink()
@@ -594,7 +594,7 @@ class MetricsState(LockState):
 
 def deltas_between(stages: dict, old: tuple, new: tuple) -> dict:
     """metric key -> MetricDelta between two (lock, metrics) revisions, as explain computes them."""
-    from dflashpipe.explain import metric_deltas
+    from dflashpipe.commands.explain import metric_deltas
 
     sa, sb = MetricsState("HEAD", stages, *old), MetricsState("new", stages, *new)
     before, after = read_revision_state(sa), read_revision_state(sb)
@@ -708,8 +708,13 @@ def fingerprint_values(stages: dict, facts: dict) -> dict[str, object]:
 
 
 def test_a_stale_fingerprint_names_the_edited_torch_file_and_the_stages_it_invalidates(dag):
-    from dflashpipe.explain import EditedFile, Machine, machine_lines
-    from dflashpipe.explain.machine import Live, attribute_to_machine, fingerprint_changes, with_live_fingerprint
+    from dflashpipe.commands.explain import EditedFile, Machine, machine_lines
+    from dflashpipe.commands.explain.machine import (
+        Live,
+        attribute_to_machine,
+        fingerprint_changes,
+        with_live_fingerprint,
+    )
 
     recorded = json.loads((ROOT / "data/env/fingerprint.json").read_text())
     threads = {"torch_intra_op": 2, "torch_inter_op": 2, "env": {}, "affinity": "0-1", "cpu_quota": "none"}
@@ -791,7 +796,7 @@ def test_the_live_check_imports_torch_only_when_its_key_moved(tmp_path, monkeypa
 
 
 def test_a_figure_read_off_a_clock_is_never_called_a_deterministic_move():
-    from dflashpipe.explain.comparison import is_throughput
+    from dflashpipe.commands.explain.comparison import is_throughput
 
     timed = ["tokens_per_s", "encoded_tokens_per_second", "busy_s.target", "compile.warmup_s", "speedup", "seconds"]
     counted = ["per_source.chitchat.tau", "throughput.flops_per_step", "verify_steps", "final_loss", "shards"]
@@ -834,7 +839,7 @@ def controlled(cpu_over_wall: float, load: float, before_ms: float, after_ms: fl
 
 
 def test_a_rate_that_moved_as_much_as_its_control_is_the_machine_not_an_input(dag):
-    from dflashpipe.explain import MACHINE
+    from dflashpipe.commands.explain import MACHINE
 
     quiet = {"low": 50.0, "high": 53.0, "repeats": 5, "machine": controlled(1.95, 0.4, 3.0, 3.2)}
     loaded = {"low": 15.0, "high": 17.0, "repeats": 5, "machine": controlled(0.7, 3.9, 9.5, 10.1)}
@@ -880,7 +885,7 @@ def test_a_rate_that_moved_as_much_as_its_control_is_the_machine_not_an_input(da
 def test_a_figure_measured_under_other_threads_than_the_machine_now_names_them(dag):
     """The workspace's verdicts read the machine now; a figure in it was measured under what its dvc.lock
     recorded. When the machine is back to what A recorded, no input differs, and the lock says why it moved."""
-    from dflashpipe.explain import metric_deltas
+    from dflashpipe.commands.explain import metric_deltas
 
     key = "data/env/fingerprint.json:threads.env"
     sa = MetricsState("HEAD", dag, lock_of(dag, values={key: {}}), train_metrics(52.0, None))
@@ -970,8 +975,13 @@ def test_a_forced_rebuild_of_the_compile_cache_is_equivalent_and_invalidates_not
 def test_a_fingerprint_key_the_file_does_not_hold_yet_is_read_off_the_machine(dag):
     """dvc.yaml names a key the fingerprint file (and dvc.lock) predate: `dvc repro` will run the stages with
     the machine's value, so the machine's value is what the verdicts compare, and the header agrees."""
-    from dflashpipe.explain import Machine
-    from dflashpipe.explain.machine import Live, attribute_to_machine, fingerprint_changes, with_live_fingerprint
+    from dflashpipe.commands.explain import Machine
+    from dflashpipe.commands.explain.machine import (
+        Live,
+        attribute_to_machine,
+        fingerprint_changes,
+        with_live_fingerprint,
+    )
 
     recorded = json.loads((ROOT / "data/env/fingerprint.json").read_text())
     recorded.pop("threads", None)  # a file written before the thread facts
@@ -1004,7 +1014,7 @@ def test_the_control_is_set_aside_only_by_a_fact_that_can_move_it(dag):
     """A compile variable changed what train ran with, yet the control (an eager matmul) cannot follow it: a rate
     that fell as far as the control rose is the machine's. The thread variables its matmul's runtimes read can
     move it: then it is no neutral reference, and the figure is compared as it is."""
-    from dflashpipe.explain import MACHINE
+    from dflashpipe.commands.explain import MACHINE
 
     quiet = {"low": 50.0, "high": 53.0, "repeats": 5, "machine": controlled(1.95, 0.4, 3.0, 3.2)}
     loaded = {"low": 15.0, "high": 17.0, "repeats": 5, "machine": controlled(0.7, 3.9, 9.5, 10.1)}
@@ -1029,9 +1039,9 @@ def test_the_control_is_set_aside_only_by_a_fact_that_can_move_it(dag):
 
 def answer_of(dag, old: tuple, new: tuple, **report_fields):
     """explain's Report and first screen between two hand-built (lock, metrics) revisions."""
-    from dflashpipe.explain import Report, answer_lines, metric_deltas
-    from dflashpipe.explain.answer import answer
-    from dflashpipe.explain.comparison import headlines_same
+    from dflashpipe.commands.explain import Report, answer_lines, metric_deltas
+    from dflashpipe.commands.explain.answer import answer
+    from dflashpipe.commands.explain.comparison import headlines_same
 
     sa, sb = MetricsState("HEAD", dag, *old), MetricsState("new", dag, *new)
     after = read_revision_state(sb)
@@ -1058,7 +1068,7 @@ def test_the_first_screen_is_the_causes_the_stages_and_the_headlines(dag):
         (lock_of(dag, values={"data.num_samples": 2000}), headline_metrics(52.0, quiet, 9.70, extra=40)),
         (lock_of(dag, rerun, {"data.num_samples": 2400}), headline_metrics(16.0, loaded, 9.71, extra=40)),
     )
-    from dflashpipe.explain.render import DETAIL, FOOTER, INDENT, ITEM, SECTION, TITLE, WIDTH
+    from dflashpipe.commands.explain.render import DETAIL, FOOTER, INDENT, ITEM, SECTION, TITLE, WIDTH
 
     downstream = [s for s in dag if verdicts(report)[s] == DOWNSTREAM]
     assert lines[:4] == [
@@ -1085,7 +1095,7 @@ def test_evaluate_and_train_records_reach_the_first_screen_only_through_the_head
     """eval.json's contract, floor and baseline and train's balance are dozens of keys: the first screen shows
     the contract (`lossless`, a headline: false is a bug) and says on speedup's line that its baseline differs,
     since the two figures are then not like for like; the rest is counted behind --all."""
-    from dflashpipe.explain.render import FOOTER, INDENT, SECTION, WIDTH
+    from dflashpipe.commands.explain.render import FOOTER, INDENT, SECTION, WIDTH
 
     def evaluated(dtype: str, speedup: float, lossless: bool, bugs: int) -> dict:
         return {
@@ -1124,9 +1134,14 @@ def test_one_thread_variable_is_one_cause_of_the_machine_and_a_removed_fact_is_n
     """OMP_NUM_THREADS moves two fingerprint keys (the variable, and torch's intra-op count that follows it): one
     cause on the first screen, with the stages of both. A fact the machine no longer has (a library uninstalled)
     is said to be removed, not crashed on."""
-    from dflashpipe.explain import Machine, Report, answer_lines
-    from dflashpipe.explain.answer import answer
-    from dflashpipe.explain.machine import Live, attribute_to_machine, fingerprint_changes, with_live_fingerprint
+    from dflashpipe.commands.explain import Machine, Report, answer_lines
+    from dflashpipe.commands.explain.answer import answer
+    from dflashpipe.commands.explain.machine import (
+        Live,
+        attribute_to_machine,
+        fingerprint_changes,
+        with_live_fingerprint,
+    )
 
     recorded = json.loads((ROOT / "data/env/fingerprint.json").read_text())
     recorded["threads"] = {"torch_intra_op": 2, "torch_inter_op": 2, "env": {}, "affinity": "0-1", "cpu_quota": "none"}
@@ -1150,8 +1165,8 @@ def test_one_thread_variable_is_one_cause_of_the_machine_and_a_removed_fact_is_n
 def test_a_stage_rerun_by_no_cause_says_why_on_the_first_screen(dag):
     """bench forced beside a busy neighbour: no input changed, but its metrics file has new timings, and
     evaluate reads it. The first screen names no cause, and says what makes evaluate rerun."""
-    from dflashpipe.explain import Report, answer, answer_lines
-    from dflashpipe.explain.render import DETAIL, ITEM
+    from dflashpipe.commands.explain import Report, answer, answer_lines
+    from dflashpipe.commands.explain.render import DETAIL, ITEM
 
     found = compared(dag, lock_of(dag), lock_of(dag, {"metrics/bench.json": "md5(new timings)"}))
     report = Report("HEAD", "new", root_causes(found), found, [])
@@ -1167,8 +1182,13 @@ def test_a_live_machine_cause_is_blamed_for_no_recorded_figure(dag):
     """OMP_NUM_THREADS set in this shell is what the next `dvc repro` runs with; the figures both sides recorded
     were measured with what their dvc.lock entries say. So it invalidates stages but moves no recorded metric, and
     a rate that fell with the control is still the machine's."""
-    from dflashpipe.explain import MACHINE, Machine, metric_deltas
-    from dflashpipe.explain.machine import Live, attribute_to_machine, fingerprint_changes, with_live_fingerprint
+    from dflashpipe.commands.explain import MACHINE, Machine, metric_deltas
+    from dflashpipe.commands.explain.machine import (
+        Live,
+        attribute_to_machine,
+        fingerprint_changes,
+        with_live_fingerprint,
+    )
 
     recorded = json.loads((ROOT / "data/env/fingerprint.json").read_text())
     recorded["threads"] = {"torch_intra_op": 2, "torch_inter_op": 2, "env": {}, "affinity": "0-1", "cpu_quota": "none"}

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from dflashpipe.commands.explain import DIRECT, DOWNSTREAM, NOISE, explain, print_text, to_json, to_markdown
 from dflashpipe.core import env
 from dflashpipe.core.pipeline import Pipeline
-from dflashpipe.explain import DIRECT, DOWNSTREAM, NOISE, explain, print_text, to_json, to_markdown
 from tests.conftest import copy_project, run, set_params
 from tests.test_explain import N, invalidated, naming, quiet, verdicts
 
@@ -73,7 +73,7 @@ def assert_one_story(report, project: Path, capsys, extra_env: dict | None = Non
     text = capsys.readouterr().out
     for stage in report.machine.invalid:
         assert f"{stage}: {DIRECT}" in text or f"{stage}: {DOWNSTREAM}" in text
-    from dflashpipe.report.build import build
+    from dflashpipe.commands.report.build import build
 
     assert {name: verdict for name, verdict, _, _ in build(project).stages} == found
     history = json.loads(run(["dflashpipe", "history", "--workspace", "--json"], project, env=extra_env).stdout)
@@ -175,7 +175,7 @@ def test_bench_re_measured_with_one_thread_names_the_thread_change(committed, mo
 
 
 def first_screen(report) -> list[tuple[int, str]]:
-    from dflashpipe.explain import answer, answer_lines
+    from dflashpipe.commands.explain import answer, answer_lines
 
     return answer_lines(answer(report))
 
@@ -184,7 +184,7 @@ def test_the_seed_incident_replayed_names_exactly_its_four_causes_on_the_first_s
     """The story this project exists for, on the tiny pipeline: the data grown, the compile cache deleted, a torch
     file patched, a thread variable changed. The first screen names exactly those four causes, each with the stages
     it invalidates, in at most 25 lines of 100 columns, and nothing else as a cause."""
-    from dflashpipe.explain.render import DETAIL, INDENT, ITEM, SECTION, WIDTH
+    from dflashpipe.commands.explain.render import DETAIL, INDENT, ITEM, SECTION, WIDTH
 
     recorded = json.loads((committed / "data/env/fingerprint.json").read_text())["threads"]
     set_params(committed, data__num_samples=N + 20)

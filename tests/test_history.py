@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dflashpipe.commands.explain import CHANGE, DOWNSTREAM, NOISE, UNMEASURED, explain, to_markdown
+from dflashpipe.commands.explain.history import history, history_lines, history_markdown
 from dflashpipe.core.errors import DflashpipeError
-from dflashpipe.explain import CHANGE, DOWNSTREAM, NOISE, UNMEASURED, explain, to_markdown
-from dflashpipe.explain.history import history, history_lines, history_markdown
 from tests.conftest import run
 
 TRAIN = "metrics/train/metrics.json"  # the file names report's headlines read
@@ -191,8 +191,8 @@ def test_explain_names_what_the_earlier_side_committed_without_re_running_as_one
     """A fresh clone of a commit that changed code and params without `dvc repro` after: its dvc.lock predates
     them, which is not a change between HEAD and the workspace. The first screen says it once, with the stages
     it reaches; an input edited in the workspace is a cause of its own."""
-    from dflashpipe.explain import answer_lines
-    from dflashpipe.explain.answer import answer
+    from dflashpipe.commands.explain import answer_lines
+    from dflashpipe.commands.explain.answer import answer
 
     project = Path(run(["git", "clone", "-q", str(toy_history), str(tmp_path / "c")], tmp_path).args[-1])
     with open(project / "train.py", "a") as fh:
@@ -338,8 +338,8 @@ def test_no_dvc_lock_anywhere_is_an_error(tmp_path):
 
 
 def test_levels_mark_a_drift_no_step_shows_and_ignore_a_blip_and_the_machine():
+    from dflashpipe.commands.explain.history import Measured, Step, change_points
     from dflashpipe.core.spread import Control, Spread
-    from dflashpipe.explain.history import Measured, Step, change_points
 
     metric = f"{TRAIN}:tokens_per_s"
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dflashpipe.commands.explain import ALWAYS, DIRECT, DOWNSTREAM, UNCHANGED
+from dflashpipe.commands.report.build import _axes, _chart_spec, _spread
 from dflashpipe.core import plots
-from dflashpipe.explain import ALWAYS, DIRECT, DOWNSTREAM, UNCHANGED
-from dflashpipe.report.build import _axes, _chart_spec, _spread
 from tests.conftest import copy_project, run, set_params
 
 NETWORK_ATTR = re.compile(r"""\b(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", re.IGNORECASE)

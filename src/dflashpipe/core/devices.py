@@ -3,7 +3,7 @@ node's other GPUs, each row with its source.
 
 One table for two readers: train's MFU (train/flops.py matches a row on `torch.cuda.get_device_name`) and
 `dflashpipe plan` (a row named on its command line). A CPU is not here: its rate is measured on the machine
-that plans (dflashpipe.plan.inputs). Tensor-core figures are the datasheets' dense ones (NVIDIA quotes them
+that plans (dflashpipe.commands.plan.inputs). Tensor-core figures are the datasheets' dense ones (NVIDIA quotes them
 "with sparsity": half of that); the link is one way (the datasheets quote both directions added).
 """
 

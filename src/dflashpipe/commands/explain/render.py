@@ -15,8 +15,8 @@ import textwrap
 from dataclasses import asdict
 from typing import Any
 
-from dflashpipe.explain.answer import UNRECORDED, Answer, answer, no_causes
-from dflashpipe.explain.records import (
+from dflashpipe.commands.explain.answer import UNRECORDED, Answer, answer, no_causes
+from dflashpipe.commands.explain.records import (
     DIRECT,
     DOWNSTREAM,
     MACHINE,

@@ -25,6 +25,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflashpipe.commands.explain.comparison import (
+    compare,
+    control,
+    figure,
+    is_rate,
+    is_throughput,
+    metric_deltas,
+    root_causes,
+)
+from dflashpipe.commands.explain.records import (
+    CHANGE,
+    MACHINE,
+    NOISE,
+    UNMEASURED,
+    Cause,
+    MetricDelta,
+    StageState,
+    Verdict,
+    display_names,
+)
+from dflashpipe.commands.explain.state import LocalCache, read_revision_state
 from dflashpipe.core import spread
 from dflashpipe.core.artifacts import json_number
 from dflashpipe.core.errors import DflashpipeError
@@ -41,19 +62,6 @@ from dflashpipe.core.revision import (
     read_metrics,
     unknown_revision,
 )
-from dflashpipe.explain.comparison import compare, control, figure, is_rate, is_throughput, metric_deltas, root_causes
-from dflashpipe.explain.records import (
-    CHANGE,
-    MACHINE,
-    NOISE,
-    UNMEASURED,
-    Cause,
-    MetricDelta,
-    StageState,
-    Verdict,
-    display_names,
-)
-from dflashpipe.explain.state import LocalCache, read_revision_state
 
 LOCK = "dvc.lock"
 

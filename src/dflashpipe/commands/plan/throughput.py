@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dflashpipe.commands.plan.calibration import Calibration
+from dflashpipe.commands.plan.inputs import DataSize, DeviceChoice, Run
+from dflashpipe.commands.plan.model import Shapes, feature_bytes_per_token
 from dflashpipe.core.threads import training_budget
-from dflashpipe.plan.calibration import Calibration
-from dflashpipe.plan.inputs import DataSize, DeviceChoice, Run
-from dflashpipe.plan.model import Shapes, feature_bytes_per_token
 
 
 @dataclass(frozen=True)

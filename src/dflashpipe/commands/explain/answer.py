@@ -15,10 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflashpipe.core import env
-from dflashpipe.core.headlines import HEADLINES
-from dflashpipe.core.pipeline import FINGERPRINT, PARAMS_FILE
-from dflashpipe.explain.records import (
+from dflashpipe.commands.explain.records import (
     ALWAYS,
     CHANGE,
     DIRECT,
@@ -36,6 +33,9 @@ from dflashpipe.explain.records import (
     Report,
     Verdict,
 )
+from dflashpipe.core import env
+from dflashpipe.core.headlines import HEADLINES
+from dflashpipe.core.pipeline import FINGERPRINT, PARAMS_FILE
 
 
 @dataclass

@@ -22,9 +22,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from dflashpipe.commands.explain.records import DOWNSTREAM, Cause, EditedFile, Machine, StageState, Verdict
 from dflashpipe.core import env
 from dflashpipe.core.pipeline import FINGERPRINT
-from dflashpipe.explain.records import DOWNSTREAM, Cause, EditedFile, Machine, StageState, Verdict
 
 
 def fingerprint_changes(recorded: dict[str, Any], now: dict[str, Any]) -> list[Cause]:

@@ -2,7 +2,7 @@
 need not be downloaded to be planned for) and SpecForge's measured disaggregated DFlash training run.
 
 Facts, not code: the numbers are the publications' own; what is derived from them (an MFU in this project's FLOP
-convention) is derived in dflashpipe.plan.calibration, in the open.
+convention) is derived in dflashpipe.commands.plan.calibration, in the open.
 """
 
 from __future__ import annotations

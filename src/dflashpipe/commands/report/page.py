@@ -12,7 +12,7 @@ import json
 import re
 from typing import Any
 
-from dflashpipe.report.contents import RunReport
+from dflashpipe.commands.report.contents import RunReport
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em;max-width:1100px;color:#222}

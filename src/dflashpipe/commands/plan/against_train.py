@@ -12,12 +12,12 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dflashpipe.commands.plan.calibration import measured_run
+from dflashpipe.commands.plan.model import feature_bytes_per_token
 from dflashpipe.core.pipeline import TRAIN_METRICS
-from dflashpipe.plan.calibration import measured_run
-from dflashpipe.plan.model import feature_bytes_per_token
 
 if TYPE_CHECKING:
-    from dflashpipe.plan import Plan
+    from dflashpipe.commands.plan import Plan
 
 TRAIN_SECTIONS = ("model", "compile", "topology", "train", "features", "compute")
 """What decides a train run's speed: the plan is checked only against a run of the same values."""

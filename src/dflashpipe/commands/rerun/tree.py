@@ -16,12 +16,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dflashpipe.commands.explain.comparison import is_throughput
+from dflashpipe.commands.explain.history import Measured
 from dflashpipe.core import spread
 from dflashpipe.core.artifacts import json_number
 from dflashpipe.core.errors import DflashpipeError
 from dflashpipe.core.revision import Workspace, git, read_metrics, run_git
-from dflashpipe.explain.comparison import is_throughput
-from dflashpipe.explain.history import Measured
 
 LINKED = "reflink,hardlink,symlink,copy"
 """DVC's cache types, best first: an output is linked from the shared cache where the filesystem allows."""

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from dflashpipe.commands.plan.published import TARGET_CONFIGS
 from dflashpipe.core.devices import GB, PUBLISHED, Device
 from dflashpipe.core.errors import DflashpipeError, ParamsError
 from dflashpipe.core.params import PARAMS_FILE, SECTIONS, build
@@ -22,7 +23,6 @@ from dflashpipe.core.params.loading import _read_yaml
 from dflashpipe.core.params.profile import profile_overrides
 from dflashpipe.core.pipeline import TARGET, TOKENIZE_METRICS, TRAIN_METRICS
 from dflashpipe.core.threads import thread_budget
-from dflashpipe.plan.published import TARGET_CONFIGS
 
 
 class PlanError(DflashpipeError):

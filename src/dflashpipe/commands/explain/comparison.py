@@ -10,14 +10,7 @@ from __future__ import annotations
 
 import json
 
-from dflashpipe.compile.artifact import BUILT_FOR, REPORT
-from dflashpipe.core import env, pipeline, spread
-from dflashpipe.core.artifacts import json_number
-from dflashpipe.core.errors import DflashpipeError
-from dflashpipe.core.headlines import HEADLINES
-from dflashpipe.core.pipeline import COMPILE, FINGERPRINT, lies_under
-from dflashpipe.core.revision import WORKSPACE, read_metrics
-from dflashpipe.explain.records import (
+from dflashpipe.commands.explain.records import (
     ALWAYS,
     DIRECT,
     DOWNSTREAM,
@@ -35,7 +28,14 @@ from dflashpipe.explain.records import (
     Verdict,
     display_names,
 )
-from dflashpipe.explain.state import State, cached_json, dir_listing, in_cache, read_revision_state
+from dflashpipe.commands.explain.state import State, cached_json, dir_listing, in_cache, read_revision_state
+from dflashpipe.compile.artifact import BUILT_FOR, REPORT
+from dflashpipe.core import env, pipeline, spread
+from dflashpipe.core.artifacts import json_number
+from dflashpipe.core.errors import DflashpipeError
+from dflashpipe.core.headlines import HEADLINES
+from dflashpipe.core.pipeline import COMPILE, FINGERPRINT, lies_under
+from dflashpipe.core.revision import WORKSPACE, read_metrics
 
 LISTED_FILES = 5
 """How many changed files of one directory a path names before it says how many more there are."""

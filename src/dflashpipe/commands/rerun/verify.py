@@ -29,16 +29,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflashpipe.commands.explain import DIRECT, OUTPUTS, RESTORABLE, WORKSPACE, Cause, Report, cause_line, explain
+from dflashpipe.commands.explain.comparison import topological, upstream_of
+from dflashpipe.commands.explain.history import Measured, moved
+from dflashpipe.commands.explain.state import State, read_revision_state
+from dflashpipe.commands.rerun.tree import ScratchTree, pooled, shared_cache
 from dflashpipe.core import spread
 from dflashpipe.core.artifacts import json_number
 from dflashpipe.core.errors import DflashpipeError
 from dflashpipe.core.pipeline import FINGERPRINT
 from dflashpipe.core.revision import Revisions, Workspace, commit_of, git, has_file, read_metrics, run_git
-from dflashpipe.explain import DIRECT, OUTPUTS, RESTORABLE, WORKSPACE, Cause, Report, cause_line, explain
-from dflashpipe.explain.comparison import topological, upstream_of
-from dflashpipe.explain.history import Measured, moved
-from dflashpipe.explain.state import State, read_revision_state
-from dflashpipe.rerun.tree import ScratchTree, pooled, shared_cache
 
 MEASURED, FIXED, OVER_BUDGET, FAILED = "measured", "cannot revert here", "over budget", "failed"
 

@@ -2,7 +2,7 @@
 
 Invariant: every figure is computed from the run's params (a profile and `-S` values over params.yaml), the
 target's config.json, the device table (dflashpipe.core.devices, the user's own rows, this CPU measured now) and MFUs
-calibrated from measurements (dflashpipe.plan.calibration); every input figure carries its source (measured here,
+calibrated from measurements (calibration.py); every input figure carries its source (measured here,
 published with its source, or assumed), in the text and in the JSON. The modules split where the work does:
 `inputs` (params, config, devices, data size), `model` (the models on the meta device), `calibration` (MFUs),
 `memory`, `throughput`, `against_train` (the plan of the run train last made against what it measured), `render`.
@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflashpipe.plan.against_train import against_train
-from dflashpipe.plan.calibration import Calibration, calibrate
-from dflashpipe.plan.inputs import (
+from dflashpipe.commands.plan.against_train import against_train
+from dflashpipe.commands.plan.calibration import Calibration, calibrate
+from dflashpipe.commands.plan.inputs import (
     DataSize,
     DeviceChoice,
     PlanError,
@@ -26,10 +26,21 @@ from dflashpipe.plan.inputs import (
     resolve_run,
     target_config,
 )
-from dflashpipe.plan.memory import DeviceMemory, Fit, device_memory, largest_fit
-from dflashpipe.plan.model import Models, Shapes
-from dflashpipe.plan.render import gib, plan_json, plan_lines
-from dflashpipe.plan.throughput import Side, Split, Transfer, Wall, balanced, bound, sides, splits, transfer, wall
+from dflashpipe.commands.plan.memory import DeviceMemory, Fit, device_memory, largest_fit
+from dflashpipe.commands.plan.model import Models, Shapes
+from dflashpipe.commands.plan.render import gib, plan_json, plan_lines
+from dflashpipe.commands.plan.throughput import (
+    Side,
+    Split,
+    Transfer,
+    Wall,
+    balanced,
+    bound,
+    sides,
+    splits,
+    transfer,
+    wall,
+)
 
 __all__ = ["Plan", "PlanError", "make_plan", "plan_json", "plan_lines"]
 

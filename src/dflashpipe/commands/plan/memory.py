@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from dflashpipe.commands.plan.inputs import Run
+from dflashpipe.commands.plan.model import BYTES, Shapes
 from dflashpipe.core.devices import Device
 from dflashpipe.model.loss import LOGITS_CHUNK_BYTES
-from dflashpipe.plan.inputs import Run
-from dflashpipe.plan.model import BYTES, Shapes
 
 RESERVE = 0.10
 """Assumed: the share of a device's memory that training cannot use (CUDA context, allocator fragmentation)."""

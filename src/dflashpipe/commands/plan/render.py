@@ -7,7 +7,7 @@ import json
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from dflashpipe.plan import Plan
+    from dflashpipe.commands.plan import Plan
 
 
 def _si(n: float, unit: str = "") -> str:
@@ -120,7 +120,7 @@ def plan_lines(p: Plan) -> list[str]:
 
 
 def _reserve() -> str:
-    from dflashpipe.plan.memory import RESERVE
+    from dflashpipe.commands.plan.memory import RESERVE
 
     return f"{RESERVE:.0%}"
 

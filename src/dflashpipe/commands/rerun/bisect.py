@@ -26,11 +26,11 @@ from typing import NoReturn
 
 from tqdm import tqdm
 
+from dflashpipe.commands.explain.history import Measured, moved, recorded_metrics, selected_metrics
+from dflashpipe.commands.explain.state import read_revision_state
+from dflashpipe.commands.rerun.tree import RunFailed, ScratchTree, pooled, shared_cache
 from dflashpipe.core.errors import DflashpipeError
 from dflashpipe.core.revision import Revision, Revisions, commit_of, git, run_git, unknown_revision
-from dflashpipe.explain.history import Measured, moved, recorded_metrics, selected_metrics
-from dflashpipe.explain.state import read_revision_state
-from dflashpipe.rerun.tree import RunFailed, ScratchTree, pooled, shared_cache
 
 
 @dataclass

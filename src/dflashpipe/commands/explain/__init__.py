@@ -18,11 +18,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dflashpipe.core.errors import DflashpipeError
-from dflashpipe.core.pipeline import FINGERPRINT, PARAMS_FILE, Pipeline
-from dflashpipe.core.revision import WORKSPACE, Revision, Revisions, Workspace, parse_yaml
-from dflashpipe.explain.answer import Answer, answer
-from dflashpipe.explain.comparison import (
+from dflashpipe.commands.explain.answer import Answer, answer
+from dflashpipe.commands.explain.comparison import (
     compare,
     headlines_same,
     metric_deltas,
@@ -31,8 +28,8 @@ from dflashpipe.explain.comparison import (
     unreadable_metrics,
     upstream_of,
 )
-from dflashpipe.explain.machine import attribute_to_machine, observe_machine, with_live_fingerprint
-from dflashpipe.explain.records import (
+from dflashpipe.commands.explain.machine import attribute_to_machine, observe_machine, with_live_fingerprint
+from dflashpipe.commands.explain.records import (
     ALWAYS,
     CHANGE,
     DIRECT,
@@ -53,7 +50,7 @@ from dflashpipe.explain.records import (
     StageState,
     Verdict,
 )
-from dflashpipe.explain.render import (
+from dflashpipe.commands.explain.render import (
     answer_lines,
     cause_line,
     machine_lines,
@@ -62,7 +59,10 @@ from dflashpipe.explain.render import (
     to_json,
     to_markdown,
 )
-from dflashpipe.explain.state import LocalCache, State, as_committed, read_revision_state, read_workspace_state
+from dflashpipe.commands.explain.state import LocalCache, State, as_committed, read_revision_state, read_workspace_state
+from dflashpipe.core.errors import DflashpipeError
+from dflashpipe.core.pipeline import FINGERPRINT, PARAMS_FILE, Pipeline
+from dflashpipe.core.revision import WORKSPACE, Revision, Revisions, Workspace, parse_yaml
 
 __all__ = [
     "ALWAYS",

@@ -20,16 +20,16 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from dflashpipe.commands.explain import WORKSPACE, Report, explain, to_markdown
+from dflashpipe.commands.explain.render import verdict_reason
+from dflashpipe.commands.report.contents import Chart, Headline, RunReport
+from dflashpipe.commands.report.page import to_html, to_markdown_page
 from dflashpipe.core import plots
 from dflashpipe.core.artifacts import write_bytes_atomic
 from dflashpipe.core.errors import DflashpipeError
 from dflashpipe.core.headlines import HEADLINES, SLOT_ACCURACY
 from dflashpipe.core.pipeline import METRICS, Pipeline
 from dflashpipe.core.revision import commit_of
-from dflashpipe.explain import WORKSPACE, Report, explain, to_markdown
-from dflashpipe.explain.render import verdict_reason
-from dflashpipe.report.contents import Chart, Headline, RunReport
-from dflashpipe.report.page import to_html, to_markdown_page
 
 SINGLE = "single measurement"
 

@@ -16,10 +16,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dflashpipe.commands.explain.records import Cause, StageState
 from dflashpipe.core.errors import DflashpipeError
 from dflashpipe.core.pipeline import DVC_FILE, FINGERPRINT, PARAMS_FILE, Pipeline, lies_under
 from dflashpipe.core.revision import Revision, Workspace, changed_in_git
-from dflashpipe.explain.records import Cause, StageState
 
 State = Revision | Workspace
 """The files of one state: a commit's (read through git) or the workspace's."""

@@ -1,7 +1,7 @@
 """The MFUs a plan runs each side at, calibrated from measurements, never assumed: every figure carries where it
 comes from.
 
-- A GPU side: SpecForge's disaggregated run on 8 H200 (dflashpipe.plan.published), restated in this project's FLOP
+- A GPU side: SpecForge's disaggregated run on 8 H200 (published.py), restated in this project's FLOP
   convention: one capture GPU's prefill tokens/s x the target's FLOPs a token, and one trainer GPU's samples/s
   inside the running pipeline x the drafter's FLOPs a sample, over the H200's peak. The trainer's MFU alone on
   one GPU (43.5%) is higher; the pipeline's is what a plan of a pipeline needs, and only it orders the published
@@ -21,12 +21,12 @@ from pathlib import Path
 
 import yaml
 
+from dflashpipe.commands.plan.inputs import DeviceChoice, PlanError, Run, TargetConfig, resolve_run, target_config
+from dflashpipe.commands.plan.model import Models, Shapes, feature_bytes_per_token, whole_forward_flops
+from dflashpipe.commands.plan.published import SPECFORGE_QWEN3_8B, TARGET_CONFIGS, PublishedRun
 from dflashpipe.core.devices import published
 from dflashpipe.core.params import PARAMS_FILE
 from dflashpipe.core.pipeline import BENCH_METRICS, FEATURES_METRICS, TRAIN_METRICS
-from dflashpipe.plan.inputs import DeviceChoice, PlanError, Run, TargetConfig, resolve_run, target_config
-from dflashpipe.plan.model import Models, Shapes, feature_bytes_per_token, whole_forward_flops
-from dflashpipe.plan.published import SPECFORGE_QWEN3_8B, TARGET_CONFIGS, PublishedRun
 from dflashpipe.train.flops import side_flops
 
 DISK_READ = 3e9
