@@ -24,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))  # tests.vllm_server: the server is test-only code
 
 
 def main() -> None:
@@ -40,8 +41,8 @@ def main() -> None:
     from dflashpipe.evaluate.prompts import TRAIN, eval_prompts
     from dflashpipe.regenerate.endpoint import Endpoint
     from dflashpipe.regenerate.run import EndpointReplier, InProcessReplier
-    from dflashpipe.serve.server import VllmServer
     from dflashpipe.target.chat import load_chat_tokenizer
+    from tests.vllm_server import VllmServer
 
     python = serving_python(ROOT)
     if python is None:
