@@ -780,7 +780,7 @@ def test_the_live_check_imports_torch_only_when_its_key_moved(tmp_path, monkeypa
     reused = env.observe(hashes, loaded, reuse_loaded=True, project=tmp_path)
     assert (reused.probed, reused.facts, reused.integrity.rehashed) == (False, stage.facts, 0)
     code = (
-        "import json, sys; from dflashpipe import env; "
+        "import json, sys; from dflashpipe.core import env; "
         f"o = env.observe({str(hashes)!r}, {str(loaded)!r}, reuse_loaded=True, project={str(tmp_path)!r}); "
         "print(o.probed, 'torch' in sys.modules, json.dumps(o.facts, sort_keys=True))"
     )

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from dflashpipe.core.artifacts import canonical_json
-from dflashpipe.core.env import HASH_STATE, compile_environment, distribution_integrity, edited_functions, fingerprint
+from dflashpipe.core.env import HASH_STATE, compile_environment, distribution_integrity, edited_functions, observe
 from tests.conftest import run
 
 
@@ -21,7 +21,7 @@ def test_the_stage_writes_the_same_bytes_twice_and_records_compile_env_vars(dvc_
     assert (dvc_project / HASH_STATE).is_file()
     assert "re-hashed 0 of " in run(["python", "stages/fingerprint.py"], dvc_project).stderr
     assert (dvc_project / "data/env/fingerprint.json").read_bytes() == first
-    assert canonical_json(fingerprint(dvc_project)) == first  # no hash state at all
+    assert canonical_json(observe(project=dvc_project).facts) == first  # no hash state at all
     assert "dflashpipe-installed-files" not in run(["git", "status", "--porcelain"], dvc_project).stdout
     facts = json.loads(first)
     import torch

@@ -269,9 +269,9 @@ def test_the_stages_that_run_compiled_kernels_name_the_same_environment_keys(sta
 
 
 def test_every_fingerprint_key_a_stage_names_is_in_the_fingerprint(stages):
-    from dflashpipe.core.env import fingerprint
+    from dflashpipe.core.env import observe
 
-    facts = fingerprint(ROOT)
+    facts = observe(project=ROOT).facts
     for name, entry in stages.items():
         for key in fingerprint_keys(entry) or []:
             node = facts

@@ -254,7 +254,7 @@ def test_every_stage_that_declares_target_dtype_refuses_a_file_whose_target_dtyp
     shutil.copy(ROOT / "dvc.yaml", project / "dvc.yaml")
     declaring = [
         name
-        for name in pipeline.stage_names(ROOT)
+        for name in pipeline.Pipeline.read(ROOT).names
         if (str(pipeline.FINGERPRINT), "target_dtype") in pipeline.stage_spec(name, ROOT).params
     ]
     assert {"regenerate", "features", "warmup", "train", "bench", "evaluate"} <= set(declaring)

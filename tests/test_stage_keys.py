@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashpipe.core.pipeline import DVC_FILE, PARAMS_FILE, REUSE, reuse_key, stage_names, stage_spec
+from dflashpipe.core.pipeline import DVC_FILE, PARAMS_FILE, REUSE, Pipeline, reuse_key, stage_spec
 from tests.conftest import copy_from_root
 
 CODE = ["dvc.yaml", "params.yaml", ".dvcignore", "stages", "src/dflashpipe", "data/env/fingerprint.json"]
@@ -25,7 +25,7 @@ CODE = ["dvc.yaml", "params.yaml", ".dvcignore", "stages", "src/dflashpipe", "da
 def project(tmp_path_factory) -> Path:
     """The project's code and params, with a small stand-in file in every data dep of every stage."""
     project = copy_from_root(tmp_path_factory.mktemp("keys"), CODE)
-    for name in stage_names(project):
+    for name in Pipeline.read(project).names:
         for dep in stage_spec(name, project).deps:
             path = project / dep
             if not path.exists():

@@ -75,7 +75,7 @@ def test_the_embedded_smollm2_gguf_becomes_a_deterministic_reloadable_model(tmp_
 
 
 def test_compute_target_dtype_is_the_devices_native_dtype_per_kind_of_work_and_the_fingerprint_records_it(tmp_path):
-    from dflashpipe.core.env import fingerprint
+    from dflashpipe.core.env import observe
     from dflashpipe.core.kernels import bfloat16_native
     from dflashpipe.target.dtype import compute_dtype
 
@@ -84,7 +84,7 @@ def test_compute_target_dtype_is_the_devices_native_dtype_per_kind_of_work_and_t
     assert compute_dtype("cpu", "auto", "decode") == torch.float32  # one sequence: float32 measured faster
     assert compute_dtype("cpu", "bfloat16", "decode") == torch.bfloat16  # an explicit choice holds for every kind
     assert compute_dtype("cuda:3", "float32") == torch.float32
-    recorded = fingerprint(tmp_path)["target_dtype"]  # a project without a serving environment
+    recorded = observe(project=tmp_path).facts["target_dtype"]  # a project without a serving environment
     assert recorded["cpu"] == {kind: str(compute_dtype("cpu", "auto", kind))[6:] for kind in ("batched", "decode")}
     assert ("cuda" in recorded) == torch.cuda.is_available()
 

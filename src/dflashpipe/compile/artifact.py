@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,13 +77,6 @@ def write_artifact(out: Path, cache_dir: Path, report: dict[str, Any], with_mega
     write_file_listing(out)
 
 
-@dataclass
-class LoadedArtifact:
-    report: dict[str, Any]
-    cache_dir: Path
-    mega_cache: bool
-
-
 def verify_artifact(path: Path) -> dict[str, Any]:
     """Check every file against files.json; return the report. Raise with the fix otherwise."""
     fix = f"restore it with `dvc checkout {path}` or rebuild it with `dvc repro -f warmup`"
@@ -114,7 +106,7 @@ def check_built_for(path: Path, report: dict[str, Any], expected: StageKey | Non
         )
 
 
-def load_artifact(path: Path | str, workdir: Path | str, expected: StageKey | None) -> LoadedArtifact:
+def load_artifact(path: Path | str, workdir: Path | str, expected: StageKey | None) -> None:
     """Verify the artifact, check it was built for `expected` (warmup's stage key now), copy its
     cache into `workdir` and point inductor there.
 
@@ -139,7 +131,6 @@ def load_artifact(path: Path | str, workdir: Path | str, expected: StageKey | No
     mega = path / MEGA_CACHE
     if mega.is_file():
         torch.compiler.load_cache_artifacts(mega.read_bytes())
-    return LoadedArtifact(report, workdir, mega.is_file())
 
 
 def load_artifact_or_go_cold(path: Path | str, workdir: Path | str, expected: StageKey | None) -> str:

@@ -508,12 +508,6 @@ def fact_change(was: Any, now: Any, width: int = 60, gone: str = "absent") -> st
     return f"{short(was, 'absent')} -> {short(now, gone)}"
 
 
-def fingerprint(project: Path | str, hash_state: Path | None = None) -> dict[str, Any]:
-    """Observe this machine for `project`. Same machine, same packages, same variables: same dict (with or without
-    `hash_state`, which only saves re-hashing torch's unchanged files)."""
-    return observe(hash_state, project=project).facts
-
-
 def observe(
     hash_state: Path | None = None,
     loaded_state: Path | None = None,

@@ -176,11 +176,6 @@ def read_dvc_yaml(root: Path | str = ".") -> dict[str, Any]:
         raise PipelineError(f"{path}: not valid YAML: {exc}") from None
 
 
-def stage_names(root: Path | str = ".") -> list[str]:
-    """The stages in dvc.yaml's order."""
-    return Pipeline.read(root).names
-
-
 def stage_spec(name: str, root: Path | str = ".") -> StageSpec:
     return Pipeline.read(root).spec(name)
 

@@ -164,8 +164,3 @@ def svg(spec: dict) -> str:
     import vl_convert
 
     return vl_convert.vegalite_to_svg(spec, allowed_base_urls=[])
-
-
-def write_png(path: Path | str, spec: dict) -> None:
-    """Render `spec` and write it to `path` atomically."""
-    write_bytes_atomic(path, png(spec))

@@ -24,9 +24,7 @@ from dflashpipe.commands.explain.comparison import (
     headlines_same,
     metric_deltas,
     root_causes,
-    topological,
     unreadable_metrics,
-    upstream_of,
 )
 from dflashpipe.commands.explain.machine import attribute_to_machine, observe_machine, with_live_fingerprint
 from dflashpipe.commands.explain.records import (
@@ -102,8 +100,6 @@ __all__ = [
     "root_causes",
     "to_json",
     "to_markdown",
-    "topological",
-    "upstream_of",
 ]
 
 

@@ -41,24 +41,14 @@ LISTED_FILES = 5
 """How many changed files of one directory a path names before it says how many more there are."""
 
 
-def upstream_of(stages: dict[str, StageState]) -> dict[str, list[str]]:
-    """For each stage, the stages whose outputs it takes as file deps (params files excluded:
-    a stage that reads keys of another's output depends on those keys, compared one by one)."""
-    return pipeline.upstream_of({n: s.deps for n, s in stages.items()}, {n: s.outs for n, s in stages.items()})
-
-
-def topological(stages: dict[str, StageState], ups: dict[str, list[str]]) -> list[str]:
-    """The stages, each after those it reads outputs of (`ups`), in the given order otherwise."""
-    return pipeline.upstream_first(stages, ups)
-
-
 def compare(
     old: dict[str, StageState], new: dict[str, StageState], recorded: dict, cache, a: str, b: str
 ) -> list[Verdict]:
-    ups = upstream_of(new)
+    # file deps only: a stage that reads keys of another's output depends on those keys, compared one by one
+    ups = pipeline.upstream_of({n: s.deps for n, s in new.items()}, {n: s.outs for n, s in new.items()})
     upstream_outs = {s: {o for u in ups[s] for o in new[u].outs} for s in new}
     verdicts: dict[str, Verdict] = {}
-    for name in topological(new, ups):
+    for name in pipeline.upstream_first(new, ups):
         st, before = new[name], old.get(name)
         v = Verdict(name, UNCHANGED)
         verdicts[name] = v
@@ -133,7 +123,7 @@ def compare(
             same = [equivalent(o, before.outs.get(o), h, cache) for o, h in st.outs.items() if before.outs.get(o) != h]
             v.note = "; ".join(n for n in same if n)
     _trace_paths(verdicts, old, new, ups, cache, workspace=bool(recorded))
-    return [verdicts[n] for n in topological(new, ups)]
+    return [verdicts[n] for n in pipeline.upstream_first(new, ups)]
 
 
 def _source(kind: str, a: str, b: str, file: str = "") -> str:

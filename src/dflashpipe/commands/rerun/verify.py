@@ -30,14 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from dflashpipe.commands.explain import DIRECT, OUTPUTS, RESTORABLE, WORKSPACE, Cause, Report, cause_line, explain
-from dflashpipe.commands.explain.comparison import topological, upstream_of
 from dflashpipe.commands.explain.history import Measured, moved
 from dflashpipe.commands.explain.state import State, read_revision_state
 from dflashpipe.commands.rerun.tree import ScratchTree, pooled, shared_cache
 from dflashpipe.core import spread
 from dflashpipe.core.artifacts import json_number
 from dflashpipe.core.errors import DflashpipeError
-from dflashpipe.core.pipeline import FINGERPRINT
+from dflashpipe.core.pipeline import FINGERPRINT, upstream_first, upstream_of
 from dflashpipe.core.revision import Revisions, Workspace, commit_of, git, has_file, read_metrics, run_git
 
 MEASURED, FIXED, OVER_BUDGET, FAILED = "measured", "cannot revert here", "over budget", "failed"
@@ -265,14 +264,14 @@ def _as_figure(m: Measured) -> dict | None:
 
 def _upstream(stage: str, stages) -> list[str]:
     """The stages `stage` reads outputs of, directly or not, upstream first."""
-    ups = upstream_of(stages)
+    ups = upstream_of({n: s.deps for n, s in stages.items()}, {n: s.outs for n, s in stages.items()})
     found, todo = set(), [stage]
     while todo:
         for producer in ups[todo.pop()]:
             if producer not in found:
                 found.add(producer)
                 todo.append(producer)
-    return [name for name in topological(stages, ups) if name in found]
+    return [name for name in upstream_first(stages, ups) if name in found]
 
 
 def _prepare(arm: Arm, tree: ScratchTree, root, workspace, kept_missing, a_rev, stage, upstream) -> None:

@@ -23,7 +23,6 @@ from dflashpipe.core.params.loading import (
 )
 from dflashpipe.core.params.sections import (
     SECTIONS,
-    SOURCE_KINDS,
     USER_SOURCE_KINDS,
     CompileParams,
     ComputeParams,
@@ -43,7 +42,6 @@ __all__ = [
     "DVC_FILE",
     "PARAMS_FILE",
     "SECTIONS",
-    "SOURCE_KINDS",
     "USER_SOURCE_KINDS",
     "CompileParams",
     "DataParams",

