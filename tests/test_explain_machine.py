@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashpipe.commands.explain import DIRECT, DOWNSTREAM, NOISE, explain, print_text, to_json, to_markdown
+from dflashpipe.commands.explain import NoiseCall, StageVerdict, explain, print_text, to_json, to_markdown
 from dflashpipe.core import env
 from dflashpipe.core.pipeline import Pipeline
 from tests.conftest import copy_project, run, set_params
@@ -43,8 +43,8 @@ def machine_stages(report) -> list[str]:
     """The stages a `machine` cause hits directly, then what the verdicts put downstream of them (DAG order)."""
     hit: list[str] = []
     for v in report.stages:
-        if (v.verdict == DIRECT and any(c.kind == "machine" for c in v.causes)) or (
-            v.verdict == DOWNSTREAM and set(v.upstream) & set(hit)
+        if (v.verdict == StageVerdict.DIRECT and any(c.kind == "machine" for c in v.causes)) or (
+            v.verdict == StageVerdict.DOWNSTREAM and set(v.upstream) & set(hit)
         ):
             hit.append(v.stage)
     return hit
@@ -72,7 +72,7 @@ def assert_one_story(report, project: Path, capsys, extra_env: dict | None = Non
     print_text(report, full=True)
     text = capsys.readouterr().out
     for stage in report.machine.invalid:
-        assert f"{stage}: {DIRECT}" in text or f"{stage}: {DOWNSTREAM}" in text
+        assert f"{stage}: {StageVerdict.DIRECT}" in text or f"{stage}: {StageVerdict.DOWNSTREAM}" in text
     from dflashpipe.commands.report.build import build
 
     assert {name: verdict for name, verdict, _, _ in build(project).stages} == found
@@ -161,7 +161,7 @@ def test_bench_re_measured_with_one_thread_names_the_thread_change(committed, mo
     threads = next(c for c in report.root_causes if c.what == "data/env/fingerprint.json:threads.env")
     assert threads.kind == "param" and threads.new["OMP_NUM_THREADS"] == "1" and "bench" in threads.stages
     moved = metric(report, "metrics/bench.json", "tokens_per_s")
-    assert moved.call == NOISE or "data/env/fingerprint.json:threads.env" in moved.causes, moved
+    assert moved.call == NoiseCall.NOISE or "data/env/fingerprint.json:threads.env" in moved.causes, moved
     # back in a shell without it: the machine is HEAD's again, so no input of bench differs from HEAD's record;
     # the figure still moved, and explain says what the records of the two measurements say
     monkeypatch.delenv("OMP_NUM_THREADS")

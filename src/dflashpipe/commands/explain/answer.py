@@ -15,24 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflashpipe.commands.explain.records import (
-    ALWAYS,
-    CHANGE,
-    DIRECT,
-    DOWNSTREAM,
-    FROZEN,
-    MACHINE,
-    NOISE,
-    OUTPUTS,
-    RESTORABLE,
-    UNCHANGED,
-    UNKNOWN,
-    UNMEASURED,
-    Cause,
-    MetricDelta,
-    Report,
-    Verdict,
-)
+from dflashpipe.commands.explain.records import RESTORABLE, Cause, MetricDelta, NoiseCall, Report, StageVerdict, Verdict
 from dflashpipe.core import env
 from dflashpipe.core.headlines import HEADLINES
 from dflashpipe.core.pipeline import FINGERPRINT, PARAMS_FILE
@@ -102,9 +85,9 @@ class Answer:
 def answer(report: Report) -> Answer:
     by_stage = {v.stage: v for v in report.stages}
     order = [v.stage for v in report.stages]
-    rerun = [v.stage for v in report.stages if v.verdict in (DIRECT, DOWNSTREAM)]
-    restore = [v.stage for v in report.stages if v.verdict == OUTPUTS and _restorable(v)]
-    rerun += [v.stage for v in report.stages if v.verdict == OUTPUTS and v.stage not in restore]
+    rerun = [v.stage for v in report.stages if v.verdict in (StageVerdict.DIRECT, StageVerdict.DOWNSTREAM)]
+    restore = [v.stage for v in report.stages if v.verdict == StageVerdict.OUTPUTS and _restorable(v)]
+    rerun += [v.stage for v in report.stages if v.verdict == StageVerdict.OUTPUTS and v.stage not in restore]
     causes = _cause_lines(report.root_causes, by_stage, order, report)
     edited = report.machine.edited if report.machine is not None else []
     for line in causes:  # an edited torch file: which of its definitions changed, when a copy of the wheel says
@@ -119,10 +102,10 @@ def answer(report: Report) -> Answer:
         causes=causes,
         rerun=[s for s in order if s in rerun],
         restore=restore,
-        unknown=[v.stage for v in report.stages if v.verdict == UNKNOWN],
-        unchanged=[v.stage for v in report.stages if v.verdict == UNCHANGED],
-        always=[v.stage for v in report.stages if v.verdict == ALWAYS],
-        frozen=[v.stage for v in report.stages if v.verdict == FROZEN],
+        unknown=[v.stage for v in report.stages if v.verdict == StageVerdict.UNKNOWN],
+        unchanged=[v.stage for v in report.stages if v.verdict == StageVerdict.UNCHANGED],
+        always=[v.stage for v in report.stages if v.verdict == StageVerdict.ALWAYS],
+        frozen=[v.stage for v in report.stages if v.verdict == StageVerdict.FROZEN],
         headlines=headlines,
         same=same,
         other_metrics=sum(1 for m in report.metrics if (m.file, m.key) not in shown),
@@ -240,7 +223,7 @@ def _downstream(hit: list[str], by_stage: dict[str, Verdict], order: list[str]) 
     reached = set(hit)
     for name in order:  # upstream first: one pass reaches the whole closure
         v = by_stage[name]
-        if v.verdict in (DIRECT, DOWNSTREAM) and reached & set(v.upstream):
+        if v.verdict in (StageVerdict.DIRECT, StageVerdict.DOWNSTREAM) and reached & set(v.upstream):
             reached.add(name)
     return [s for s in order if s in reached and s not in hit]
 
@@ -277,18 +260,18 @@ def _verdict(m: MetricDelta, numbers: dict[str, int]) -> tuple[str, str]:
     causes = " ".join(listed + [named(c) for c in m.causes if c not in numbers]) or "no cause above"
     if m.call is None:  # deterministic: any move is a change of its inputs
         return "differs", causes
-    if m.call == MACHINE:
-        return MACHINE, f"control {_factor(m.slowdown)}"
-    if m.call == NOISE:
-        return NOISE, "ranges overlap"
-    if m.call == UNMEASURED:
+    if m.call == NoiseCall.MACHINE:
+        return NoiseCall.MACHINE, f"control {_factor(m.slowdown)}"
+    if m.call == NoiseCall.NOISE:
+        return NoiseCall.NOISE, "ranges overlap"
+    if m.call == NoiseCall.UNMEASURED:
         return "unmeasured", "no spread recorded"
-    assert m.call == CHANGE
+    assert m.call == NoiseCall.CHANGE
     if m.control.startswith("control not applied"):
-        return CHANGE, f"{causes}, the control set aside"
+        return NoiseCall.CHANGE, f"{causes}, the control set aside"
     if m.slowdown is not None:
-        return CHANGE, f"{causes}, beyond the control's {_factor(m.slowdown)}"
-    return CHANGE, causes
+        return NoiseCall.CHANGE, f"{causes}, beyond the control's {_factor(m.slowdown)}"
+    return NoiseCall.CHANGE, causes
 
 
 def _numbered(numbers: list[int]) -> list[str]:
@@ -309,7 +292,7 @@ def _factor(slowdown: float | None) -> str:
 
 
 def no_causes(report: Report) -> str:
-    unknown = [v.stage for v in report.stages if v.verdict == UNKNOWN]
+    unknown = [v.stage for v in report.stages if v.verdict == StageVerdict.UNKNOWN]
     if unknown:
         return f"none found, but unknowable for {', '.join(unknown)} (no record of them at {report.a})"
     return "nothing: every stage's recorded inputs are the same"

@@ -11,20 +11,12 @@ from __future__ import annotations
 import json
 
 from dflashpipe.commands.explain.records import (
-    ALWAYS,
-    DIRECT,
-    DOWNSTREAM,
-    FROZEN,
-    MACHINE,
-    NOISE,
-    OUTPUTS,
     RESTORABLE,
-    UNCHANGED,
-    UNKNOWN,
-    UNMEASURED,
     Cause,
     MetricDelta,
+    NoiseCall,
     StageState,
+    StageVerdict,
     Verdict,
     display_names,
 )
@@ -50,13 +42,16 @@ def compare(
     verdicts: dict[str, Verdict] = {}
     for name in pipeline.upstream_first(new, ups):
         st, before = new[name], old.get(name)
-        v = Verdict(name, UNCHANGED)
+        v = Verdict(name, StageVerdict.UNCHANGED)
         verdicts[name] = v
         if before is None:
-            v.verdict, v.note = UNKNOWN, f"no stage {name!r} in dvc.yaml at {a}: nothing to compare"
+            v.verdict, v.note = StageVerdict.UNKNOWN, f"no stage {name!r} in dvc.yaml at {a}: nothing to compare"
             continue
         if not before.locked:
-            v.verdict, v.note = UNKNOWN, f"no dvc.lock entry for {name!r} at {a}: its inputs then are unknowable"
+            v.verdict, v.note = (
+                StageVerdict.UNKNOWN,
+                f"no dvc.lock entry for {name!r} at {a}: its inputs then are unknowable",
+            )
             continue
         if st.cmd != before.cmd:
             v.causes.append(
@@ -103,23 +98,28 @@ def compare(
                 and any(lies_under(d, o) for d in st.deps)
                 and not equivalent(o, old[u].outs.get(o), new[u].outs.get(o), cache)
             ]
-            if verdicts[u].verdict in (DIRECT, DOWNSTREAM) or (changed_outs and not _restorable(verdicts[u])):
+            if verdicts[u].verdict in (StageVerdict.DIRECT, StageVerdict.DOWNSTREAM) or (
+                changed_outs and not _restorable(verdicts[u])
+            ):
                 v.upstream.append(u)
         if st.frozen:
-            v.verdict, v.note = FROZEN, "frozen in dvc.yaml: `dvc repro` will not rerun it"
+            v.verdict, v.note = StageVerdict.FROZEN, "frozen in dvc.yaml: `dvc repro` will not rerun it"
         elif st.always_changed:
-            v.verdict, v.note = ALWAYS, "always_changed: it reruns on every `dvc repro` and observes the machine"
+            v.verdict, v.note = (
+                StageVerdict.ALWAYS,
+                "always_changed: it reruns on every `dvc repro` and observes the machine",
+            )
         elif v.causes:
-            v.verdict = DIRECT
+            v.verdict = StageVerdict.DIRECT
             # it reruns anyway, but a lost output is a fact of its own (the compile cache gone: a cold compile)
             v.causes.extend(_output_problems(st, recorded.get(name, {}), cache))
         elif v.upstream:
-            v.verdict = DOWNSTREAM
+            v.verdict = StageVerdict.DOWNSTREAM
         elif recorded:
             v.causes.extend(_output_problems(st, recorded.get(name, {}), cache))
             if v.causes:
-                v.verdict = OUTPUTS
-        if v.verdict == UNCHANGED and before is not None:
+                v.verdict = StageVerdict.OUTPUTS
+        if v.verdict == StageVerdict.UNCHANGED and before is not None:
             same = [equivalent(o, before.outs.get(o), h, cache) for o, h in st.outs.items() if before.outs.get(o) != h]
             v.note = "; ".join(n for n in same if n)
     _trace_paths(verdicts, old, new, ups, cache, workspace=bool(recorded))
@@ -188,7 +188,11 @@ def _trace_paths(verdicts: dict[str, Verdict], old, new, ups, cache, workspace: 
         memo[name] = []  # a cycle cannot be a DAG's, but never recurse forever
         st, before, found = new[name], old.get(name), []
         for u in ups[name]:
-            pending = workspace and verdicts[u].verdict in (DIRECT, DOWNSTREAM) and old.get(u) is not None
+            pending = (
+                workspace
+                and verdicts[u].verdict in (StageVerdict.DIRECT, StageVerdict.DOWNSTREAM)
+                and old.get(u) is not None
+            )
             pending = pending and all(old[u].outs.get(o) == h for o, h in new[u].outs.items())
             for dep in (d for d in st.deps if any(lies_under(d, o) for o in new[u].outs)):
                 was, now = (before.deps.get(dep) if before else None), st.deps.get(dep)
@@ -196,7 +200,7 @@ def _trace_paths(verdicts: dict[str, Verdict], old, new, ups, cache, workspace: 
                     continue  # same bytes, or the same content by its own key: not on the path
                 if u not in verdicts[name].linked:
                     verdicts[name].linked.append(u)
-                upper = [] if verdicts[u].verdict == DIRECT else below(u)
+                upper = [] if verdicts[u].verdict == StageVerdict.DIRECT else below(u)
                 if upper:
                     found += [f"{dep} ({u}{', not rerun yet' if was == now else ''}) <- {c}" for c in upper]
                     continue
@@ -224,7 +228,9 @@ def _changed_files(dep: str, was: str | None, now: str | None, cache) -> list[st
 
 def _restorable(v: Verdict) -> bool:
     """Outputs that `dvc checkout` brings back as recorded: what reads them is not invalidated by their absence."""
-    return v.verdict == OUTPUTS and all(c.kind == "out" and c.evidence.endswith(RESTORABLE) for c in v.causes)
+    return v.verdict == StageVerdict.OUTPUTS and all(
+        c.kind == "out" and c.evidence.endswith(RESTORABLE) for c in v.causes
+    )
 
 
 def _output_problems(st: StageState, recorded: dict[str, str | None], cache) -> list[Cause]:
@@ -252,7 +258,7 @@ def root_causes(verdicts: list[Verdict]) -> list[Cause]:
     """The direct causes, each once, with every stage it hits directly."""
     merged: dict[tuple, Cause] = {}
     for v in verdicts:
-        if v.verdict not in (DIRECT, OUTPUTS):
+        if v.verdict not in (StageVerdict.DIRECT, StageVerdict.OUTPUTS):
             continue
         for c in v.causes:
             key = (
@@ -280,7 +286,9 @@ def metric_deltas(sa: State, sb: State, new: dict[str, StageState], verdicts: li
             # a `machine` cause is what `dvc repro` will run with here, not what a recorded figure was measured
             # with (each side's dvc.lock says that): it moves no recorded metric
             found.update(
-                (c.what, c) for c in by_stage[s].causes if by_stage[s].verdict == DIRECT and c.kind != "machine"
+                (c.what, c)
+                for c in by_stage[s].causes
+                if by_stage[s].verdict == StageVerdict.DIRECT and c.kind != "machine"
             )
             # only through deps whose bytes changed: an upstream that reran to the same output is no path
             todo.extend(by_stage[s].linked)
@@ -323,9 +331,9 @@ def metric_deltas(sa: State, sb: State, new: dict[str, StageState], verdicts: li
                         delta.control = control_words(*controls, sa.label, sb.label)
                         if None not in controls:
                             delta.slowdown = spread.slowdown(*controls)
-                    delta.call = UNMEASURED if call == "unmeasured" else call
+                    delta.call = NoiseCall.UNMEASURED if call == "unmeasured" else call
                     delta.spread = f"before {_described(before)}; after {_described(after)}"
-                    if delta.call in (NOISE, MACHINE):
+                    if delta.call in (NoiseCall.NOISE, NoiseCall.MACHINE):
                         delta.causes = []  # within the repeats' range, or the machine's move: no input to blame
                     if not delta.causes:
                         delta.machine = _machine_facts(st.name, key, old, cur, ran_with())

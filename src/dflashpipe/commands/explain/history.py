@@ -34,17 +34,7 @@ from dflashpipe.commands.explain.comparison import (
     metric_deltas,
     root_causes,
 )
-from dflashpipe.commands.explain.records import (
-    CHANGE,
-    MACHINE,
-    NOISE,
-    UNMEASURED,
-    Cause,
-    MetricDelta,
-    StageState,
-    Verdict,
-    display_names,
-)
+from dflashpipe.commands.explain.records import Cause, MetricDelta, NoiseCall, StageState, Verdict, display_names
 from dflashpipe.commands.explain.state import LocalCache, read_revision_state
 from dflashpipe.core import spread
 from dflashpipe.core.artifacts import json_number
@@ -115,7 +105,7 @@ def moved(key: str, reference: Measured, other: Measured, far: Measured | None =
         if far is not None and all(json_number(v) is not None for v in values):
             nearer_far = abs(other.value - far.value) < abs(other.value - reference.value)
             return nearer_far, f"unmeasured: nearer {'BAD' if nearer_far else 'GOOD'}'s value"
-        return False, UNMEASURED  # a timed figure without a range on both sides cannot be told from noise
+        return False, NoiseCall.UNMEASURED  # a timed figure without a range on both sides cannot be told from noise
     return (True, "differs") if other.value != reference.value else (False, "equal")
 
 
@@ -335,7 +325,7 @@ def _step(commit: Revision, subject: str, parent: Revision | None, keys: list[st
     step.unrecorded = unrecorded(commit, parent, old, new, changed)
     for d in step.deltas:
         name = f"{d.file}:{d.key}"
-        if name in keys and (d.call == CHANGE or d.call is None):
+        if name in keys and (d.call == NoiseCall.CHANGE or d.call is None):
             step.moved.append(name)
     return step
 
@@ -383,7 +373,7 @@ def history_lines(h: History) -> list[str]:
             if name not in h.metrics:
                 continue
             mark = "  << moved" if name in s.moved else ""
-            call = f" [{d.call}: {d.spread}]" if d.call in (NOISE, CHANGE, MACHINE, UNMEASURED) else ""
+            call = f" [{d.call}: {d.spread}]" if d.call in tuple(NoiseCall) else ""
             call += f" ({d.control})" if d.control else ""
             why = f"; inputs changed on its path: {', '.join(d.causes)}" if d.causes else ""
             lines.append(f"    {h.name(name)}: {_value(d.old)} -> {_value(d.new)}{call}{why}{mark}")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dflashpipe.commands.explain.records import DOWNSTREAM, Cause, EditedFile, Machine, StageState, Verdict
+from dflashpipe.commands.explain.records import Cause, EditedFile, Machine, StageState, StageVerdict, Verdict
 from dflashpipe.core import env
 from dflashpipe.core.pipeline import FINGERPRINT
 
@@ -141,7 +141,7 @@ def attribute_to_machine(verdicts: list[Verdict], live: Live) -> None:
             for change in live.machine.changes:
                 if _covers(key, change.what) and v.stage not in change.stages:
                     change.stages.append(v.stage)
-        if v.verdict == DOWNSTREAM and any(u in hit for u in v.upstream):
+        if v.verdict == StageVerdict.DOWNSTREAM and any(u in hit for u in v.upstream):
             hit.add(v.stage)
     live.machine.invalid = [v.stage for v in verdicts if v.stage in hit]
 

@@ -9,15 +9,22 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
-UNCHANGED = "unchanged"
-DIRECT = "changed (direct)"
-DOWNSTREAM = "invalidated (downstream)"
-OUTPUTS = "outputs missing/modified"
-FROZEN = "frozen"
-ALWAYS = "always-changed"
-UNKNOWN = "unknown"
+
+class StageVerdict(StrEnum):
+    """What explain says of a stage (`Verdict.verdict`): a string, so a Report is JSON as it was."""
+
+    UNCHANGED = "unchanged"
+    DIRECT = "changed (direct)"
+    DOWNSTREAM = "invalidated (downstream)"
+    OUTPUTS = "outputs missing/modified"
+    FROZEN = "frozen"
+    ALWAYS = "always-changed"
+    UNKNOWN = "unknown"
+
+
 RESTORABLE = "restorable: `dvc checkout` brings the recorded bytes back from the cache"
 
 
@@ -77,8 +84,8 @@ class MetricDelta:
     stage: str
     causes: list[str]
     call: str | None = None
-    """For a throughput figure: NOISE, CHANGE, MACHINE or UNMEASURED (spread.compare, spread.compare_rates for
-    a rate); None for other metrics. A move called noise or machine is attributed to no input."""
+    """For a throughput figure: its `NoiseCall` (spread.compare, spread.compare_rates for a rate); None for other
+    metrics. A move called noise or machine is attributed to no input."""
     spread: str = ""
     """Each side's range and repeats, the evidence for `call`."""
     machine: str = ""
@@ -102,11 +109,15 @@ def display_names(recorded: Iterable[tuple[str, str]]) -> dict[tuple[str, str], 
     return {(file, key): key if files[key] == 1 else f"{file}:{key}" for file, key in recorded}
 
 
-NOISE = "noise"
-CHANGE = "change"
-MACHINE = "machine"
-"""A rate that changed by no more than the control measured beside it moved (spread.compare_rates)."""
-UNMEASURED = "unmeasured (no spread recorded)"
+class NoiseCall(StrEnum):
+    """What moved a throughput figure (`MetricDelta.call`), by spread's one rule (spread.compare; for a rate,
+    spread.compare_rates); a string, so a Report is JSON as it was."""
+
+    NOISE = "noise"
+    CHANGE = "change"
+    MACHINE = "machine"
+    """A rate that changed by no more than the control measured beside it moved (spread.compare_rates)."""
+    UNMEASURED = "unmeasured (no spread recorded)"
 
 
 @dataclass

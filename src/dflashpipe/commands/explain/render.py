@@ -16,19 +16,7 @@ from dataclasses import asdict
 from typing import Any
 
 from dflashpipe.commands.explain.answer import UNRECORDED, Answer, answer, no_causes
-from dflashpipe.commands.explain.records import (
-    DIRECT,
-    DOWNSTREAM,
-    MACHINE,
-    NOISE,
-    OUTPUTS,
-    UNCHANGED,
-    Cause,
-    Machine,
-    MetricDelta,
-    Report,
-    Verdict,
-)
+from dflashpipe.commands.explain.records import Cause, Machine, MetricDelta, NoiseCall, Report, StageVerdict, Verdict
 
 
 def _short(value: Any) -> str:
@@ -108,9 +96,9 @@ def metric_line(m: MetricDelta) -> tuple[str, str]:
     call = f" [{m.call}]" if m.call else ""
     why = (
         "within noise: not attributed"
-        if m.call == NOISE
+        if m.call == NoiseCall.NOISE
         else "the machine's move, as the control measured it: not attributed"
-        if m.call == MACHINE
+        if m.call == NoiseCall.MACHINE
         else ", ".join(m.causes) or "none recorded"
     )
     spread = f"; {m.spread}" if m.spread else ""
@@ -120,15 +108,15 @@ def metric_line(m: MetricDelta) -> tuple[str, str]:
 
 
 def verdict_reason(v: Verdict) -> str:
-    if v.verdict == DIRECT:
+    if v.verdict == StageVerdict.DIRECT:
         return "; ".join(cause_line(c) for c in v.causes)
-    if v.verdict == DOWNSTREAM:
+    if v.verdict == StageVerdict.DOWNSTREAM:
         if v.paths:
             return "; ".join(v.paths)
         return f"upstream {', '.join(v.upstream)} changed or will be regenerated"
-    if v.verdict == OUTPUTS:
+    if v.verdict == StageVerdict.OUTPUTS:
         return "; ".join(f"{cause_line(c)} ({c.evidence.split('; ')[-1]})" for c in v.causes)
-    if v.verdict == UNCHANGED:
+    if v.verdict == StageVerdict.UNCHANGED:
         return v.note or "none of its deps, params or upstream outputs changed"
     return v.note
 
@@ -258,7 +246,12 @@ def _print_all(report: Report, console) -> None:
     for c in report.root_causes:
         console.print(f"  • {escape(cause_line(c))}  [dim]hits {', '.join(c.stages)}[/dim]")
         console.print(f"    [dim]evidence: {escape(c.evidence)}[/dim]")
-    colour = {DIRECT: "red", DOWNSTREAM: "yellow", OUTPUTS: "magenta", UNCHANGED: "green"}
+    colour = {
+        StageVerdict.DIRECT: "red",
+        StageVerdict.DOWNSTREAM: "yellow",
+        StageVerdict.OUTPUTS: "magenta",
+        StageVerdict.UNCHANGED: "green",
+    }
     console.print("\n[bold]Stages[/bold] (DAG order)")
     for v in report.stages:
         style = colour.get(v.verdict, "cyan")

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflashpipe.commands.explain import DIRECT, OUTPUTS, RESTORABLE, WORKSPACE, Cause, Report, cause_line, explain
+from dflashpipe.commands.explain import RESTORABLE, WORKSPACE, Cause, Report, StageVerdict, cause_line, explain
 from dflashpipe.commands.explain.history import Measured, moved
 from dflashpipe.commands.explain.state import State, read_revision_state
 from dflashpipe.commands.rerun.tree import ScratchTree, pooled, shared_cache
@@ -158,7 +158,7 @@ def causes_reaching(report: Report, stage: str) -> list[Cause]:
             continue
         seen.add(name)
         v = by_stage[name]
-        if v.verdict in (DIRECT, OUTPUTS):
+        if v.verdict in (StageVerdict.DIRECT, StageVerdict.OUTPUTS):
             keys |= {(c.kind, c.what) for c in v.causes}
         todo.extend(v.linked)
     # the live machine's changes are root causes of kind `machine` (explain reads the workspace's fingerprint
