@@ -3,7 +3,7 @@
     python benchmarks/bisect_slowdown.py [--commits 10] [--slow-from 6] [--runs 1] [--busy 0]
 
 The project has one timed stage: `work.py` times 5 rounds of a fixed number of float32 matmuls and records
-`rate_per_s` (matmuls per second) with its spread and the control beside it (dflashpipe.spread.Measuring),
+`rate_per_s` (matmuls per second) with its spread and the control beside it (dflashpipe.core.spread.Measuring),
 as the pipeline's timed stages do. GOOD is measured and committed; then `--commits` commits each edit
 work.py, and from `--slow-from` on it does twice the work per round (the planted slowdown). Only the last
 commit is run and recorded again, so bisect has to reproduce the probes between. `--busy N` starts N
@@ -29,7 +29,7 @@ WORK_PY = """
 import json, pathlib, sys, time
 sys.path.insert(0, {src!r})
 import torch
-from dflashpipe.spread import Measuring, Spread
+from dflashpipe.core.spread import Measuring, Spread
 torch.manual_seed(0)
 a, b = torch.randn(256, 1024), torch.randn(1024, 1024)
 PER_ROUND = {per_round}
@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--busy", type=int, default=0)
     args = parser.parse_args()
 
-    from dflashpipe.rerun.bisect import bisect, bisect_lines
+    from dflashpipe.commands.rerun.bisect import bisect, bisect_lines
 
     with tempfile.TemporaryDirectory(prefix="bisect-bench-") as tmp:
         project = Path(tmp)

@@ -13,7 +13,7 @@ tau / that ratio. Needs a trained drafter, the target and the manifest under `--
 `--parts` prices the pieces of a step against a plain decode step, interleaved in each round: the target's
 decoder over 1, 2, 4 and 8 positions of a KV cache, its LM head over 1 and 7 rows and the drafter's draft of
 1 and 7 slots, with every linear layer (target and drafter) in torch's form and in
-dflashpipe.kernels.RowsFirstLinear's; then the whole step's cost and the speedup in each form (a verify
+dflashpipe.core.kernels.RowsFirstLinear's; then the whole step's cost and the speedup in each form (a verify
 step is flat in its positions when its cost does not grow with them).
 
 `--rows` times what a verify step's decoder spends most of its time in: the linear layers of every decoder
@@ -26,7 +26,7 @@ form (rows first), interleaved per prompt and round in a rotating order: each co
 decode steps and speedup, and each speedup over the first count's on the same prompt and round.
 
 `--threads budget,1,2` instead compares intra-op thread counts for this tree's loop, side by side in the
-same rounds (`budget`: what dflashpipe.threads gives evaluate's one decoding thread, the process's
+same rounds (`budget`: what dflashpipe.core.threads gives evaluate's one decoding thread, the process's
 cores; a number: that many threads, torch's default being this machine's cores): each count's step cost
 and speedup, and each count's step cost over the first's, per prompt and round. `--neighbour` runs a busy
 process beside it (a matmul loop with torch's default threads).
@@ -98,8 +98,8 @@ def load(args):
     from dflashpipe.evaluate.prompts import eval_prompts
     from dflashpipe.model import DFlashDrafter, TargetHead
     from dflashpipe.target.adapter import load_materialised_target, stop_token_ids
+    from dflashpipe.target.chat import load_chat_tokenizer
     from dflashpipe.target.dtype import compute_dtype
-    from dflashpipe.tokens.chat import load_chat_tokenizer
 
     target = load_materialised_target(args.data / "target", "cpu", compute_dtype("cpu", "auto"))
     chat = load_chat_tokenizer(args.data / "target")
@@ -114,7 +114,7 @@ def linear_forms(*modules):
     """torch's linear, and kernels.RowsFirstLinear; `use(name)` makes every linear layer of `modules` take it."""
     import torch
 
-    from dflashpipe.kernels import RowsFirstLinear
+    from dflashpipe.core.kernels import RowsFirstLinear
 
     layers = [m for module in modules for m in module.modules() if isinstance(m, torch.nn.Linear)]
     forms = {"linear": torch.nn.Linear, "rows_first": RowsFirstLinear}
@@ -210,7 +210,7 @@ def compare_rows(args, counts=(1, 2, 4, 8, 16), repeats=5) -> None:
 
     import torch
 
-    from dflashpipe.kernels import RowsFirstLinear
+    from dflashpipe.core.kernels import RowsFirstLinear
     from dflashpipe.target.adapter import load_materialised_target
     from dflashpipe.target.dtype import compute_dtype
 
@@ -246,8 +246,8 @@ def compare_rows(args, counts=(1, 2, 4, 8, 16), repeats=5) -> None:
 
 
 def compare_draft_tokens(args) -> None:
+    from dflashpipe.core.kernels import rows_first
     from dflashpipe.evaluate import speculative as loop
-    from dflashpipe.kernels import rows_first
     from dflashpipe.target.adapter import Target
 
     counts = [int(c) for c in args.draft_tokens.split(",")]
@@ -281,8 +281,8 @@ def compare_draft_tokens(args) -> None:
 def compare_threads(args) -> None:
     import torch
 
+    from dflashpipe.core.threads import thread_budget
     from dflashpipe.evaluate import speculative as loop
-    from dflashpipe.threads import thread_budget
 
     budget = thread_budget({"decode": 1})
     counts = [budget.threads["decode"] if c == "budget" else int(c) for c in args.threads.split(",")]
@@ -338,8 +338,8 @@ def compare_revisions(args) -> None:
     from dflashpipe.evaluate.prompts import eval_prompts
     from dflashpipe.model import DFlashDrafter, TargetHead
     from dflashpipe.target.adapter import load_materialised_target, stop_token_ids
+    from dflashpipe.target.chat import load_chat_tokenizer
     from dflashpipe.target.dtype import compute_dtype
-    from dflashpipe.tokens.chat import load_chat_tokenizer
 
     before = module_at(args.before, "src/dflashpipe/evaluate/speculative.py", "speculative_before")
     target = load_materialised_target(args.data / "target", "cpu", compute_dtype("cpu", "auto"))

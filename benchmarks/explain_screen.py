@@ -113,7 +113,7 @@ def timing(project: Path, src: Path, n: int) -> str:
     code = f"""
 import statistics, sys, time
 sys.path.insert(0, {str(src)!r})
-from dflashpipe.explain import explain
+from dflashpipe.commands.explain import explain
 explain("HEAD", "workspace", {str(project)!r})
 took = []
 for _ in range({n}):

@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from dflashpipe.artifacts import write_json_atomic  # noqa: E402
+from dflashpipe.core.artifacts import write_json_atomic  # noqa: E402
 
 # -- the targets: real shapes, random weights ------------------------------------------------------
 
@@ -182,14 +182,14 @@ def mask_tokenizer(target) -> SimpleNamespace:
 
 
 def model_params(dry: bool, **changes):
-    from dflashpipe.params import load_params
+    from dflashpipe.core.params import load_params
 
     model = load_params(ROOT)["model"]
     return replace(model, **(DRY_MODEL if dry else {}), **changes)
 
 
 def project_params(dry: bool) -> dict:
-    from dflashpipe.params import load_params
+    from dflashpipe.core.params import load_params
 
     p = load_params(ROOT)
     return {**p, "model": model_params(dry)}
@@ -486,7 +486,7 @@ def section_train(dry: bool, target_name: str, work: Path) -> dict:
     from dflashpipe.compile.artifact import point_inductor_at
     from dflashpipe.compile.guard import COUNTER, CompileGuard, dynamo_counters
     from dflashpipe.compile.warmup import autocast
-    from dflashpipe.params import TopologyParams
+    from dflashpipe.core.params import TopologyParams
     from dflashpipe.train.loop import Trainer
     from dflashpipe.train.metrics import train_metrics
     from dflashpipe.train.state import TrainInputs
@@ -518,7 +518,7 @@ def section_train(dry: bool, target_name: str, work: Path) -> dict:
         data = SyntheticTokens(64, inputs.model.seq_len, tokenizer.mask_token_id)
         COUNTER.install()
         trainer = Trainer(inputs, data, check_topology(inputs.topology), Path(tmp), pad_id=0)
-        # compiled in the main thread at the drafter threads' count, as the train stage does (dflashpipe.threads)
+        # compiled in the main thread at the drafter threads' count, as the train stage does (dflashpipe.core.threads)
         trainer.threads.apply("drafter", device)
         trainer.build(tokenizer)
     warm_s = trainer.warm_up_compiled()

@@ -25,7 +25,7 @@ def main() -> None:
     from dflashpipe.evaluate.prompts import TRAIN, eval_prompts
     from dflashpipe.model import DFlashDrafter, TargetHead
     from dflashpipe.target.adapter import Target
-    from dflashpipe.tokens.chat import load_chat_tokenizer
+    from dflashpipe.target.chat import load_chat_tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=Path("data"))

@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import pyarrow.parquet as pq  # noqa: E402
 
+from dflashpipe.core.params import DataParams, SourceSpec  # noqa: E402
 from dflashpipe.data.manifest import build_manifest  # noqa: E402
 from dflashpipe.data.shards import SUMMARY_FILE, write_table  # noqa: E402
 from dflashpipe.data.sources import read_chitchat  # noqa: E402
-from dflashpipe.params import DataParams, SourceSpec  # noqa: E402
 
 
 def write_user_jsonl(path: Path, records: int) -> int:

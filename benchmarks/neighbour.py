@@ -5,7 +5,7 @@
 The neighbour is a matmul loop with torch's default threads (every core) and the OpenMP runtime's default
 settings (this process's OMP_/GOMP_/KMP_ variables are not passed on). It is paused (SIGSTOP) for the
 quiet rounds and resumed (SIGCONT) for the busy ones, alternating, so both kinds of round see the same
-machine otherwise. Each round times, in this process, at the thread count dflashpipe.threads gives one
+machine otherwise. Each round times, in this process, at the thread count dflashpipe.core.threads gives one
 worker (or `--threads`):
 - decode: 32 greedy tokens after a prompt at batch 1 (evaluate's plain decoding, Target.decode_step);
 - replies: 16 greedy replies of 32 tokens, continuously batched (regenerate, target.batching.greedy_replies);
@@ -43,10 +43,10 @@ def replicas(target_dir: Path):
     import torch
     from transformers import AutoTokenizer
 
-    from dflashpipe.bench import synthetic_inputs, synthetic_target, time_steps
+    from dflashpipe.bench.stage import synthetic_inputs, synthetic_target, time_steps
+    from dflashpipe.core.params import load_params
+    from dflashpipe.core.threads import training_budget
     from dflashpipe.model import DFlashDrafter
-    from dflashpipe.params import load_params
-    from dflashpipe.threads import training_budget
 
     p = load_params(ROOT)
     model, micro_batch, devices = p["model"], p["compile"].micro_batch, p["topology"].drafter_devices
@@ -83,12 +83,12 @@ def main() -> None:
 
     import torch
 
+    from dflashpipe.core.threads import thread_budget
     from dflashpipe.evaluate.prompts import eval_prompts
     from dflashpipe.target.adapter import Target
     from dflashpipe.target.batching import greedy_replies
-    from dflashpipe.target.layers import target_layer_features
-    from dflashpipe.threads import thread_budget
-    from dflashpipe.tokens.chat import load_chat_tokenizer
+    from dflashpipe.target.chat import load_chat_tokenizer
+    from dflashpipe.target.hidden_states import target_layer_features
 
     budget = thread_budget({"worker": 1})
     threads = args.threads or budget.threads["worker"]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from dflashpipe.params import load_params  # noqa: E402
+from dflashpipe.core.params import load_params  # noqa: E402
 from dflashpipe.proof.misalign import MISALIGNMENTS  # noqa: E402
 from dflashpipe.proof.run import ALIGNED, ProofRun, memorise  # noqa: E402
 

@@ -42,13 +42,13 @@ def main() -> None:
 
     import torch
 
+    from dflashpipe.core.kernels import RowsFirstLinear
+    from dflashpipe.core.spread import Spread
+    from dflashpipe.core.threads import thread_budget
     from dflashpipe.evaluate.prompts import TRAIN, eval_prompts
-    from dflashpipe.kernels import RowsFirstLinear
-    from dflashpipe.spread import Spread
     from dflashpipe.target.adapter import Target
     from dflashpipe.target.batching import greedy_replies
-    from dflashpipe.threads import thread_budget
-    from dflashpipe.tokens.chat import load_chat_tokenizer
+    from dflashpipe.target.chat import load_chat_tokenizer
 
     thread_budget({"target": 1}).apply("target")
     target = Target.load(args.data / "target", "cpu", "auto")

@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import numpy as np  # noqa: E402
 import orjson  # noqa: E402
 
+from dflashpipe.core.params import DataParams, SourceSpec, TokenizeParams  # noqa: E402
+from dflashpipe.core.pipeline import StageKey  # noqa: E402
 from dflashpipe.data.manifest import build_manifest  # noqa: E402
-from dflashpipe.params import DataParams, SourceSpec, TokenizeParams  # noqa: E402
-from dflashpipe.pipeline import StageKey  # noqa: E402
 
 LINES, FULL, GROWN, SHARD_SIZE = 1_150_000, 800_000, 1_100_000, 500
 SOURCE = "data/sources/scale.jsonl"
@@ -123,7 +123,7 @@ def vm(field: str) -> str:
 
 def memory_child(tokens_dir: str, mode: str, batches: int) -> None:
     """Load the tokens (mapped, or flat as before), collate `batches` batches; print the peak RSS as JSON."""
-    from dflashpipe.packing import collate
+    from dflashpipe.features.packing import collate
     from dflashpipe.tokens.shards import TokenData, TokenShard, load_tokens, read_shard
     from dflashpipe.train.data import BatchPlan
 
@@ -291,7 +291,7 @@ def write_synthetic_tokens(out: Path, sequences: int) -> int:
     """Token shards of `sequences` random sequences (lengths around the real set's mean, ids below
     SmolLM2's vocabulary), written by tokenize's own shard writer, summary and listing: what train reads,
     without hours of encoding."""
-    from dflashpipe.artifacts import write_file_listing, write_json_atomic
+    from dflashpipe.core.artifacts import write_file_listing, write_json_atomic
     from dflashpipe.tokens.encode import EncodedRows, TokenStats
     from dflashpipe.tokens.shards import SUMMARY_FILE, shard_name, write_shard
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))  # tests.vllm_server: the server is test-only code
 
 
 def main() -> None:
@@ -34,14 +35,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
+    from dflashpipe.core.params import load_params
+    from dflashpipe.core.serving_env import SETUP, engine_versions, serving_python
+    from dflashpipe.core.spread import Spread
     from dflashpipe.evaluate.prompts import TRAIN, eval_prompts
-    from dflashpipe.params import load_params
     from dflashpipe.regenerate.endpoint import Endpoint
     from dflashpipe.regenerate.run import EndpointReplier, InProcessReplier
-    from dflashpipe.serve.server import VllmServer
-    from dflashpipe.serving import SETUP, engine_versions, serving_python
-    from dflashpipe.spread import Spread
-    from dflashpipe.tokens.chat import load_chat_tokenizer
+    from dflashpipe.target.chat import load_chat_tokenizer
+    from tests.vllm_server import VllmServer
 
     python = serving_python(ROOT)
     if python is None:

@@ -39,7 +39,7 @@ def cases(target, prompts: list[list[int]], layer_ids: list[int], stop: list[int
     import torch
 
     from dflashpipe.target.batching import greedy_replies
-    from dflashpipe.target.layers import target_layer_features
+    from dflashpipe.target.hidden_states import target_layer_features
 
     stream = [t for p in prompts for t in p]
     stream = (stream * (2048 // len(stream) + 1))[:2048]
@@ -76,11 +76,11 @@ def main() -> None:
 
     import torch
 
+    from dflashpipe.core.params import load_params
     from dflashpipe.evaluate.prompts import eval_prompts
     from dflashpipe.model.target_layers import spaced_target_layer_ids
-    from dflashpipe.params import load_params
     from dflashpipe.target.adapter import Target
-    from dflashpipe.tokens.chat import load_chat_tokenizer
+    from dflashpipe.target.chat import load_chat_tokenizer
 
     torch.set_num_threads(args.threads)
     p = load_params(ROOT)

@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import pyarrow.parquet as pq  # noqa: E402
 
+from dflashpipe.core.params import DataParams, SourceSpec, TokenizeParams  # noqa: E402
+from dflashpipe.core.pipeline import TARGET, StageKey  # noqa: E402
+from dflashpipe.core.threads import thread_budget  # noqa: E402
 from dflashpipe.data.manifest import build_manifest  # noqa: E402
-from dflashpipe.params import DataParams, SourceSpec, TokenizeParams  # noqa: E402
-from dflashpipe.pipeline import TARGET, StageKey  # noqa: E402
-from dflashpipe.threads import thread_budget  # noqa: E402
-from dflashpipe.tokens.chat import load_chat_tokenizer  # noqa: E402
+from dflashpipe.target.chat import load_chat_tokenizer  # noqa: E402
 from dflashpipe.tokens.run import tokenize_manifest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

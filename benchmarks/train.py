@@ -25,7 +25,7 @@ writes are required.
 `--baseline none` runs this tree's variants: compiled step with 2 drafter replicas (the default),
 1 replica (drafter-worker scaling), eager sdpa with the guard off (what compile buys).
 
-`--budget` compares the thread budget (dflashpipe.threads: each worker thread sets cores / CPU workers
+`--budget` compares the thread budget (dflashpipe.core.threads: each worker thread sets cores / CPU workers
 intra-op threads) against none (every thread keeps torch's whole pool), this tree's default training,
 interleaved budget, none, budget, none...; each arm loads a compile artifact its own warmup function built
 first (at its own thread count), so no timed run compiles. It prints each arm's tokens/s and the
@@ -67,7 +67,7 @@ SHARED_INPUTS = ("manifest", "target", "regenerated")
 
 def no_budget() -> None:
     """The `none` arm: ThreadBudget.apply sets nothing, so every thread keeps torch's default pool."""
-    from dflashpipe import threads
+    from dflashpipe.core import threads
 
     threads.ThreadBudget.apply = lambda self, role, device="cpu": 0
 
@@ -76,9 +76,9 @@ def build_artifact(data: Path, variant: str, out: Path) -> None:
     """The `budget`/`none` arm's compile artifact, by this tree's warmup function, at that arm's count."""
     sys.path.insert(0, str(ROOT / "src"))
     from dflashpipe.compile.warmup import build_warmup_artifact
-    from dflashpipe.params import load_params
-    from dflashpipe.pipeline import reuse_key
-    from dflashpipe.threads import training_budget
+    from dflashpipe.core.params import load_params
+    from dflashpipe.core.pipeline import reuse_key
+    from dflashpipe.core.threads import training_budget
 
     if variant == "none":
         no_budget()
@@ -97,7 +97,7 @@ def build_artifact(data: Path, variant: str, out: Path) -> None:
 
 def features_params(variant: str):
     """The features mode of `variant` (imported only here: revisions before the features stage lack it)."""
-    from dflashpipe.params import FeaturesParams
+    from dflashpipe.core.params import FeaturesParams
 
     return FeaturesParams(mode="offline" if variant == "offline-2" else "online")
 
@@ -114,8 +114,8 @@ def train_once(
     """One run of `code`'s train stage function on `data`'s inputs; what every revision reports. `features`:
     the stored features directory, read by the `offline-2` variant (and only then is features.mode set)."""
     sys.path.insert(0, str(code / "src"))
-    from dflashpipe.params import load_params
-    from dflashpipe.pipeline import reuse_key
+    from dflashpipe.core.params import load_params
+    from dflashpipe.core.pipeline import reuse_key
     from dflashpipe.train.stage import TrainPaths, train_drafter
     from dflashpipe.train.state import TrainInputs
 
@@ -204,7 +204,7 @@ def default_variant(data: Path) -> tuple[str, tuple[str, ...]]:
     """How this tree's train stage runs by default: on --data's stored features when params.yaml says offline
     (the features stage paid the target's forward once, before; not in these figures), else online."""
     sys.path.insert(0, str(ROOT / "src"))
-    from dflashpipe.params import load_params
+    from dflashpipe.core.params import load_params
 
     if load_params(ROOT)["features"].mode == "offline":
         if not (data / "features").is_dir():
@@ -311,8 +311,8 @@ def budget_vs_none(steps: int, repeats: int, data: Path, neighbour: bool, omp_pa
 
 def features_side_by_side(steps: int, repeats: int, data: Path) -> None:
     sys.path.insert(0, str(ROOT / "src"))
+    from dflashpipe.core.params import load_params
     from dflashpipe.features.run import compute_features
-    from dflashpipe.params import load_params
 
     p = load_params(ROOT)
     with tempfile.TemporaryDirectory(prefix="bench-features-", dir=data) as tmp:

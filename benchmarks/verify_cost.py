@@ -27,9 +27,9 @@ tree = Path(sys.argv[1])
 sys.path[:0] = [str(tree / "src"), str(tree)]
 from tests.test_verify import tiny_incident
 try:
-    from dflashpipe.rerun.verify import verify
+    from dflashpipe.commands.rerun.verify import verify
 except ImportError:  # a checkout from before the runners moved beside explain/
-    from dflashpipe.explain.verify import verify
+    from dflashpipe.commands.explain.verify import verify
 project = tiny_incident(Path(tempfile.mkdtemp(prefix="verify-cost-")) / "project")
 began = time.perf_counter()
 found = verify("rows_per_s", "healthy", "workspace", project, runs=int(sys.argv[2]), progress=False)

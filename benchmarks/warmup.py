@@ -26,9 +26,9 @@ def measure(mode: str, steps: int) -> dict:
 
     from dflashpipe.compile.artifact import load_artifact, point_inductor_at
     from dflashpipe.compile.warmup import compiled_step, run_step_once
+    from dflashpipe.core.params import load_params
+    from dflashpipe.core.pipeline import COMPILE, TARGET, reuse_key
     from dflashpipe.model import DFlashDrafter
-    from dflashpipe.params import load_params
-    from dflashpipe.pipeline import COMPILE, TARGET, reuse_key
     from dflashpipe.target.adapter import load_materialised_target
     from dflashpipe.target.dtype import compute_dtype
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the code DVC hashed
 
-from dflashpipe.bench import run_bench  # noqa: E402
-from dflashpipe.pipeline import BENCH_METRICS, COMPILE, TARGET, reuse_key  # noqa: E402
-from dflashpipe.stage import run_stage  # noqa: E402
-from dflashpipe.threads import training_budget  # noqa: E402
+from dflashpipe.bench.stage import run_bench  # noqa: E402
+from dflashpipe.core.pipeline import BENCH_METRICS, COMPILE, TARGET, reuse_key  # noqa: E402
+from dflashpipe.core.stage import run_stage  # noqa: E402
+from dflashpipe.core.threads import training_budget  # noqa: E402
 
 
 def bench(p) -> None:

@@ -8,8 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the code DVC hashed
 
-from dflashpipe.evaluate.evaluation import EvaluateInputs, evaluate_drafter  # noqa: E402
-from dflashpipe.pipeline import (  # noqa: E402
+from dflashpipe.core.pipeline import (  # noqa: E402
     BENCH_METRICS,
     DRAFTER,
     MANIFEST,
@@ -18,7 +17,8 @@ from dflashpipe.pipeline import (  # noqa: E402
     TOKENS,
     TRAIN_METRICS,
 )
-from dflashpipe.stage import run_stage  # noqa: E402
+from dflashpipe.core.stage import run_stage  # noqa: E402
+from dflashpipe.evaluate.evaluation import EvaluateInputs, evaluate_drafter  # noqa: E402
 
 
 def evaluate(p) -> None:

@@ -5,10 +5,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the code DVC hashed
 
-from dflashpipe.artifacts import write_json_atomic  # noqa: E402
+from dflashpipe.core.artifacts import write_json_atomic  # noqa: E402
+from dflashpipe.core.pipeline import FEATURES, FEATURES_METRICS, TARGET, TOKENS, reuse_key  # noqa: E402
+from dflashpipe.core.stage import run_stage  # noqa: E402
 from dflashpipe.features.run import compute_features, features_metrics  # noqa: E402
-from dflashpipe.pipeline import FEATURES, FEATURES_METRICS, TARGET, TOKENS, reuse_key  # noqa: E402
-from dflashpipe.stage import run_stage  # noqa: E402
 
 
 def features(params) -> None:

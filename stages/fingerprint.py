@@ -9,9 +9,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the code DVC hashed
 
-from dflashpipe.artifacts import write_json_atomic  # noqa: E402
-from dflashpipe.env import HASH_STATE, LOADED_STATE, observe  # noqa: E402
-from dflashpipe.stage import run_stage  # noqa: E402
+from dflashpipe.core.artifacts import write_json_atomic  # noqa: E402
+from dflashpipe.core.env import HASH_STATE, LOADED_STATE, observe  # noqa: E402
+from dflashpipe.core.stage import run_stage  # noqa: E402
 
 
 def _write(params) -> None:

@@ -6,11 +6,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the code DVC hashed
 
-from dflashpipe.artifacts import write_json_atomic  # noqa: E402
+from dflashpipe.core.artifacts import write_json_atomic  # noqa: E402
+from dflashpipe.core.pipeline import MANIFEST, MANIFEST_METRICS, reuse_key  # noqa: E402
+from dflashpipe.core.stage import run_stage  # noqa: E402
 from dflashpipe.data.manifest import build_manifest  # noqa: E402
 from dflashpipe.data.shards import manifest_metrics  # noqa: E402
-from dflashpipe.pipeline import MANIFEST, MANIFEST_METRICS, reuse_key  # noqa: E402
-from dflashpipe.stage import run_stage  # noqa: E402
 
 
 def manifest(params) -> None:

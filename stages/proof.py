@@ -8,9 +8,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the code DVC hashed
 
-from dflashpipe.pipeline import PROOF_METRICS, TARGET  # noqa: E402
+from dflashpipe.core.pipeline import PROOF_METRICS, TARGET  # noqa: E402
+from dflashpipe.core.stage import run_stage  # noqa: E402
 from dflashpipe.proof.stage import run_proof  # noqa: E402
-from dflashpipe.stage import run_stage  # noqa: E402
 
 
 def proof(p) -> None:

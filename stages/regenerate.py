@@ -6,10 +6,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the code DVC hashed
 
-from dflashpipe.artifacts import write_json_atomic  # noqa: E402
-from dflashpipe.pipeline import MANIFEST, REGENERATE_METRICS, REGENERATED, TARGET, reuse_key  # noqa: E402
+from dflashpipe.core.artifacts import write_json_atomic  # noqa: E402
+from dflashpipe.core.pipeline import MANIFEST, REGENERATE_METRICS, REGENERATED, TARGET, reuse_key  # noqa: E402
+from dflashpipe.core.stage import run_stage  # noqa: E402
 from dflashpipe.regenerate.run import regenerate_manifest, regenerate_metrics  # noqa: E402
-from dflashpipe.stage import run_stage  # noqa: E402
 
 
 def regenerate(params) -> None:

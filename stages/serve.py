@@ -9,10 +9,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the code DVC hashed
 
-from dflashpipe.errors import SourceError  # noqa: E402
-from dflashpipe.pipeline import DRAFTER, EVAL_METRICS, MANIFEST, SERVE_METRICS, TARGET  # noqa: E402
-from dflashpipe.serve.check import ServeInputs, served_check  # noqa: E402
-from dflashpipe.stage import run_stage  # noqa: E402
+from dflashpipe.core.errors import SourceError  # noqa: E402
+from dflashpipe.core.pipeline import DRAFTER, EVAL_METRICS, MANIFEST, SERVE_METRICS, TARGET  # noqa: E402
+from dflashpipe.core.stage import run_stage  # noqa: E402
+from dflashpipe.serve.served_check import ServeInputs, served_check  # noqa: E402
 
 
 def serve(p) -> None:

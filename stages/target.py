@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the code DVC hashed
 
-from dflashpipe.stage import run_stage  # noqa: E402
+from dflashpipe.core.stage import run_stage  # noqa: E402
 from dflashpipe.target.materialise import materialise_target  # noqa: E402
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the code DVC hashed
 
-from dflashpipe.artifacts import write_json_atomic  # noqa: E402
-from dflashpipe.pipeline import REGENERATED, TARGET, TOKENIZE_METRICS, TOKENS, reuse_key  # noqa: E402
-from dflashpipe.stage import run_stage  # noqa: E402
+from dflashpipe.core.artifacts import write_json_atomic  # noqa: E402
+from dflashpipe.core.pipeline import REGENERATED, TARGET, TOKENIZE_METRICS, TOKENS, reuse_key  # noqa: E402
+from dflashpipe.core.stage import run_stage  # noqa: E402
 from dflashpipe.tokens.run import tokenize_manifest, tokenize_metrics  # noqa: E402
 
 

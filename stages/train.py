@@ -11,8 +11,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the code DVC hashed
 
-from dflashpipe.pipeline import reuse_key  # noqa: E402
-from dflashpipe.stage import run_stage  # noqa: E402
+from dflashpipe.core.pipeline import reuse_key  # noqa: E402
+from dflashpipe.core.stage import run_stage  # noqa: E402
 from dflashpipe.train.stage import TrainPaths, train_drafter  # noqa: E402
 from dflashpipe.train.state import TrainInputs  # noqa: E402
 

@@ -6,15 +6,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the code DVC hashed
 
 from dflashpipe.compile.warmup import build_warmup_artifact  # noqa: E402
-from dflashpipe.pipeline import COMPILE, TARGET, reuse_key  # noqa: E402
-from dflashpipe.stage import run_stage  # noqa: E402
-from dflashpipe.threads import training_budget  # noqa: E402
+from dflashpipe.core.pipeline import COMPILE, TARGET, reuse_key  # noqa: E402
+from dflashpipe.core.stage import run_stage  # noqa: E402
+from dflashpipe.core.threads import training_budget  # noqa: E402
 
 
 def warmup(p) -> None:
     # The key is taken before the build, over the inputs DVC saw when it decided to run this stage;
     # train and evaluate take the same reuse_key("warmup") and load the artifact only if they are equal.
-    # compiled at the intra-op count train's drafter threads will run it at (dflashpipe.threads)
+    # compiled at the intra-op count train's drafter threads will run it at (dflashpipe.core.threads)
     threads = training_budget(p.topology.target_devices, p.topology.drafter_devices)
     build_warmup_artifact(
         p.model, p.compile, TARGET, COMPILE, reuse_key("warmup"), p.compute.target_dtype, threads=threads

@@ -13,12 +13,12 @@ import dvc  # noqa: F401  # see below
 import pytest
 import yaml
 
-from dflashpipe.threads import CORES_ENV, thread_budget
+from dflashpipe.core.threads import CORES_ENV, thread_budget
 from tests.tiny import ROOT, TINY_MODEL, TINY_TOKENIZE, manifest_params, tokenize_params, write_target
 
 
 def share_the_cores_among_xdist_workers() -> None:
-    """Each pytest-xdist worker gets its share of the cores (dflashpipe.threads): the workers run side by side, so
+    """Each pytest-xdist worker gets its share of the cores (dflashpipe.core.threads): the workers run side by side, so
     every stage a test runs, in this process or a child, splits cores / workers among its own threads."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1 and not os.environ.get(CORES_ENV):
@@ -131,7 +131,7 @@ def vllm_python() -> Path:
     """The project's serving environment's interpreter (a real vLLM), which the README's test command sets up
     (`bin/setup --serve`): without it the tests that serve fail, naming the command; a skip would let CI pass
     without ever serving."""
-    from dflashpipe.serving import SERVE_VENV, serving_python
+    from dflashpipe.core.serving_env import SERVE_VENV, serving_python
 
     python = serving_python(ROOT)
     if python is None:
@@ -162,8 +162,8 @@ def tiny_target_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
 def train_inputs(tmp_path_factory, tiny_target_dir) -> Path:
     """The train stage's inputs, real and tiny: the target materialised, a manifest of real chat data, its
     tokens (target/, manifest/, tokens/). Read-only for the tests that share it: outputs go beside them."""
+    from dflashpipe.core.params import TargetParams
     from dflashpipe.data.manifest import build_manifest
-    from dflashpipe.params import TargetParams
     from dflashpipe.target.materialise import materialise_target
     from dflashpipe.tokens.run import tokenize_manifest
 
@@ -197,7 +197,7 @@ def copy_from_root(project: Path, rels) -> Path:
 def write_stand_ins(project: Path) -> Path:
     """A small stand-in file for each stage output and dep of dvc.yaml that `project` lacks (outputs first: a dep
     may be a file inside one), so that DVC and the stage keys can hash the whole pipeline without running it."""
-    from dflashpipe.pipeline import Pipeline
+    from dflashpipe.core.pipeline import Pipeline
 
     specs = Pipeline.read(project).specs.values()
     for rel in [out for spec in specs for out in spec.outs] + [dep for spec in specs for dep in spec.deps]:

@@ -8,12 +8,12 @@ import textwrap
 
 import pytest
 
-from dflashpipe.artifacts import PARTIAL
-from dflashpipe.incremental import InputShard, ShardedOutput
+from dflashpipe.core.artifacts import PARTIAL
+from dflashpipe.core.incremental import InputShard, ShardedOutput
 
 KILLED_BEFORE_RENAME = """
 import os, signal, sys
-from dflashpipe import artifacts
+from dflashpipe.core import artifacts
 os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
 getattr(artifacts, sys.argv[1])(sys.argv[2], b"x" * 4096)
 """

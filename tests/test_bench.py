@@ -9,11 +9,11 @@ import pytest
 import torch
 import yaml
 
-from dflashpipe.bench import NOTE, REPEATS, run_bench
-from dflashpipe.params import CompileParams
-from dflashpipe.pipeline import BENCH_METRICS
-from dflashpipe.spread import Spread
-from dflashpipe.threads import CORES_ENV
+from dflashpipe.bench.stage import NOTE, REPEATS, run_bench
+from dflashpipe.core.params import CompileParams
+from dflashpipe.core.pipeline import BENCH_METRICS
+from dflashpipe.core.spread import Spread
+from dflashpipe.core.threads import CORES_ENV
 from tests.conftest import ROOT, copy_project, run, set_params
 from tests.tiny import tiny_model_params
 
@@ -134,17 +134,19 @@ def test_a_data_change_leaves_bench_up_to_date(pipeline_run, tmp_path):
 
 
 def test_the_compiled_step_loads_warmups_artifact_only_under_warmups_key(tiny_target_dir, tmp_path, monkeypatch):
-    import dflashpipe.bench
-    from dflashpipe.bench import bench_step
+    import dflashpipe.bench.stage
+    from dflashpipe.bench.stage import bench_step
     from dflashpipe.compile.artifact import BUILT_FOR, built_for
-    from dflashpipe.pipeline import StageKey
+    from dflashpipe.core.pipeline import StageKey
     from tests.test_compile import stand_in_artifact
 
     # What is under test is which kernels the step is pointed at, not compiling them (minutes on a CPU).
-    monkeypatch.setattr(dflashpipe.bench, "compiled_step", lambda drafter: drafter)
+    monkeypatch.setattr(dflashpipe.bench.stage, "compiled_step", lambda drafter: drafter)
     for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # the step points inductor at its scratch
         monkeypatch.setenv(name, "")
-    built = StageKey("warmup", {"dep:src/dflashpipe/model/layers.py": "1", "param:params.yaml:model.seq_len": "64"})
+    built = StageKey(
+        "warmup", {"dep:src/dflashpipe/model/decoder_layer.py": "1", "param:params.yaml:model.seq_len": "64"}
+    )
     artifact = stand_in_artifact(tmp_path / "compile", {BUILT_FOR: built_for(built)})
     compile = CompileParams(enabled=True, micro_batch=1, guard="error")
 
@@ -155,9 +157,9 @@ def test_the_compiled_step_loads_warmups_artifact_only_under_warmups_key(tiny_ta
         return metrics["compile_source"]
 
     assert source(built) == "artifact"
-    edited = StageKey("warmup", {**built.inputs, "dep:src/dflashpipe/model/layers.py": "2"})
+    edited = StageKey("warmup", {**built.inputs, "dep:src/dflashpipe/model/decoder_layer.py": "2"})
     assert source(edited) == (
         f"cold compile: {artifact} was built for other inputs "
-        f"(src/dflashpipe/model/layers.py changed): `dvc repro warmup` rebuilds it"
+        f"(src/dflashpipe/model/decoder_layer.py changed): `dvc repro warmup` rebuilds it"
     )
     assert source(None).startswith(f"cold compile: {artifact}: no warmup stage key to check it against")

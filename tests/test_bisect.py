@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashpipe.errors import DflashpipeError
-from dflashpipe.rerun.bisect import bisect, bisect_lines
+from dflashpipe.commands.rerun.bisect import bisect, bisect_lines
+from dflashpipe.core.errors import DflashpipeError
 from tests.conftest import run
 
 PREPARE_PY = """
@@ -135,9 +135,9 @@ def test_repeated_runs_pool_by_one_rule_a_rate_brought_to_one_machine_speed_by_i
     """bisect's probes and --verify's arms pool their runs by spread.pool and are judged by one rule, so the same
     runs are moved for both or for neither. Two runs of one rate, the second on a machine 2x slower (its control
     twice the time): each is first brought to the runs' mean machine speed, then pooled."""
-    from dflashpipe import spread
-    from dflashpipe.explain.history import Measured, moved
-    from dflashpipe.rerun.tree import pooled
+    from dflashpipe.commands.explain.history import Measured, moved
+    from dflashpipe.commands.rerun.tree import pooled
+    from dflashpipe.core import spread
 
     quiet = Measured(100.0, spread.Spread(100.0, 95.0, 105.0, 4), spread.Control(3.0, 3.0))
     busy = Measured(50.0, spread.Spread(50.0, 47.0, 52.0, 4), spread.Control(6.0, 6.0))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashpipe.artifacts import write_json_atomic
+from dflashpipe.core.artifacts import write_json_atomic
 from dflashpipe.regenerate.endpoint import (
     API_KEY_ENV,
     CANARY_MAX_TOKENS,

@@ -9,7 +9,9 @@ import time
 import pytest
 import torch
 
-from dflashpipe.errors import DflashpipeError
+from dflashpipe.core.errors import DflashpipeError
+from dflashpipe.core.pipeline import METRICS
+from dflashpipe.core.spread import Spread
 from dflashpipe.evaluate import regression
 from dflashpipe.evaluate.evaluation import decode_prompts
 from dflashpipe.evaluate.metrics import slot_acceptance
@@ -22,8 +24,6 @@ from dflashpipe.evaluate.speculative import (
     target_generate,
 )
 from dflashpipe.model import DFlashDrafter, TargetHead, sample_anchor_positions, target_features
-from dflashpipe.pipeline import METRICS
-from dflashpipe.spread import Spread
 from dflashpipe.target.adapter import stop_token_ids
 from tests.conftest import copy_project, run, set_params
 from tests.tiny import manifest_params, source, tiny_model_params
@@ -62,11 +62,11 @@ def fit_to_target(
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, tiny_target_dir):
+    from dflashpipe.core.params import TargetParams
     from dflashpipe.data.manifest import build_manifest
-    from dflashpipe.params import TargetParams
     from dflashpipe.target.adapter import load_materialised_target
+    from dflashpipe.target.chat import load_chat_tokenizer
     from dflashpipe.target.materialise import materialise_target
-    from dflashpipe.tokens.chat import load_chat_tokenizer
 
     work = tmp_path_factory.mktemp("evaluate")
     materialise_target(
@@ -332,7 +332,7 @@ def test_the_eval_split_is_checked_against_the_manifests_listing_alone(tiny, tmp
 
     import pyarrow.parquet as pq
 
-    from dflashpipe.errors import SourceError
+    from dflashpipe.core.errors import SourceError
     from dflashpipe.evaluate.prompts import TRAIN, read_eval_split
 
     manifest = tmp_path / "manifest"
@@ -461,7 +461,7 @@ def test_a_drop_within_the_spread_is_noise_and_beyond_it_a_regression():
 
 
 def test_a_rate_that_fell_as_much_as_its_control_is_the_machine_not_a_regression():
-    from dflashpipe.spread import Busy
+    from dflashpipe.core.spread import Busy
 
     def step(samples: list[float], control_ms: float) -> dict:
         busy = Busy(10.0, 10.0, 2, 0.5, (control_ms, control_ms))
@@ -525,10 +525,10 @@ def test_dvc_repro_evaluate_writes_metrics_that_dvc_shows(pipeline_run, tmp_path
 def test_a_proposal_accepted_too_many_fails_evaluate_naming_prompt_position_and_tokens(tiny, tmp_path, monkeypatch):
     """The planted bug: the acceptance rule takes one proposal more than the target verified. Every emitted token
     is checked against its own verify forward's argmax, so the stage fails, whatever the numerics."""
-    from dflashpipe.artifacts import write_file_listing
+    from dflashpipe.core.artifacts import write_file_listing
+    from dflashpipe.core.params import ComputeParams, EvaluateParams
     from dflashpipe.evaluate import evaluation, speculative
     from dflashpipe.evaluate.lossless import ContractError
-    from dflashpipe.params import ComputeParams, EvaluateParams
 
     honest = speculative.accepted_proposals
     monkeypatch.setattr(

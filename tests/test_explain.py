@@ -10,18 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashpipe.env import ABSENT, fact_at
-from dflashpipe.explain import (
-    ALWAYS,
-    CHANGE,
-    DIRECT,
-    DOWNSTREAM,
-    FROZEN,
-    NOISE,
-    OUTPUTS,
-    UNCHANGED,
-    UNKNOWN,
-    UNMEASURED,
+from dflashpipe.commands.explain import (
+    NoiseCall,
+    StageVerdict,
     compare,
     explain,
     metric_line,
@@ -29,6 +20,7 @@ from dflashpipe.explain import (
     root_causes,
     to_markdown,
 )
+from dflashpipe.core.env import ABSENT, fact_at
 from tests.conftest import RUN_PROFILE, copy_project, run, set_params
 
 
@@ -52,7 +44,10 @@ def committed(pipeline_run, tmp_path):
 
 def test_nothing_changed_says_so(committed):
     report = explain("HEAD", "workspace", committed)
-    assert set(verdicts(report).values()) == {ALWAYS, UNCHANGED} and verdicts(report)["fingerprint"] == ALWAYS
+    assert (
+        set(verdicts(report).values()) == {StageVerdict.ALWAYS, StageVerdict.UNCHANGED}
+        and verdicts(report)["fingerprint"] == StageVerdict.ALWAYS
+    )
     assert report.root_causes == [] and report.metrics == []
 
 
@@ -62,13 +57,13 @@ def test_growing_the_data_hits_manifest_only_and_costs_are_attributed(committed)
     # warmup (and anything else that never reads data) stays unchanged
     assert verdicts(report) == {
         **quiet(),
-        "manifest": DIRECT,
-        "regenerate": DOWNSTREAM,
-        "tokenize": DOWNSTREAM,
-        "features": DOWNSTREAM,  # it reads the token shards (online it writes an empty listing, but reruns)
-        "train": DOWNSTREAM,
-        "evaluate": DOWNSTREAM,
-        "serve": DOWNSTREAM,
+        "manifest": StageVerdict.DIRECT,
+        "regenerate": StageVerdict.DOWNSTREAM,
+        "tokenize": StageVerdict.DOWNSTREAM,
+        "features": StageVerdict.DOWNSTREAM,  # reads the token shards (online it writes an empty listing, but reruns)
+        "train": StageVerdict.DOWNSTREAM,
+        "evaluate": StageVerdict.DOWNSTREAM,
+        "serve": StageVerdict.DOWNSTREAM,
     }
     assert roots(report) == [("param", "params.yaml:data.num_samples", N, N + 20, ("manifest",))]
     assert report.root_causes[0].evidence == (
@@ -85,7 +80,7 @@ def test_growing_the_data_hits_manifest_only_and_costs_are_attributed(committed)
 
     run(["dvc", "repro", "manifest"], committed)  # its metrics are what this test reads
     report = explain("HEAD", "workspace", committed)
-    assert verdicts(report)["manifest"] == DIRECT and verdicts(report)["target"] == UNCHANGED
+    assert verdicts(report)["manifest"] == StageVerdict.DIRECT and verdicts(report)["target"] == StageVerdict.UNCHANGED
     deltas = {m.key: (m.old, m.new, m.causes) for m in report.metrics}
     assert deltas["train_samples"] == (N, N + 20, ["params.yaml:data.num_samples"])
     assert deltas["shards"] == (SHARDS, SHARDS + 1, ["params.yaml:data.num_samples"])
@@ -135,18 +130,21 @@ def test_a_deleted_output_is_missing_and_restorable(committed):
     shutil.rmtree(committed / "data/manifest")
     report = explain("HEAD", "workspace", committed)
     # restorable: what was computed from it (tokenize, train, evaluate) stays valid
-    assert verdicts(report) == {**quiet(), "manifest": OUTPUTS}
+    assert verdicts(report) == {**quiet(), "manifest": StageVerdict.OUTPUTS}
     (cause,) = report.stages[[v.stage for v in report.stages].index("manifest")].causes
     assert (cause.kind, cause.what, cause.new) == ("out", "data/manifest", "missing")
     assert "restorable: `dvc checkout`" in cause.evidence
     run(["dvc", "checkout", "data/manifest"], committed)
-    assert verdicts(explain("HEAD", "workspace", committed))["manifest"] == UNCHANGED
+    assert verdicts(explain("HEAD", "workspace", committed))["manifest"] == StageVerdict.UNCHANGED
 
 
 def test_a_deleted_compile_cache_is_restored_by_checkout_without_recompiling(committed):
     shutil.rmtree(committed / "data/compile")
     report = explain("HEAD", "workspace", committed)
-    assert {s: v for s, v in verdicts(report).items() if v != UNCHANGED} == {"fingerprint": ALWAYS, "warmup": OUTPUTS}
+    assert {s: v for s, v in verdicts(report).items() if v != StageVerdict.UNCHANGED} == {
+        "fingerprint": StageVerdict.ALWAYS,
+        "warmup": StageVerdict.OUTPUTS,
+    }
     assert "restorable" in report.stages[[v.stage for v in report.stages].index("warmup")].causes[0].evidence
     run(["dvc", "checkout", "data/compile"], committed)
     assert "warmup" not in json.loads(run(["dvc", "status", "--json"], committed).stdout or "{}")
@@ -163,7 +161,7 @@ def test_an_edited_source_file_hits_the_stages_that_list_it(committed):
     # tokenize only reads regenerate's output, so it is downstream.
     listed = listing("src/dflashpipe/target/adapter.py")
     assert {"regenerate", "warmup", "train", "evaluate"} <= set(listed)
-    assert verdicts(report) == {**invalidated(listed), "tokenize": DOWNSTREAM}
+    assert verdicts(report) == {**invalidated(listed), "tokenize": StageVerdict.DOWNSTREAM}
     ((kind, what, old, new, stages),) = roots(report)
     assert (kind, what, stages) == ("dep", "src/dflashpipe/target/adapter.py", tuple(listed))
     assert old != new
@@ -203,7 +201,7 @@ def test_a_compile_env_var_names_the_fingerprint_key_and_hits_warmup_not_data(co
 
 
 def test_an_edited_model_file_hits_warmup_and_train(committed):
-    with open(committed / "src/dflashpipe/model/layers.py", "a") as fh:
+    with open(committed / "src/dflashpipe/model/decoder_layer.py", "a") as fh:
         fh.write("\n# an edit\n")
     report = explain("HEAD", "workspace", committed)
     listed = listing("src/dflashpipe/model")
@@ -217,19 +215,19 @@ def test_two_experiments_compare_by_name_and_json_is_complete(committed):
     lr = yaml.safe_load((committed / "params.yaml").read_text())["train"]["lr"]
     run(["dvc", "exp", "run", "-n", "fast", "-S", "train.lr=0.01"], committed)
     report = explain("HEAD", "fast", committed)
-    assert {s: v for s, v in verdicts(report).items() if v != UNCHANGED} == {
-        "fingerprint": ALWAYS,
-        "train": DIRECT,
-        "evaluate": DOWNSTREAM,
-        "serve": DOWNSTREAM,
+    assert {s: v for s, v in verdicts(report).items() if v != StageVerdict.UNCHANGED} == {
+        "fingerprint": StageVerdict.ALWAYS,
+        "train": StageVerdict.DIRECT,
+        "evaluate": StageVerdict.DOWNSTREAM,
+        "serve": StageVerdict.DOWNSTREAM,
     }
     assert roots(report) == [("param", "params.yaml:train.lr", lr, 0.01, ("train",))]
 
     run(["dvc", "exp", "run", "-n", "short", "-S", "evaluate.max_new_tokens=8"], committed)
     report = explain("fast", "short", committed)
     # the served check decodes the same prompts to the same length: it names evaluate's keys
-    expected = {"fingerprint": ALWAYS, "evaluate": DIRECT, "serve": DIRECT}
-    assert {s: v for s, v in verdicts(report).items() if v != UNCHANGED} == expected
+    expected = {"fingerprint": StageVerdict.ALWAYS, "evaluate": StageVerdict.DIRECT, "serve": StageVerdict.DIRECT}
+    assert {s: v for s, v in verdicts(report).items() if v != StageVerdict.UNCHANGED} == expected
     old_length = RUN_PROFILE["evaluate__max_new_tokens"]
     assert roots(report) == [("param", "params.yaml:evaluate.max_new_tokens", old_length, 8, ("evaluate", "serve"))]
 
@@ -241,7 +239,7 @@ def test_two_experiments_compare_by_name_and_json_is_complete(committed):
 
 
 def test_a_revision_whose_metrics_are_missing_or_unreadable_still_gets_every_stage_verdict(committed):
-    from dflashpipe.explain import answer, answer_lines
+    from dflashpipe.commands.explain import answer, answer_lines
 
     (committed / "metrics/bench.json").write_text("{ not json")
     (committed / "metrics/eval.json").unlink()
@@ -284,14 +282,14 @@ def dvc_stages() -> dict:
 
 def quiet() -> dict[str, str]:
     """Every stage unchanged, the always-changed fingerprint aside."""
-    return {**dict.fromkeys(dvc_stages(), UNCHANGED), "fingerprint": ALWAYS}
+    return {**dict.fromkeys(dvc_stages(), StageVerdict.UNCHANGED), "fingerprint": StageVerdict.ALWAYS}
 
 
 def invalidated(direct: list[str]) -> dict[str, str]:
     """Every stage's verdict when exactly `direct` changed directly and nothing else did: the served check reads
     evaluate's metrics/eval.json, so it is invalidated downstream of evaluate (direct where it is listed itself)."""
-    after_evaluate = {"serve": DOWNSTREAM} if "evaluate" in direct else {}
-    return {**quiet(), **after_evaluate, **dict.fromkeys(direct, DIRECT)}
+    after_evaluate = {"serve": StageVerdict.DOWNSTREAM} if "evaluate" in direct else {}
+    return {**quiet(), **after_evaluate, **dict.fromkeys(direct, StageVerdict.DIRECT)}
 
 
 def listing(dep: str) -> list[str]:
@@ -383,13 +381,13 @@ def test_compare_growing_the_data_invalidates_its_chain_and_never_warmup(dag):
     )
     assert verdict_map(found) == {
         **quiet(),
-        "manifest": DIRECT,
-        "regenerate": DOWNSTREAM,
-        "tokenize": DOWNSTREAM,
-        "features": DOWNSTREAM,  # it reads the token shards (online it writes an empty listing, but reruns)
-        "train": DOWNSTREAM,
-        "evaluate": DOWNSTREAM,
-        "serve": DOWNSTREAM,
+        "manifest": StageVerdict.DIRECT,
+        "regenerate": StageVerdict.DOWNSTREAM,
+        "tokenize": StageVerdict.DOWNSTREAM,
+        "features": StageVerdict.DOWNSTREAM,  # reads the token shards (online it writes an empty listing, but reruns)
+        "train": StageVerdict.DOWNSTREAM,
+        "evaluate": StageVerdict.DOWNSTREAM,
+        "serve": StageVerdict.DOWNSTREAM,
     }
     assert cause_tuples(found) == [("param", "params.yaml:data.num_samples", 2000, 2400, ("manifest",))]
     by_stage = {v.stage: v for v in found}
@@ -405,7 +403,12 @@ def test_compare_growing_the_data_invalidates_its_chain_and_never_warmup(dag):
 
 def test_compare_a_train_param_hits_train_and_evaluate_only(dag):
     found = compared(dag, lock_of(dag, values={"train.lr": 6e-4}), lock_of(dag, values={"train.lr": 1e-3}))
-    assert verdict_map(found) == {**quiet(), "train": DIRECT, "evaluate": DOWNSTREAM, "serve": DOWNSTREAM}
+    assert verdict_map(found) == {
+        **quiet(),
+        "train": StageVerdict.DIRECT,
+        "evaluate": StageVerdict.DOWNSTREAM,
+        "serve": StageVerdict.DOWNSTREAM,
+    }
     assert cause_tuples(found) == [("param", "params.yaml:train.lr", 6e-4, 1e-3, ("train",))]
 
 
@@ -413,8 +416,8 @@ def test_compare_an_edited_source_file_hits_the_stages_listing_it_and_their_down
     found = compared(dag, lock_of(dag), lock_of(dag, md5={"src/dflashpipe/target/adapter.py": "edited"}))
     assert verdict_map(found) == {
         **quiet(),
-        **dict.fromkeys(listing("src/dflashpipe/target/adapter.py"), DIRECT),
-        "tokenize": DOWNSTREAM,
+        **dict.fromkeys(listing("src/dflashpipe/target/adapter.py"), StageVerdict.DIRECT),
+        "tokenize": StageVerdict.DOWNSTREAM,
     }
     assert cause_tuples(found) == [
         (
@@ -433,12 +436,12 @@ def test_compare_a_dep_inside_an_upstream_output_is_that_upstream_not_a_root_cau
     found = compared(dag, lock_of(dag), lock_of(dag, md5={"data/manifest": "regenerated"}))
     assert verdict_map(found) == {
         **quiet(),
-        "regenerate": DOWNSTREAM,
-        "tokenize": DOWNSTREAM,
-        "features": DOWNSTREAM,
-        "evaluate": DOWNSTREAM,
-        "train": DOWNSTREAM,
-        "serve": DOWNSTREAM,
+        "regenerate": StageVerdict.DOWNSTREAM,
+        "tokenize": StageVerdict.DOWNSTREAM,
+        "features": StageVerdict.DOWNSTREAM,
+        "evaluate": StageVerdict.DOWNSTREAM,
+        "train": StageVerdict.DOWNSTREAM,
+        "serve": StageVerdict.DOWNSTREAM,
     }
     assert root_causes(found) == []
     assert {v.stage: v.upstream for v in found if v.upstream} == {
@@ -456,7 +459,7 @@ def test_compare_a_kernel_environment_key_hits_only_the_stages_naming_it(dag):
     kernel = naming("torch.version")
     assert {"warmup", "train", "evaluate"} <= set(kernel) and not {"manifest", "tokenize", "target"} & set(kernel)
     # regenerate names it too (greedy replies are the kernels' numerics), so tokenize, reading them, is downstream
-    assert verdict_map(found) == {**invalidated(kernel), "tokenize": DOWNSTREAM}
+    assert verdict_map(found) == {**invalidated(kernel), "tokenize": StageVerdict.DOWNSTREAM}
     assert cause_tuples(found) == [("param", KERNEL_KEY, "2.13.0", "2.13.1", tuple(kernel))]
 
 
@@ -466,11 +469,11 @@ def test_compare_a_library_version_key_hits_the_stages_naming_it_and_their_downs
     # what reads the target's output without naming the key itself is downstream (warmup, train, ...)
     assert verdict_map(found) == {
         **quiet(),
-        **dict.fromkeys(listing("data/target"), DOWNSTREAM),
-        "target": DIRECT,
-        "regenerate": DIRECT,
-        "tokenize": DIRECT,
-        "features": DIRECT,  # the target's forward is transformers' code
+        **dict.fromkeys(listing("data/target"), StageVerdict.DOWNSTREAM),
+        "target": StageVerdict.DIRECT,
+        "regenerate": StageVerdict.DIRECT,
+        "tokenize": StageVerdict.DIRECT,
+        "features": StageVerdict.DIRECT,  # the target's forward is transformers' code
     }
     assert cause_tuples(found) == [("param", key, "5.24.0", "5.25.0", ("target", "regenerate", "tokenize", "features"))]
 
@@ -493,11 +496,21 @@ SMALL = {
 
 def test_compare_a_param_hits_every_stage_naming_it_and_downstream_only():
     found = compared(SMALL, lock_of(SMALL, values={"a.n": 1}), lock_of(SMALL, values={"a.n": 2}))
-    assert verdict_map(found) == {"a": DIRECT, "b": DOWNSTREAM, "c": DOWNSTREAM, "d": DIRECT}
+    assert verdict_map(found) == {
+        "a": StageVerdict.DIRECT,
+        "b": StageVerdict.DOWNSTREAM,
+        "c": StageVerdict.DOWNSTREAM,
+        "d": StageVerdict.DIRECT,
+    }
     assert cause_tuples(found) == [("param", "params.yaml:a.n", 1, 2, ("a", "d"))]
 
     found = compared(SMALL, lock_of(SMALL, values={"b.n": 1}), lock_of(SMALL, values={"b.n": 2}))
-    assert verdict_map(found) == {"a": UNCHANGED, "b": DIRECT, "c": DOWNSTREAM, "d": UNCHANGED}
+    assert verdict_map(found) == {
+        "a": StageVerdict.UNCHANGED,
+        "b": StageVerdict.DIRECT,
+        "c": StageVerdict.DOWNSTREAM,
+        "d": StageVerdict.UNCHANGED,
+    }
 
 
 def test_compare_a_changed_cmd_added_param_and_removed_dep_are_each_a_cause():
@@ -505,7 +518,12 @@ def test_compare_a_changed_cmd_added_param_and_removed_dep_are_each_a_cause():
     old = read_revision_state(LockState("HEAD", SMALL, lock_of(SMALL)))
     new = read_revision_state(LockState("new", changed, lock_of(changed)))
     found = compare(old, new, {}, None, "HEAD", "new")
-    assert verdict_map(found) == {"a": UNCHANGED, "b": DIRECT, "c": DOWNSTREAM, "d": UNCHANGED}
+    assert verdict_map(found) == {
+        "a": StageVerdict.UNCHANGED,
+        "b": StageVerdict.DIRECT,
+        "c": StageVerdict.DOWNSTREAM,
+        "d": StageVerdict.UNCHANGED,
+    }
     assert cause_tuples(found) == [
         ("cmd", "b", "python b.py", "python b.py --fast", ("b",)),
         ("dep", "b.py", "md5(b.py)", None, ("b",)),
@@ -517,16 +535,26 @@ def test_compare_frozen_stage_is_frozen_and_does_not_invalidate_downstream():
     frozen = {**SMALL, "a": {**SMALL["a"], "frozen": True}}
     found = compared(frozen, lock_of(frozen, values={"a.n": 1}), lock_of(frozen, values={"a.n": 2}))
     # `dvc repro` will not rerun a, so b's inputs stay what they were; d names a.n itself.
-    assert verdict_map(found) == {"a": FROZEN, "b": UNCHANGED, "c": UNCHANGED, "d": DIRECT}
+    assert verdict_map(found) == {
+        "a": StageVerdict.FROZEN,
+        "b": StageVerdict.UNCHANGED,
+        "c": StageVerdict.UNCHANGED,
+        "d": StageVerdict.DIRECT,
+    }
     assert cause_tuples(found) == [("param", "params.yaml:a.n", 1, 2, ("d",))]
 
 
 def test_compare_an_always_changed_stage_says_so_whatever_changed():
     always = {**SMALL, "a": {**SMALL["a"], "always_changed": True}}
     found = compared(always, lock_of(always), lock_of(always))
-    assert verdict_map(found) == {"a": ALWAYS, "b": UNCHANGED, "c": UNCHANGED, "d": UNCHANGED}
+    assert verdict_map(found) == {
+        "a": StageVerdict.ALWAYS,
+        "b": StageVerdict.UNCHANGED,
+        "c": StageVerdict.UNCHANGED,
+        "d": StageVerdict.UNCHANGED,
+    }
     found = compared(always, lock_of(always, md5={"a.py": "x"}), lock_of(always, md5={"a.py": "y"}))
-    assert verdict_map(found)["a"] == ALWAYS and root_causes(found) == []
+    assert verdict_map(found)["a"] == StageVerdict.ALWAYS and root_causes(found) == []
 
 
 def test_compare_a_stage_missing_from_the_old_state_is_unknown():
@@ -534,12 +562,23 @@ def test_compare_a_stage_missing_from_the_old_state_is_unknown():
     old = read_revision_state(LockState("HEAD", SMALL, lock_of(SMALL)))
     new = read_revision_state(LockState("new", grown, lock_of(grown)))
     found = compare(old, new, {}, None, "HEAD", "new")
-    assert verdict_map(found) == {"a": UNCHANGED, "b": UNCHANGED, "c": UNCHANGED, "d": UNCHANGED, "e": UNKNOWN}
+    assert verdict_map(found) == {
+        "a": StageVerdict.UNCHANGED,
+        "b": StageVerdict.UNCHANGED,
+        "c": StageVerdict.UNCHANGED,
+        "d": StageVerdict.UNCHANGED,
+        "e": StageVerdict.UNKNOWN,
+    }
     unlocked = lock_of(SMALL)
     del unlocked["stages"]["b"]
     found = compared(SMALL, unlocked, lock_of(SMALL))
     # b's old outputs are unknowable, so what reads them cannot be called unchanged
-    assert verdict_map(found) == {"a": UNCHANGED, "b": UNKNOWN, "c": DOWNSTREAM, "d": UNCHANGED}
+    assert verdict_map(found) == {
+        "a": StageVerdict.UNCHANGED,
+        "b": StageVerdict.UNKNOWN,
+        "c": StageVerdict.DOWNSTREAM,
+        "d": StageVerdict.UNCHANGED,
+    }
 
 
 class DirCache:
@@ -563,7 +602,12 @@ def test_compare_a_missing_output_is_restorable_only_when_the_cache_holds_every_
 
     found = compared(SMALL, lock, gone, recorded, cache)
     # not in the cache: b must be rebuilt, so c, which reads it, is invalidated with it
-    assert verdict_map(found) == {"a": UNCHANGED, "b": OUTPUTS, "c": DOWNSTREAM, "d": UNCHANGED}
+    assert verdict_map(found) == {
+        "a": StageVerdict.UNCHANGED,
+        "b": StageVerdict.OUTPUTS,
+        "c": StageVerdict.DOWNSTREAM,
+        "d": StageVerdict.UNCHANGED,
+    }
     (cause,) = next(v for v in found if v.stage == "b").causes
     assert (cause.kind, cause.what, cause.old, cause.new) == ("out", "out/b", "bbb.dir", "missing")
     assert cause.evidence.endswith("not in the cache: `dvc repro -f b` rebuilds it")
@@ -578,7 +622,12 @@ def test_compare_a_missing_output_is_restorable_only_when_the_cache_holds_every_
     (cause,) = next(v for v in found if v.stage == "b").causes
     assert cause.evidence.endswith("restorable: `dvc checkout` brings the recorded bytes back from the cache")
     # restorable: `dvc checkout` brings back exactly what c was computed from, so c is still valid
-    assert verdict_map(found) == {"a": UNCHANGED, "b": OUTPUTS, "c": UNCHANGED, "d": UNCHANGED}
+    assert verdict_map(found) == {
+        "a": StageVerdict.UNCHANGED,
+        "b": StageVerdict.OUTPUTS,
+        "c": StageVerdict.UNCHANGED,
+        "d": StageVerdict.UNCHANGED,
+    }
 
 
 class MetricsState(LockState):
@@ -594,7 +643,7 @@ class MetricsState(LockState):
 
 def deltas_between(stages: dict, old: tuple, new: tuple) -> dict:
     """metric key -> MetricDelta between two (lock, metrics) revisions, as explain computes them."""
-    from dflashpipe.explain import metric_deltas
+    from dflashpipe.commands.explain import metric_deltas
 
     sa, sb = MetricsState("HEAD", stages, *old), MetricsState("new", stages, *new)
     before, after = read_revision_state(sa), read_revision_state(sb)
@@ -620,7 +669,7 @@ def test_a_throughput_drop_within_noise_is_not_blamed_on_grown_data(dag):
         (grown[1], train_metrics(49.5, {"low": 47.0, "high": 51.0, "repeats": 3})),
     )
     (m,) = found.values()
-    assert (m.key, m.call, m.causes) == ("tokens_per_s", NOISE, [])
+    assert (m.key, m.call, m.causes) == ("tokens_per_s", NoiseCall.NOISE, [])
     assert m.spread == "before 52 (range 48..53, 5 repeats); after 49.5 (range 47..51, 3 repeats)"
     assert "within noise: not attributed" in metric_line(m)[1]
 
@@ -629,10 +678,13 @@ def test_a_throughput_drop_within_noise_is_not_blamed_on_grown_data(dag):
         (grown[0], train_metrics(52.0, spread)),
         (grown[1], train_metrics(31.0, {"low": 30.0, "high": 33.0, "repeats": 3})),
     )
-    assert (found["tokens_per_s"].call, found["tokens_per_s"].causes) == (CHANGE, ["params.yaml:data.num_samples"])
+    assert (found["tokens_per_s"].call, found["tokens_per_s"].causes) == (
+        NoiseCall.CHANGE,
+        ["params.yaml:data.num_samples"],
+    )
 
     found = deltas_between(dag, (grown[0], train_metrics(52.0, None)), (grown[1], train_metrics(51.0, spread)))
-    assert found["tokens_per_s"].call == UNMEASURED
+    assert found["tokens_per_s"].call == NoiseCall.UNMEASURED
     assert found["tokens_per_s"].spread == "before no spread recorded; after 51 (range 48..53, 5 repeats)"
     assert found["tokens_per_s"].causes == ["params.yaml:data.num_samples"]  # unmeasured: the causes stand
 
@@ -646,7 +698,7 @@ def test_a_metric_is_not_attributed_through_an_upstream_that_reran_to_the_same_b
         (lock_of(dag), train_metrics(52.0, {"low": 50.0, "high": 53.0, "repeats": 5})),
         (lock_of(dag, edit), train_metrics(31.0, {"low": 30.0, "high": 33.0, "repeats": 5})),
     )
-    assert (found["tokens_per_s"].call, found["tokens_per_s"].causes) == (CHANGE, [])
+    assert (found["tokens_per_s"].call, found["tokens_per_s"].causes) == (NoiseCall.CHANGE, [])
     # the same edit with the tokens changed: now it reaches train
     edit.update({p: f"new md5({p})" for p in ("data/regenerated", "data/tokens")})
     found = deltas_between(
@@ -686,7 +738,9 @@ def test_compare_paths_name_the_changed_files_of_a_directory_and_skip_unchanged_
     found = {v.stage: v for v in compared(dag, old, new, cache=cache)}
     assert found["b"].paths == ["b <- out/a/shard-1 (a: params.yaml:a.n)"]
     assert found["c"].paths == ["c <- out/b/part (b) <- out/a/shard-1 (a: params.yaml:a.n)"]
-    assert found["e"].paths == [] and found["e"].verdict == DOWNSTREAM  # invalidated by a, via no changed file
+    assert (
+        found["e"].paths == [] and found["e"].verdict == StageVerdict.DOWNSTREAM
+    )  # invalidated by a, via no changed file
     assert found["d"].paths == []
     # the new listing is not in the cache: say so instead of guessing files
     new = lock_of(dag, md5={"out/a": "a3.dir", "out/a/part": "p"}, values={"a.n": 2})
@@ -708,8 +762,13 @@ def fingerprint_values(stages: dict, facts: dict) -> dict[str, object]:
 
 
 def test_a_stale_fingerprint_names_the_edited_torch_file_and_the_stages_it_invalidates(dag):
-    from dflashpipe.explain import EditedFile, Machine, machine_lines
-    from dflashpipe.explain.machine import Live, attribute_to_machine, fingerprint_changes, with_live_fingerprint
+    from dflashpipe.commands.explain import EditedFile, Machine, machine_lines
+    from dflashpipe.commands.explain.machine import (
+        Live,
+        attribute_to_machine,
+        fingerprint_changes,
+        with_live_fingerprint,
+    )
 
     recorded = json.loads((ROOT / "data/env/fingerprint.json").read_text())
     threads = {"torch_intra_op": 2, "torch_inter_op": 2, "env": {}, "affinity": "0-1", "cpu_quota": "none"}
@@ -765,7 +824,7 @@ def test_the_live_check_imports_torch_only_when_its_key_moved(tmp_path, monkeypa
     tells are reused when recorded under the same key (torch's files, the CPU, the GPUs, the loading variables)."""
     import sys
 
-    from dflashpipe import env
+    from dflashpipe.core import env
 
     hashes, loaded = tmp_path / "hashes.json", tmp_path / "loaded.json"
     if (ROOT / env.HASH_STATE).is_file():  # spares hashing torch's 12K files again: the test is not about that
@@ -775,7 +834,7 @@ def test_the_live_check_imports_torch_only_when_its_key_moved(tmp_path, monkeypa
     reused = env.observe(hashes, loaded, reuse_loaded=True, project=tmp_path)
     assert (reused.probed, reused.facts, reused.integrity.rehashed) == (False, stage.facts, 0)
     code = (
-        "import json, sys; from dflashpipe import env; "
+        "import json, sys; from dflashpipe.core import env; "
         f"o = env.observe({str(hashes)!r}, {str(loaded)!r}, reuse_loaded=True, project={str(tmp_path)!r}); "
         "print(o.probed, 'torch' in sys.modules, json.dumps(o.facts, sort_keys=True))"
     )
@@ -791,7 +850,7 @@ def test_the_live_check_imports_torch_only_when_its_key_moved(tmp_path, monkeypa
 
 
 def test_a_figure_read_off_a_clock_is_never_called_a_deterministic_move():
-    from dflashpipe.explain.comparison import is_throughput
+    from dflashpipe.commands.explain.comparison import is_throughput
 
     timed = ["tokens_per_s", "encoded_tokens_per_second", "busy_s.target", "compile.warmup_s", "speedup", "seconds"]
     counted = ["per_source.chitchat.tau", "throughput.flops_per_step", "verify_steps", "final_loss", "shards"]
@@ -812,7 +871,7 @@ def test_a_timed_figure_that_moved_with_no_input_changed_says_what_the_machine_f
     )
     assert set(found) == {"tokens_per_s"}  # the facts ride in the spread, never as metrics of their own
     m = found["tokens_per_s"]
-    assert (m.call, m.causes) == (CHANGE, [])
+    assert (m.call, m.causes) == (NoiseCall.CHANGE, [])
     assert m.machine == (
         "while measuring: before CPU time/wall 1.95 on 2 CPUs, load 0.4; after CPU time/wall 0.9 on 2 CPUs, load 3.8"
     )
@@ -834,7 +893,7 @@ def controlled(cpu_over_wall: float, load: float, before_ms: float, after_ms: fl
 
 
 def test_a_rate_that_moved_as_much_as_its_control_is_the_machine_not_an_input(dag):
-    from dflashpipe.explain import MACHINE
+    from dflashpipe.commands.explain import NoiseCall
 
     quiet = {"low": 50.0, "high": 53.0, "repeats": 5, "machine": controlled(1.95, 0.4, 3.0, 3.2)}
     loaded = {"low": 15.0, "high": 17.0, "repeats": 5, "machine": controlled(0.7, 3.9, 9.5, 10.1)}
@@ -842,22 +901,25 @@ def test_a_rate_that_moved_as_much_as_its_control_is_the_machine_not_an_input(da
     # an input reaches the figure, yet the control moved as much (about 3.1x): the machine, no input blamed
     found = deltas_between(dag, (grew[0], train_metrics(52.0, quiet)), (grew[1], train_metrics(16.0, loaded)))
     m = found["tokens_per_s"]
-    assert (m.call, m.causes) == (MACHINE, [])
+    assert (m.call, m.causes) == (NoiseCall.MACHINE, [])
     assert m.control == "the machine was 3.16x slower at new: control 9.8 ms at new vs 3.1 ms at HEAD"
     assert "the machine's move, as the control measured it: not attributed" in metric_line(m)[1]
     assert m.control in metric_line(m)[1]
     # the same drop with a control that did not move: a change, and the input on its path is blamed
     steady = {**loaded, "machine": controlled(0.7, 3.9, 3.0, 3.3)}
     found = deltas_between(dag, (grew[0], train_metrics(52.0, quiet)), (grew[1], train_metrics(16.0, steady)))
-    assert (found["tokens_per_s"].call, found["tokens_per_s"].causes) == (CHANGE, ["params.yaml:train.lr"])
+    assert (found["tokens_per_s"].call, found["tokens_per_s"].causes) == (NoiseCall.CHANGE, ["params.yaml:train.lr"])
     # a control that explains only part of the drop (1.5x of 3.2x): what is left is a change
     half = {**loaded, "machine": controlled(0.7, 3.9, 4.6, 4.8)}
     found = deltas_between(dag, (grew[0], train_metrics(52.0, quiet)), (grew[1], train_metrics(16.0, half)))
-    assert found["tokens_per_s"].call == CHANGE
+    assert found["tokens_per_s"].call == NoiseCall.CHANGE
     # a side without a control: compared as before, and said so
     bare = {**loaded, "machine": busy(0.7, 3.9)}
     found = deltas_between(dag, (grew[0], train_metrics(52.0, quiet)), (grew[1], train_metrics(16.0, bare)))
-    assert (found["tokens_per_s"].call, found["tokens_per_s"].control) == (CHANGE, "no control recorded at new")
+    assert (found["tokens_per_s"].call, found["tokens_per_s"].control) == (
+        NoiseCall.CHANGE,
+        "no control recorded at new",
+    )
     # a ratio of two paths timed side by side is not scaled by the control: the machine cancels out in it
     assert (
         deltas_between(
@@ -873,23 +935,23 @@ def test_a_rate_that_moved_as_much_as_its_control_is_the_machine_not_an_input(da
                 },
             ),
         )["speedup"].call
-        == CHANGE
+        == NoiseCall.CHANGE
     )
 
 
 def test_a_figure_measured_under_other_threads_than_the_machine_now_names_them(dag):
     """The workspace's verdicts read the machine now; a figure in it was measured under what its dvc.lock
     recorded. When the machine is back to what A recorded, no input differs, and the lock says why it moved."""
-    from dflashpipe.explain import metric_deltas
+    from dflashpipe.commands.explain import metric_deltas
 
     key = "data/env/fingerprint.json:threads.env"
     sa = MetricsState("HEAD", dag, lock_of(dag, values={key: {}}), train_metrics(52.0, None))
     sb = MetricsState("workspace", dag, lock_of(dag, values={key: {"OMP_NUM_THREADS": "1"}}), train_metrics(31.0, None))
     now = read_revision_state(sa)  # the machine now, as HEAD recorded it
     verdicts = compare(read_revision_state(sa), now, {}, None, "HEAD", "workspace")
-    assert set(verdict_map(verdicts).values()) == {UNCHANGED, ALWAYS}
+    assert set(verdict_map(verdicts).values()) == {StageVerdict.UNCHANGED, StageVerdict.ALWAYS}
     (m,) = (d for d in metric_deltas(sa, sb, now, verdicts) if d.key == "tokens_per_s")
-    assert (m.call, m.causes) == (UNMEASURED, [])
+    assert (m.call, m.causes) == (NoiseCall.UNMEASURED, [])
     assert m.machine == 'the runs were recorded (dvc.lock) with threads.env {} -> {"OMP_NUM_THREADS": "1"}'
 
 
@@ -898,12 +960,12 @@ def test_an_upstream_that_only_rewrote_its_metrics_invalidates_nothing_downstrea
     byte the same: tokenize reads the shards, never that file, so no alarm is raised without a changed path."""
     timings = {"metrics/regenerate.json": "md5(new timings)"}
     found = {v.stage: v for v in compared(dag, lock_of(dag), lock_of(dag, timings))}
-    assert (found["regenerate"].verdict, found["tokenize"].verdict) == (UNCHANGED, UNCHANGED)
+    assert (found["regenerate"].verdict, found["tokenize"].verdict) == (StageVerdict.UNCHANGED, StageVerdict.UNCHANGED)
     assert found["tokenize"].upstream == [] and found["tokenize"].paths == []
     # the shards themselves changed: now tokenize is downstream, and says through which file
     shards = {**timings, "data/regenerated": "new md5(data/regenerated)"}
     found = {v.stage: v for v in compared(dag, lock_of(dag), lock_of(dag, shards))}
-    assert found["tokenize"].verdict == DOWNSTREAM and found["tokenize"].upstream == ["regenerate"]
+    assert found["tokenize"].verdict == StageVerdict.DOWNSTREAM and found["tokenize"].upstream == ["regenerate"]
     assert found["tokenize"].paths == ["tokenize <- data/regenerated (regenerate: unchanged)"]
 
 
@@ -948,7 +1010,7 @@ def test_a_compile_cache_rebuilt_to_other_bytes_for_the_same_key_is_equivalent(d
                 dag, lock_of(dag, {"data/compile": there}), lock_of(dag, {"data/compile": other}), cache=cache
             )
         }
-        assert (found["train"].verdict, found["bench"].verdict) == (DOWNSTREAM, DOWNSTREAM)
+        assert (found["train"].verdict, found["bench"].verdict) == (StageVerdict.DOWNSTREAM, StageVerdict.DOWNSTREAM)
         assert found["bench"].paths[0].startswith("bench <- data/compile/")
 
 
@@ -970,8 +1032,13 @@ def test_a_forced_rebuild_of_the_compile_cache_is_equivalent_and_invalidates_not
 def test_a_fingerprint_key_the_file_does_not_hold_yet_is_read_off_the_machine(dag):
     """dvc.yaml names a key the fingerprint file (and dvc.lock) predate: `dvc repro` will run the stages with
     the machine's value, so the machine's value is what the verdicts compare, and the header agrees."""
-    from dflashpipe.explain import Machine
-    from dflashpipe.explain.machine import Live, attribute_to_machine, fingerprint_changes, with_live_fingerprint
+    from dflashpipe.commands.explain import Machine
+    from dflashpipe.commands.explain.machine import (
+        Live,
+        attribute_to_machine,
+        fingerprint_changes,
+        with_live_fingerprint,
+    )
 
     recorded = json.loads((ROOT / "data/env/fingerprint.json").read_text())
     recorded.pop("threads", None)  # a file written before the thread facts
@@ -1004,14 +1071,14 @@ def test_the_control_is_set_aside_only_by_a_fact_that_can_move_it(dag):
     """A compile variable changed what train ran with, yet the control (an eager matmul) cannot follow it: a rate
     that fell as far as the control rose is the machine's. The thread variables its matmul's runtimes read can
     move it: then it is no neutral reference, and the figure is compared as it is."""
-    from dflashpipe.explain import MACHINE
+    from dflashpipe.commands.explain import NoiseCall
 
     quiet = {"low": 50.0, "high": 53.0, "repeats": 5, "machine": controlled(1.95, 0.4, 3.0, 3.2)}
     loaded = {"low": 15.0, "high": 17.0, "repeats": 5, "machine": controlled(0.7, 3.9, 9.5, 10.1)}
     for key, before, after, call in (
-        (f"{FINGERPRINT_PARAMS}:env", {}, {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"}, MACHINE),
-        (f"{FINGERPRINT_PARAMS}:threads.env", {}, {"OMP_NUM_THREADS": "1"}, CHANGE),
-        (f"{FINGERPRINT_PARAMS}:threads.torch_intra_op", 2, 1, CHANGE),
+        (f"{FINGERPRINT_PARAMS}:env", {}, {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"}, NoiseCall.MACHINE),
+        (f"{FINGERPRINT_PARAMS}:threads.env", {}, {"OMP_NUM_THREADS": "1"}, NoiseCall.CHANGE),
+        (f"{FINGERPRINT_PARAMS}:threads.torch_intra_op", 2, 1, NoiseCall.CHANGE),
     ):
         found = deltas_between(
             dag,
@@ -1019,7 +1086,7 @@ def test_the_control_is_set_aside_only_by_a_fact_that_can_move_it(dag):
             (lock_of(dag, values={key: after}), train_metrics(16.0, loaded)),
         )["tokens_per_s"]
         assert found.call == call, key
-        if call == MACHINE:
+        if call == NoiseCall.MACHINE:
             assert found.causes == [] and found.slowdown == pytest.approx(9.8 / 3.1)
         else:
             name = key.split(":", 1)[1]
@@ -1029,9 +1096,9 @@ def test_the_control_is_set_aside_only_by_a_fact_that_can_move_it(dag):
 
 def answer_of(dag, old: tuple, new: tuple, **report_fields):
     """explain's Report and first screen between two hand-built (lock, metrics) revisions."""
-    from dflashpipe.explain import Report, answer_lines, metric_deltas
-    from dflashpipe.explain.answer import answer
-    from dflashpipe.explain.comparison import headlines_same
+    from dflashpipe.commands.explain import Report, answer_lines, metric_deltas
+    from dflashpipe.commands.explain.answer import answer
+    from dflashpipe.commands.explain.comparison import headlines_same
 
     sa, sb = MetricsState("HEAD", dag, *old), MetricsState("new", dag, *new)
     after = read_revision_state(sb)
@@ -1058,9 +1125,9 @@ def test_the_first_screen_is_the_causes_the_stages_and_the_headlines(dag):
         (lock_of(dag, values={"data.num_samples": 2000}), headline_metrics(52.0, quiet, 9.70, extra=40)),
         (lock_of(dag, rerun, {"data.num_samples": 2400}), headline_metrics(16.0, loaded, 9.71, extra=40)),
     )
-    from dflashpipe.explain.render import DETAIL, FOOTER, INDENT, ITEM, SECTION, TITLE, WIDTH
+    from dflashpipe.commands.explain.render import DETAIL, FOOTER, INDENT, ITEM, SECTION, TITLE, WIDTH
 
-    downstream = [s for s in dag if verdicts(report)[s] == DOWNSTREAM]
+    downstream = [s for s in dag if verdicts(report)[s] == StageVerdict.DOWNSTREAM]
     assert lines[:4] == [
         (TITLE, "What changed: HEAD -> new"),
         (SECTION, "Causes"),
@@ -1085,7 +1152,7 @@ def test_evaluate_and_train_records_reach_the_first_screen_only_through_the_head
     """eval.json's contract, floor and baseline and train's balance are dozens of keys: the first screen shows
     the contract (`lossless`, a headline: false is a bug) and says on speedup's line that its baseline differs,
     since the two figures are then not like for like; the rest is counted behind --all."""
-    from dflashpipe.explain.render import FOOTER, INDENT, SECTION, WIDTH
+    from dflashpipe.commands.explain.render import FOOTER, INDENT, SECTION, WIDTH
 
     def evaluated(dtype: str, speedup: float, lossless: bool, bugs: int) -> dict:
         return {
@@ -1124,9 +1191,14 @@ def test_one_thread_variable_is_one_cause_of_the_machine_and_a_removed_fact_is_n
     """OMP_NUM_THREADS moves two fingerprint keys (the variable, and torch's intra-op count that follows it): one
     cause on the first screen, with the stages of both. A fact the machine no longer has (a library uninstalled)
     is said to be removed, not crashed on."""
-    from dflashpipe.explain import Machine, Report, answer_lines
-    from dflashpipe.explain.answer import answer
-    from dflashpipe.explain.machine import Live, attribute_to_machine, fingerprint_changes, with_live_fingerprint
+    from dflashpipe.commands.explain import Machine, Report, answer_lines
+    from dflashpipe.commands.explain.answer import answer
+    from dflashpipe.commands.explain.machine import (
+        Live,
+        attribute_to_machine,
+        fingerprint_changes,
+        with_live_fingerprint,
+    )
 
     recorded = json.loads((ROOT / "data/env/fingerprint.json").read_text())
     recorded["threads"] = {"torch_intra_op": 2, "torch_inter_op": 2, "env": {}, "affinity": "0-1", "cpu_quota": "none"}
@@ -1144,20 +1216,22 @@ def test_one_thread_variable_is_one_cause_of_the_machine_and_a_removed_fact_is_n
         "(1) machine threads: env: OMP_NUM_THREADS unset -> 1; torch_intra_op: 2 -> 1",
         f"(2) machine triton.version: {recorded['triton']['version']} -> removed  [dvc.lock@HEAD vs this machine]",
     ]
-    assert set(verdicts(report)[s] for s in naming("threads.torch_intra_op") + naming("triton.version")) == {DIRECT}
+    assert set(verdicts(report)[s] for s in naming("threads.torch_intra_op") + naming("triton.version")) == {
+        StageVerdict.DIRECT
+    }
 
 
 def test_a_stage_rerun_by_no_cause_says_why_on_the_first_screen(dag):
     """bench forced beside a busy neighbour: no input changed, but its metrics file has new timings, and
     evaluate reads it. The first screen names no cause, and says what makes evaluate rerun."""
-    from dflashpipe.explain import Report, answer, answer_lines
-    from dflashpipe.explain.render import DETAIL, ITEM
+    from dflashpipe.commands.explain import Report, answer, answer_lines
+    from dflashpipe.commands.explain.render import DETAIL, ITEM
 
     found = compared(dag, lock_of(dag), lock_of(dag, {"metrics/bench.json": "md5(new timings)"}))
     report = Report("HEAD", "new", root_causes(found), found, [])
     lines = answer_lines(answer(report))
     assert (ITEM, "nothing: every stage's recorded inputs are the same") in lines
-    downstream = [stage for stage, verdict in verdict_map(found).items() if verdict == DOWNSTREAM]
+    downstream = [stage for stage, verdict in verdict_map(found).items() if verdict == StageVerdict.DOWNSTREAM]
     assert downstream[0] == "evaluate"  # and what reads its outputs (the served check)
     rerun = lines.index((ITEM, f"invalidated: {', '.join(downstream)}"))
     assert lines[rerun + 1] == (DETAIL, "evaluate <- metrics/bench.json (bench: unchanged)")
@@ -1167,8 +1241,13 @@ def test_a_live_machine_cause_is_blamed_for_no_recorded_figure(dag):
     """OMP_NUM_THREADS set in this shell is what the next `dvc repro` runs with; the figures both sides recorded
     were measured with what their dvc.lock entries say. So it invalidates stages but moves no recorded metric, and
     a rate that fell with the control is still the machine's."""
-    from dflashpipe.explain import MACHINE, Machine, metric_deltas
-    from dflashpipe.explain.machine import Live, attribute_to_machine, fingerprint_changes, with_live_fingerprint
+    from dflashpipe.commands.explain import Machine, NoiseCall, metric_deltas
+    from dflashpipe.commands.explain.machine import (
+        Live,
+        attribute_to_machine,
+        fingerprint_changes,
+        with_live_fingerprint,
+    )
 
     recorded = json.loads((ROOT / "data/env/fingerprint.json").read_text())
     recorded["threads"] = {"torch_intra_op": 2, "torch_inter_op": 2, "env": {}, "affinity": "0-1", "cpu_quota": "none"}
@@ -1185,4 +1264,4 @@ def test_a_live_machine_cause_is_blamed_for_no_recorded_figure(dag):
     attribute_to_machine(found, live)
     assert {c.kind for c in root_causes(found)} == {"machine"}
     (m,) = (d for d in metric_deltas(sa, sb, workspace, found) if d.key == "tokens_per_s")
-    assert (m.call, m.causes) == (MACHINE, [])
+    assert (m.call, m.causes) == (NoiseCall.MACHINE, [])

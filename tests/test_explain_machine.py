@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from dflashpipe import env
-from dflashpipe.explain import DIRECT, DOWNSTREAM, NOISE, explain, print_text, to_json, to_markdown
-from dflashpipe.pipeline import Pipeline
+from dflashpipe.commands.explain import NoiseCall, StageVerdict, explain, print_text, to_json, to_markdown
+from dflashpipe.core import env
+from dflashpipe.core.pipeline import Pipeline
 from tests.conftest import copy_project, run, set_params
 from tests.test_explain import N, invalidated, naming, quiet, verdicts
 
@@ -43,8 +43,8 @@ def machine_stages(report) -> list[str]:
     """The stages a `machine` cause hits directly, then what the verdicts put downstream of them (DAG order)."""
     hit: list[str] = []
     for v in report.stages:
-        if (v.verdict == DIRECT and any(c.kind == "machine" for c in v.causes)) or (
-            v.verdict == DOWNSTREAM and set(v.upstream) & set(hit)
+        if (v.verdict == StageVerdict.DIRECT and any(c.kind == "machine" for c in v.causes)) or (
+            v.verdict == StageVerdict.DOWNSTREAM and set(v.upstream) & set(hit)
         ):
             hit.append(v.stage)
     return hit
@@ -72,8 +72,8 @@ def assert_one_story(report, project: Path, capsys, extra_env: dict | None = Non
     print_text(report, full=True)
     text = capsys.readouterr().out
     for stage in report.machine.invalid:
-        assert f"{stage}: {DIRECT}" in text or f"{stage}: {DOWNSTREAM}" in text
-    from dflashpipe.report import build
+        assert f"{stage}: {StageVerdict.DIRECT}" in text or f"{stage}: {StageVerdict.DOWNSTREAM}" in text
+    from dflashpipe.commands.report.build import build
 
     assert {name: verdict for name, verdict, _, _ in build(project).stages} == found
     history = json.loads(run(["dflashpipe", "history", "--workspace", "--json"], project, env=extra_env).stdout)
@@ -161,7 +161,7 @@ def test_bench_re_measured_with_one_thread_names_the_thread_change(committed, mo
     threads = next(c for c in report.root_causes if c.what == "data/env/fingerprint.json:threads.env")
     assert threads.kind == "param" and threads.new["OMP_NUM_THREADS"] == "1" and "bench" in threads.stages
     moved = metric(report, "metrics/bench.json", "tokens_per_s")
-    assert moved.call == NOISE or "data/env/fingerprint.json:threads.env" in moved.causes, moved
+    assert moved.call == NoiseCall.NOISE or "data/env/fingerprint.json:threads.env" in moved.causes, moved
     # back in a shell without it: the machine is HEAD's again, so no input of bench differs from HEAD's record;
     # the figure still moved, and explain says what the records of the two measurements say
     monkeypatch.delenv("OMP_NUM_THREADS")
@@ -175,7 +175,7 @@ def test_bench_re_measured_with_one_thread_names_the_thread_change(committed, mo
 
 
 def first_screen(report) -> list[tuple[int, str]]:
-    from dflashpipe.explain import answer, answer_lines
+    from dflashpipe.commands.explain import answer, answer_lines
 
     return answer_lines(answer(report))
 
@@ -184,7 +184,7 @@ def test_the_seed_incident_replayed_names_exactly_its_four_causes_on_the_first_s
     """The story this project exists for, on the tiny pipeline: the data grown, the compile cache deleted, a torch
     file patched, a thread variable changed. The first screen names exactly those four causes, each with the stages
     it invalidates, in at most 25 lines of 100 columns, and nothing else as a cause."""
-    from dflashpipe.explain.render import DETAIL, INDENT, ITEM, SECTION, WIDTH
+    from dflashpipe.commands.explain.render import DETAIL, INDENT, ITEM, SECTION, WIDTH
 
     recorded = json.loads((committed / "data/env/fingerprint.json").read_text())["threads"]
     set_params(committed, data__num_samples=N + 20)

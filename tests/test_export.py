@@ -14,10 +14,10 @@ import yaml
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from dflashpipe.artifacts import file_sha256, verify_file_listing, write_file_listing
+from dflashpipe.core.artifacts import file_sha256, verify_file_listing, write_file_listing
+from dflashpipe.core.params import load_params
 from dflashpipe.model import DFlashDrafter, TargetHead
 from dflashpipe.model.drafter import PUBLISHED_DTYPE
-from dflashpipe.params import load_params
 from dflashpipe.serve.export import export_drafter
 from dflashpipe.train.card import model_card, safetensors_summary, write_model_card
 from tests.conftest import ROOT
@@ -212,7 +212,7 @@ def git(root, *args) -> str:
 def test_export_adds_revision_dvc_lock_and_evaluation_and_the_reference_loads_it(tmp_path, smollm2_tokenizer_dir):
     from dflash.model import DFlashDraftModel
 
-    from dflashpipe.errors import SourceError
+    from dflashpipe.core.errors import SourceError
 
     root = tmp_path / "project"
     root.mkdir()
@@ -271,7 +271,7 @@ def test_export_adds_revision_dvc_lock_and_evaluation_and_the_reference_loads_it
 
 
 def test_export_refuses_a_damaged_drafter(tmp_path):
-    from dflashpipe.errors import SourceError
+    from dflashpipe.core.errors import SourceError
 
     write_inputs(tmp_path)
     out = published(tmp_path, {})

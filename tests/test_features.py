@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from dflashpipe.errors import DflashpipeError, SourceError
+from dflashpipe.core.errors import DflashpipeError, SourceError
+from dflashpipe.core.params import ModelParams, build
+from dflashpipe.core.pipeline import StageKey
+from dflashpipe.features.packing import collate
 from dflashpipe.features.run import check_disk, compute_features
 from dflashpipe.features.shards import FeatureLayout, FeatureStore
-from dflashpipe.packing import collate
-from dflashpipe.params import ModelParams, build
-from dflashpipe.pipeline import StageKey
 from dflashpipe.tokens.shards import load_tokens
 from dflashpipe.train.data import BatchPlan
 from tests.tiny import model_params

@@ -9,8 +9,8 @@ import json
 import os
 from pathlib import Path
 
-from dflashpipe.artifacts import canonical_json
-from dflashpipe.env import HASH_STATE, compile_environment, distribution_integrity, edited_functions, fingerprint
+from dflashpipe.core.artifacts import canonical_json
+from dflashpipe.core.env import HASH_STATE, compile_environment, distribution_integrity, edited_functions, observe
 from tests.conftest import run
 
 
@@ -21,7 +21,7 @@ def test_the_stage_writes_the_same_bytes_twice_and_records_compile_env_vars(dvc_
     assert (dvc_project / HASH_STATE).is_file()
     assert "re-hashed 0 of " in run(["python", "stages/fingerprint.py"], dvc_project).stderr
     assert (dvc_project / "data/env/fingerprint.json").read_bytes() == first
-    assert canonical_json(fingerprint(dvc_project)) == first  # no hash state at all
+    assert canonical_json(observe(project=dvc_project).facts) == first  # no hash state at all
     assert "dflashpipe-installed-files" not in run(["git", "status", "--porcelain"], dvc_project).stdout
     facts = json.loads(first)
     import torch
@@ -145,8 +145,8 @@ def test_the_edited_function_is_named_by_diffing_against_the_wheel(tmp_path):
 
 
 def test_the_fingerprint_records_the_thread_facts_that_decide_cpu_speed(dvc_project):
-    from dflashpipe.env import _cpu_ranges
-    from dflashpipe.threads import CPU_MAX
+    from dflashpipe.core.env import _cpu_ranges
+    from dflashpipe.core.threads import CPU_MAX
 
     out = dvc_project / "data/env/fingerprint.json"
     run(["python", "stages/fingerprint.py"], dvc_project)
@@ -167,7 +167,7 @@ def test_the_fingerprint_records_the_thread_facts_that_decide_cpu_speed(dvc_proj
 
 
 def test_thread_facts_split_what_the_runtimes_read_from_what_they_do_not_and_key_the_loaded_facts():
-    from dflashpipe.env import _cpu_ranges, loaded_key, thread_facts
+    from dflashpipe.core.env import _cpu_ranges, loaded_key, thread_facts
 
     environ = {
         "OMP_NUM_THREADS": "4",
@@ -204,7 +204,7 @@ def test_the_runtimes_are_read_off_torch_and_numpy_here():
     import numpy as np
     import torch
 
-    from dflashpipe.env import RUNTIME_VARIABLES, _runtimes
+    from dflashpipe.core.env import RUNTIME_VARIABLES, _runtimes
 
     found = _runtimes(torch)
     blas = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show()).group(1)

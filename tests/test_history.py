@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashpipe.errors import DflashpipeError
-from dflashpipe.explain import CHANGE, DOWNSTREAM, NOISE, UNMEASURED, explain, to_markdown
-from dflashpipe.explain.history import history, history_lines, history_markdown
+from dflashpipe.commands.explain import NoiseCall, StageVerdict, explain, to_markdown
+from dflashpipe.commands.explain.history import history, history_lines, history_markdown
+from dflashpipe.core.errors import DflashpipeError
 from tests.conftest import run
 
 TRAIN = "metrics/train/metrics.json"  # the file names report's headlines read
@@ -125,12 +125,12 @@ def test_every_commit_with_its_metrics_causes_and_noise_calls(toy_history):
         ("param", "params.yaml:n", 20, 30, ["prepare"])
     ]
     deltas = {d.key: d for d in grown.deltas}
-    assert deltas["tokens_per_s"].call == UNMEASURED  # the first run recorded no spread
+    assert deltas["tokens_per_s"].call == NoiseCall.UNMEASURED  # the first run recorded no spread
     assert deltas["tokens_per_s"].spread == "before no spread recorded; after 95 (range 90..104, 5 repeats)"
     assert deltas["final_loss"].causes == ["params.yaml:n"] and grown.moved == [f"{TRAIN}:final_loss"]
 
     deltas = {d.key: d for d in edited.deltas}
-    assert (deltas["tokens_per_s"].call, deltas["tokens_per_s"].causes) == (CHANGE, ["train.py"])
+    assert (deltas["tokens_per_s"].call, deltas["tokens_per_s"].causes) == (NoiseCall.CHANGE, ["train.py"])
     assert deltas["tokens_per_s"].spread.endswith("after 70 (range 66..73, 5 repeats)")
     assert edited.moved == [f"{TRAIN}:tokens_per_s"]
     assert [(c.what, c.stages) for c in edited.root_causes] == [("train.py", ["train"])]
@@ -151,7 +151,7 @@ def test_a_move_within_noise_is_not_attributed_even_when_a_cause_reaches_the_sta
     commit_run(project, "grow again")
     (step,) = history(since="HEAD~1", metrics=["tokens_per_s", "final_loss"], root=project).steps
     deltas = {d.key: d for d in step.deltas}
-    assert (deltas["tokens_per_s"].call, deltas["tokens_per_s"].causes) == (NOISE, [])
+    assert (deltas["tokens_per_s"].call, deltas["tokens_per_s"].causes) == (NoiseCall.NOISE, [])
     assert deltas["final_loss"].causes == ["params.yaml:n"]
     assert step.moved == [f"{TRAIN}:final_loss"]  # a deterministic figure that changed did move
 
@@ -161,7 +161,7 @@ def test_file_level_paths_name_only_files_whose_hash_changed(toy_history):
     by_stage = {v.stage: v for v in report.stages}
     assert by_stage["train"].paths == ["train <- data/prep/part-2.txt (prepare: params.yaml:n)"]
     # evaluate also lists data/prep/eval.txt, whose hash did not change: it is reached through train only
-    assert by_stage["evaluate"].verdict == DOWNSTREAM
+    assert by_stage["evaluate"].verdict == StageVerdict.DOWNSTREAM
     assert by_stage["evaluate"].paths == [
         "evaluate <- data/model (train) <- data/prep/part-2.txt (prepare: params.yaml:n)"
     ]
@@ -191,8 +191,8 @@ def test_explain_names_what_the_earlier_side_committed_without_re_running_as_one
     """A fresh clone of a commit that changed code and params without `dvc repro` after: its dvc.lock predates
     them, which is not a change between HEAD and the workspace. The first screen says it once, with the stages
     it reaches; an input edited in the workspace is a cause of its own."""
-    from dflashpipe.explain import answer_lines
-    from dflashpipe.explain.answer import answer
+    from dflashpipe.commands.explain import answer_lines
+    from dflashpipe.commands.explain.answer import answer
 
     project = Path(run(["git", "clone", "-q", str(toy_history), str(tmp_path / "c")], tmp_path).args[-1])
     with open(project / "train.py", "a") as fh:
@@ -338,8 +338,8 @@ def test_no_dvc_lock_anywhere_is_an_error(tmp_path):
 
 
 def test_levels_mark_a_drift_no_step_shows_and_ignore_a_blip_and_the_machine():
-    from dflashpipe.explain.history import Measured, Step, change_points
-    from dflashpipe.spread import Control, Spread
+    from dflashpipe.commands.explain.history import Measured, Step, change_points
+    from dflashpipe.core.spread import Control, Spread
 
     metric = f"{TRAIN}:tokens_per_s"
 
@@ -353,7 +353,7 @@ def test_levels_mark_a_drift_no_step_shows_and_ignore_a_blip_and_the_machine():
     drift = [step("a", 50), step("b", 47), step("c", 44), step("d", 41), step("e", 41)]
     change_points(drift, metric)
     (level,) = [lv for s in drift for lv in s.levels]
-    assert (level.label, level.since, level.call, level.confirmed) == ("c", "a", CHANGE, True)
+    assert (level.label, level.since, level.call, level.confirmed) == ("c", "a", NoiseCall.CHANGE, True)
     assert level.line("tokens_per_s") == (
         "level: tokens_per_s 50 (range 48..52, 5 repeats) (since a) -> 44 (range 42..46, 5 repeats) [change]"
     )

@@ -11,13 +11,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from dflashpipe.artifacts import FILE_LISTING, write_file_listing, write_json_atomic
+from dflashpipe.core.artifacts import FILE_LISTING, write_file_listing, write_json_atomic
+from dflashpipe.core.errors import SourceError
+from dflashpipe.core.params import DataParams, SourceSpec
+from dflashpipe.core.pipeline import StageKey
 from dflashpipe.data.manifest import build_manifest
 from dflashpipe.data.shards import EVAL_FILE, HASHES_FILE, SUMMARY_FILE, shard_name, verify_manifest
 from dflashpipe.data.sources import package_file, read_json_list, read_sharegpt
-from dflashpipe.errors import SourceError
-from dflashpipe.params import DataParams, SourceSpec
-from dflashpipe.pipeline import StageKey
 
 
 def conv(i: int, extra: str = "") -> dict:

@@ -17,7 +17,8 @@ import torch
 import yaml
 from torch.nn.attention.flex_attention import create_block_mask
 
-from dflashpipe.errors import ParamsError, SourceError
+from dflashpipe.core.errors import ParamsError, SourceError
+from dflashpipe.core.params import load_params
 from dflashpipe.model import DFlashConfig, DFlashDrafter, TargetHead, sample_anchor_positions
 from dflashpipe.model.anchors import anchor_candidates
 from dflashpipe.model.config import ARCHITECTURE
@@ -25,7 +26,6 @@ from dflashpipe.model.loss import block_labels, decay_weighted_loss
 from dflashpipe.model.mask import dense_mask, dflash_mask_mod
 from dflashpipe.model.mask_token import resolve_mask_token_id
 from dflashpipe.model.target_layers import spaced_target_layer_ids, target_features
-from dflashpipe.params import load_params
 from tests.conftest import ROOT
 from tests.tiny import (
     MASK_ID,

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
+from dflashpipe.core.params import load_params
 from dflashpipe.evaluate.speculative import prefill
-from dflashpipe.packing import collate
-from dflashpipe.params import load_params
+from dflashpipe.features.packing import collate
 from dflashpipe.proof.misalign import MISALIGNMENTS
 from dflashpipe.proof.run import ProofRun, memorise, prepared_data
 from dflashpipe.target.adapter import Target
@@ -92,7 +92,7 @@ def test_the_real_default_target_memorises_its_replies_in_forty_steps(tmp_path_f
     """The proof stage's own function as `dvc repro proof` runs it: SmolLM2-135M materialised from the shipped
     GGUF, four chitchat conversations answered by it, trained on with the train stage's loop, then decoded by
     evaluate's."""
-    from dflashpipe.params import TargetParams
+    from dflashpipe.core.params import TargetParams
     from dflashpipe.proof.stage import run_proof
     from dflashpipe.target.materialise import materialise_target
     from tests.conftest import SMOLLM2

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from dflashpipe.features.packing import OPEN_ROWS, collate, pack_rows
 from dflashpipe.model.anchors import anchor_candidates
 from dflashpipe.model.loss import block_labels
-from dflashpipe.packing import OPEN_ROWS, collate, pack_rows
-from dflashpipe.target.layers import target_features_and_predictions, target_layer_features
+from dflashpipe.target.hidden_states import target_features_and_predictions, target_layer_features
 from dflashpipe.tokens.shards import load_tokens
 from dflashpipe.train.data import BatchPlan, epoch_order
 from tests.test_model import eager_flex

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashpipe.errors import ParamsError
-from dflashpipe.params import load_params, load_stage_params
+from dflashpipe.core.errors import ParamsError
+from dflashpipe.core.params import load_params, load_stage_params
 from tests.conftest import ROOT
 
 

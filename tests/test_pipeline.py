@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashpipe.pipeline import PipelineError, lies_under
-from dflashpipe.stage_code import (
+from dflashpipe.core.pipeline import PipelineError, lies_under
+from dflashpipe.core.stage_code import (
     INFRASTRUCTURE,
     code_deps,
     drift,
@@ -161,7 +161,7 @@ def covered(path: str, deps: list[str]) -> bool:
 
 
 def test_every_output_path_the_code_names_is_written_by_exactly_one_stage(stages):
-    from dflashpipe import pipeline
+    from dflashpipe.core import pipeline
 
     names = (
         "FINGERPRINT",
@@ -266,9 +266,9 @@ def test_the_stages_that_run_compiled_kernels_name_the_same_environment_keys(sta
 
 
 def test_every_fingerprint_key_a_stage_names_is_in_the_fingerprint(stages):
-    from dflashpipe.env import fingerprint
+    from dflashpipe.core.env import observe
 
-    facts = fingerprint(ROOT)
+    facts = observe(project=ROOT).facts
     for name, entry in stages.items():
         for key in fingerprint_keys(entry) or []:
             node = facts

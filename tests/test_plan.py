@@ -19,10 +19,10 @@ import yaml
 from typer.testing import CliRunner
 
 from dflashpipe.cli import app
-from dflashpipe.devices import published
-from dflashpipe.plan import PlanError, make_plan
-from dflashpipe.plan.published import SPECFORGE_QWEN3_8B
-from dflashpipe.plan.throughput import sides, splits
+from dflashpipe.commands.plan import PlanError, make_plan
+from dflashpipe.commands.plan.published import SPECFORGE_QWEN3_8B
+from dflashpipe.commands.plan.throughput import sides, splits
+from dflashpipe.core.devices import published
 
 ROOT = Path(__file__).resolve().parents[1]
 FACTOR = 1.25

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import vl_convert
 
-from dflashpipe import plots
+from dflashpipe.core import plots
 from dflashpipe.train.metrics import IMAGES, plot_images, write_plots
 from dflashpipe.train.state import StepRecord
 

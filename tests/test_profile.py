@@ -16,9 +16,9 @@ from dvc.utils.hydra import apply_overrides
 from typer.testing import CliRunner
 
 from dflashpipe.cli import app
-from dflashpipe.errors import ParamsError
-from dflashpipe.params import load_params
-from dflashpipe.params.profile import experiment_command, profile_overrides
+from dflashpipe.core.errors import ParamsError
+from dflashpipe.core.params import load_params
+from dflashpipe.core.params.profile import experiment_command, profile_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = sorted((ROOT / "profiles").glob("*.yaml"))

@@ -21,11 +21,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from dflashpipe.params.sections import RegenerateParams
-from dflashpipe.pipeline import REGENERATE_METRICS, REGENERATED, TOKENS, StageKey
+from dflashpipe.core.params.sections import RegenerateParams
+from dflashpipe.core.pipeline import REGENERATE_METRICS, REGENERATED, TOKENS, StageKey
 from dflashpipe.regenerate.endpoint import Endpoint, EndpointError
 from dflashpipe.regenerate.run import regenerate_manifest
-from dflashpipe.tokens.chat import load_chat_tokenizer
+from dflashpipe.target.chat import load_chat_tokenizer
 from dflashpipe.tokens.run import tokenize_manifest
 from tests.conftest import RUN_PROFILE, copy_project, run, set_params
 from tests.test_tokenize import KEY, PARAMS, chat_jsonl, files, manifest

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashpipe import plots
-from dflashpipe.explain import ALWAYS, DIRECT, DOWNSTREAM, UNCHANGED
-from dflashpipe.report import _axes, _chart_spec, _spread
+from dflashpipe.commands.explain import StageVerdict
+from dflashpipe.commands.report.build import _axes, _chart_spec, _spread
+from dflashpipe.core import plots
 from tests.conftest import copy_project, run, set_params
 
 NETWORK_ATTR = re.compile(r"""\b(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", re.IGNORECASE)
@@ -67,7 +67,7 @@ def test_report_of_a_run_has_dag_metrics_plots_and_no_network_url(project):
     stages = list(yaml.safe_load((project / "dvc.yaml").read_text())["stages"])
     verdicts = stage_verdicts(page)
     assert list(verdicts) == stages  # dvc.yaml order
-    assert verdicts == {s: ALWAYS if s == "fingerprint" else UNCHANGED for s in stages}
+    assert verdicts == {s: StageVerdict.ALWAYS if s == "fingerprint" else StageVerdict.UNCHANGED for s in stages}
 
     metrics = json.loads((project / "metrics" / "eval.json").read_text())
     for value in (
@@ -96,8 +96,8 @@ def test_report_after_a_param_edit_shows_train_changed_and_evaluate_invalidated(
     lr = yaml.safe_load((project / "params.yaml").read_text())["train"]["lr"]
     set_params(project, train__lr=lr * 2)
     verdicts = stage_verdicts(report_html(project))
-    assert verdicts["train"] == DIRECT and verdicts["evaluate"] == DOWNSTREAM
-    assert verdicts["manifest"] == UNCHANGED
+    assert verdicts["train"] == StageVerdict.DIRECT and verdicts["evaluate"] == StageVerdict.DOWNSTREAM
+    assert verdicts["manifest"] == StageVerdict.UNCHANGED
     assert f"param params.yaml:train.lr: {lr} -&gt; {lr * 2}" in report_html(project)
 
     run(["dflashpipe", "report", "--md", "--out", "out/report.md"], project)

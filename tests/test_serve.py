@@ -15,17 +15,17 @@ import re
 import pytest
 import torch
 
-from dflashpipe.artifacts import write_file_listing
+from dflashpipe.core.artifacts import write_file_listing
+from dflashpipe.core.params import ComputeParams, EvaluateParams, ServeParams, build
+from dflashpipe.core.pipeline import SERVE_METRICS
+from dflashpipe.core.serving_env import PYTHON_ENV, ServingEnvironmentError, serving_python
 from dflashpipe.evaluate.evaluation import decode_prompts
 from dflashpipe.evaluate.metrics import eval_metrics
 from dflashpipe.evaluate.prompts import HELD_OUT, TRAIN, eval_prompts
 from dflashpipe.model import DFlashDrafter, TargetHead
-from dflashpipe.params import ComputeParams, EvaluateParams, ServeParams, build
-from dflashpipe.pipeline import SERVE_METRICS
-from dflashpipe.serve.check import ServedCheckError, ServeInputs, served_check
 from dflashpipe.serve.engine import EngineWorker
+from dflashpipe.serve.served_check import ServedCheckError, ServeInputs, served_check
 from dflashpipe.serve.served_files import write_served_files
-from dflashpipe.serving import PYTHON_ENV, ServingEnvironmentError, serving_python
 from tests.conftest import ROOT, copy_project, run
 from tests.test_evaluate import MAX_NEW, MODEL, fit_to_target
 from tests.tiny import manifest_params, project_params, source, write_talking_target
@@ -41,11 +41,11 @@ INPUTS = ServeInputs(
 def served(tmp_path_factory, smollm2_tokenizer_dir) -> dict:
     """A talking target materialised, a manifest with an eval split, a drafter fitted to the target as train
     publishes it, and evaluate's metrics of it."""
+    from dflashpipe.core.params import TargetParams
     from dflashpipe.data.manifest import build_manifest
-    from dflashpipe.params import TargetParams
     from dflashpipe.target.adapter import Target
+    from dflashpipe.target.chat import load_chat_tokenizer
     from dflashpipe.target.materialise import materialise_target
-    from dflashpipe.tokens.chat import load_chat_tokenizer
 
     work = tmp_path_factory.mktemp("serve")
     write_talking_target(work / "models" / "talking", smollm2_tokenizer_dir)

@@ -19,10 +19,10 @@ import pytest
 from dflashpipe.regenerate.endpoint import API_KEY_ENV, Endpoint, EndpointError
 from dflashpipe.regenerate.run import regenerate_manifest
 from dflashpipe.regenerate.shards import stored_shard
-from dflashpipe.serve.server import VllmServer
 from tests.test_regenerate import REGENERATE, STAGE_KEY
 from tests.test_tokenize import chat_jsonl, manifest
 from tests.tiny import write_talking_target
+from tests.vllm_server import VllmServer
 
 KEY = "sk-served-test-4c1e"
 NAME = "tiny"

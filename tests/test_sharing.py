@@ -14,9 +14,9 @@ import re
 import shutil
 import time
 
-from dflashpipe import env
-from dflashpipe.pipeline import FINGERPRINT
-from dflashpipe.threads import CORES_ENV
+from dflashpipe.core import env
+from dflashpipe.core.pipeline import FINGERPRINT
+from dflashpipe.core.threads import CORES_ENV
 from tests.conftest import copy_project, run
 from tests.test_explain import naming
 

@@ -1,4 +1,4 @@
-"""The stage runner (`dflashpipe.stage.run_stage`): a dep or param edited while a stage runs fails the stage
+"""The stage runner (`dflashpipe.core.stage.run_stage`): a dep or param edited while a stage runs fails the stage
 with one line naming it, so DVC (which hashes deps only after the command, DVC issue #11058) records nothing.
 
 Real DVC in a temporary git repo: a stage of its own that goes through `run_stage` like every stage of the
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashpipe import pipeline
+from dflashpipe.core import pipeline
 from tests.conftest import copy_from_root, run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +25,7 @@ PROBE = f"""
 import os, sys, time
 from pathlib import Path
 sys.path.insert(0, {str(ROOT / "src")!r})
-from dflashpipe.stage import run_stage
+from dflashpipe.core.stage import run_stage
 
 
 def body(params):
@@ -165,7 +165,7 @@ def test_a_file_is_hashed_once_unless_its_stat_moved(tmp_path, monkeypatch):
 
 
 def test_a_measurement_window_records_cpu_time_against_wall_time():
-    from dflashpipe.spread import Control, Measuring, Spread
+    from dflashpipe.core.spread import Control, Measuring, Spread
 
     with Measuring() as idle:
         time.sleep(0.2)
@@ -187,7 +187,7 @@ def test_a_measurement_window_records_cpu_time_against_wall_time():
 
 
 def test_a_control_that_cannot_run_is_recorded_as_absent_never_as_zero():
-    from dflashpipe.spread import Busy, Control, control_ms, cuda_facts
+    from dflashpipe.core.spread import Busy, Control, control_ms, cuda_facts
 
     assert control_ms("cuda:99") is None  # no such device here: absent
     assert cuda_facts("cpu") is None and cuda_facts("cuda:99") is None  # NVML's facts only for a CUDA device
@@ -203,8 +203,8 @@ def test_a_stage_refuses_a_machine_the_fingerprint_file_does_not_describe(tmp_pa
     import json
     import shutil
 
-    from dflashpipe import env
-    from dflashpipe.stage import StaleMachineError, check_machine_current
+    from dflashpipe.core import env
+    from dflashpipe.core.stage import StaleMachineError, check_machine_current
 
     project = tmp_path / "project"
     (project / ".dvc/tmp").mkdir(parents=True)
@@ -244,8 +244,8 @@ def test_every_stage_that_declares_target_dtype_refuses_a_file_whose_target_dtyp
     import json
     import shutil
 
-    from dflashpipe import env
-    from dflashpipe.stage import StaleMachineError, check_machine_current
+    from dflashpipe.core import env
+    from dflashpipe.core.stage import StaleMachineError, check_machine_current
 
     project = tmp_path / "project"
     (project / ".dvc/tmp").mkdir(parents=True)
@@ -254,7 +254,7 @@ def test_every_stage_that_declares_target_dtype_refuses_a_file_whose_target_dtyp
     shutil.copy(ROOT / "dvc.yaml", project / "dvc.yaml")
     declaring = [
         name
-        for name in pipeline.stage_names(ROOT)
+        for name in pipeline.Pipeline.read(ROOT).names
         if (str(pipeline.FINGERPRINT), "target_dtype") in pipeline.stage_spec(name, ROOT).params
     ]
     assert {"regenerate", "features", "warmup", "train", "bench", "evaluate"} <= set(declaring)

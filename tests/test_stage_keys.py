@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashpipe.pipeline import DVC_FILE, PARAMS_FILE, REUSE, reuse_key, stage_spec
+from dflashpipe.core.pipeline import DVC_FILE, PARAMS_FILE, REUSE, reuse_key, stage_spec
 from tests.conftest import copy_from_root, write_stand_ins
 
 CODE = ["dvc.yaml", "params.yaml", ".dvcignore", "stages", "src/dflashpipe", "data/env/fingerprint.json"]
@@ -155,7 +155,7 @@ def test_a_key_names_what_changed(project):
 @pytest.mark.slow
 def test_an_edit_of_training_code_retrains_instead_of_resuming(pipeline_run, tmp_path):
     """The stale resume that once recorded an old drafter as new code's output, under real DVC."""
-    from dflashpipe.artifacts import file_sha256
+    from dflashpipe.core.artifacts import file_sha256
     from tests.conftest import copy_project, run
 
     project = copy_project(pipeline_run, tmp_path / "project")

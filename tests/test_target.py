@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflashpipe.errors import SourceError
-from dflashpipe.params import TargetParams
+from dflashpipe.core.errors import SourceError
+from dflashpipe.core.params import TargetParams
 from dflashpipe.target.materialise import materialise_target
 from tests.conftest import SMOLLM2
 
@@ -75,8 +75,8 @@ def test_the_embedded_smollm2_gguf_becomes_a_deterministic_reloadable_model(tmp_
 
 
 def test_compute_target_dtype_is_the_devices_native_dtype_per_kind_of_work_and_the_fingerprint_records_it(tmp_path):
-    from dflashpipe.env import fingerprint
-    from dflashpipe.kernels import bfloat16_native
+    from dflashpipe.core.env import observe
+    from dflashpipe.core.kernels import bfloat16_native
     from dflashpipe.target.dtype import compute_dtype
 
     native = bfloat16_native("cpu")  # AMX or AVX512-BF16 (an AVX2-only CPU emulates bfloat16)
@@ -84,14 +84,14 @@ def test_compute_target_dtype_is_the_devices_native_dtype_per_kind_of_work_and_t
     assert compute_dtype("cpu", "auto", "decode") == torch.float32  # one sequence: float32 measured faster
     assert compute_dtype("cpu", "bfloat16", "decode") == torch.bfloat16  # an explicit choice holds for every kind
     assert compute_dtype("cuda:3", "float32") == torch.float32
-    recorded = fingerprint(tmp_path)["target_dtype"]  # a project without a serving environment
+    recorded = observe(project=tmp_path).facts["target_dtype"]  # a project without a serving environment
     assert recorded["cpu"] == {kind: str(compute_dtype("cpu", "auto", kind))[6:] for kind in ("batched", "decode")}
     assert ("cuda" in recorded) == torch.cuda.is_available()
 
 
 def test_bfloat16_on_a_device_that_cannot_compute_it_is_one_line_naming_key_device_and_support():
-    from dflashpipe.errors import ParamsError
-    from dflashpipe.kernels import bfloat16_native
+    from dflashpipe.core.errors import ParamsError
+    from dflashpipe.core.kernels import bfloat16_native
     from dflashpipe.target.dtype import compute_dtype
 
     if bfloat16_native("cuda"):

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from dflashpipe.features.packing import collate
 from dflashpipe.model.target_layers import target_features
-from dflashpipe.packing import collate
-from dflashpipe.target.layers import target_features_and_predictions, target_layer_features
+from dflashpipe.target.hidden_states import target_features_and_predictions, target_layer_features
 from dflashpipe.tokens.shards import TokenData, TokenShard, load_tokens
 
 NUM_LAYERS = 6

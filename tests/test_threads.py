@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from dflashpipe.errors import DflashpipeError
-from dflashpipe.threads import CORES_ENV, quota_cores, thread_budget
+from dflashpipe.core.errors import DflashpipeError
+from dflashpipe.core.threads import CORES_ENV, quota_cores, thread_budget
 from dflashpipe.train.topology import Topology, train_threads
 
 
@@ -110,7 +110,7 @@ def test_spinning_is_bounded_before_torch_loads_unless_the_user_chose_a_wait():
     import subprocess
     import sys
 
-    from dflashpipe.threads import SPIN_COUNT, bound_the_spinning
+    from dflashpipe.core.threads import SPIN_COUNT, bound_the_spinning
     from tests.tiny import ROOT
 
     env: dict[str, str] = {}

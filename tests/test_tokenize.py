@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashpipe.artifacts import write_file_listing
+from dflashpipe.core.artifacts import write_file_listing
+from dflashpipe.core.errors import SourceError
+from dflashpipe.core.pipeline import MANIFEST, TARGET, TOKENIZE_METRICS, TOKENS, StageKey, reuse_key
 from dflashpipe.data.manifest import build_manifest
-from dflashpipe.errors import SourceError
-from dflashpipe.pipeline import MANIFEST, TARGET, TOKENIZE_METRICS, TOKENS, StageKey, reuse_key
-from dflashpipe.tokens.chat import TokenizerError, load_chat_tokenizer
+from dflashpipe.target.chat import TokenizerError, load_chat_tokenizer
 from dflashpipe.tokens.encode import SampleEncoder
 from dflashpipe.tokens.run import tokenize_manifest
 from dflashpipe.tokens.shards import load_tokens, read_shard

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from dflashpipe.errors import DflashpipeError, ParamsError
-from dflashpipe.packing import pack_rows
-from dflashpipe.params import TopologyParams
-from dflashpipe.pipeline import COMPILE, TRAIN_STATE, StageKey
-from dflashpipe.threads import thread_budget
+from dflashpipe.core.errors import DflashpipeError, ParamsError
+from dflashpipe.core.params import TopologyParams
+from dflashpipe.core.pipeline import COMPILE, TRAIN_STATE, StageKey
+from dflashpipe.core.threads import thread_budget
+from dflashpipe.features.packing import pack_rows
 from dflashpipe.tokens.shards import load_tokens
 from dflashpipe.train.checkpoint import checkpoint_key, mismatch
 from dflashpipe.train.data import BatchPlan, epoch_order
@@ -172,7 +172,7 @@ def test_the_replica_check_finds_a_replica_that_differs():
 
 def in_process(workdir, cfg: dict):
     """The train stage's inputs and paths for `cfg`, to run `train_drafter` in this process."""
-    from dflashpipe.params import CompileParams, ModelParams, TrainParams, build
+    from dflashpipe.core.params import CompileParams, ModelParams, TrainParams, build
     from dflashpipe.train.stage import TrainPaths
     from dflashpipe.train.state import TrainInputs
 
@@ -318,7 +318,7 @@ def test_the_flop_formulas_count_what_torch_counts_with_causal_attention_halved(
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from dflashpipe.target.layers import target_layer_features
+    from dflashpipe.target.hidden_states import target_layer_features
     from dflashpipe.train.flops import drafter_forward_flops, target_forward_flops
     from tests.tiny import random_batch, tiny_drafter, tiny_target
 

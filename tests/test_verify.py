@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashpipe.rerun.verify import FIXED, MEASURED, OVER_BUDGET, verification_lines, verify
+from dflashpipe.commands.rerun.verify import FIXED, MEASURED, OVER_BUDGET, verification_lines, verify
 from tests.conftest import run
 
 FAST, SLOW = 0.00025, 0.004

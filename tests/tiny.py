@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from dflashpipe.params import DataParams, ModelParams, SourceSpec, TokenizeParams, build
+from dflashpipe.core.params import DataParams, ModelParams, SourceSpec, TokenizeParams, build
 
 if TYPE_CHECKING:
     import torch
@@ -93,7 +93,7 @@ def write_talking_target(out: Path, tokenizer_dir: Path, **fields: Any) -> Path:
 
     from dflashpipe.target.adapter import Target
     from dflashpipe.target.batching import greedy_replies
-    from dflashpipe.tokens.chat import load_chat_tokenizer
+    from dflashpipe.target.chat import load_chat_tokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     model = random_target(tokenizer_config(tokenizer, tie_word_embeddings=False, **fields))

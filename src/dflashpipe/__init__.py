@@ -1,7 +1,7 @@
 """dflashpipe: a DVC pipeline that trains and measures a DFlash speculative-decoding drafter."""
 
-from dflashpipe.threads import bound_the_spinning
+from dflashpipe.core.threads import bound_the_spinning
 
-bound_the_spinning()  # before any module of ours imports torch (dflashpipe.threads.SPIN_COUNT)
+bound_the_spinning()  # before any module of ours imports torch (dflashpipe.core.threads.SPIN_COUNT)
 
 __version__ = "0.1.0"

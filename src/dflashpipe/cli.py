@@ -8,10 +8,10 @@ import json
 import typer
 from typer.core import TyperGroup
 
-from dflashpipe import explain as explaining
-from dflashpipe.errors import DflashpipeError
-from dflashpipe.params import load_params, load_stage_params
-from dflashpipe.rerun import verify as verifying
+from dflashpipe.commands import explain as explaining
+from dflashpipe.commands.rerun import verify as verifying
+from dflashpipe.core.errors import DflashpipeError
+from dflashpipe.core.params import load_params, load_stage_params
 
 
 class OneLineErrors(TyperGroup):
@@ -47,7 +47,7 @@ def profile(
     name: str = typer.Option(None, help="The experiment's name (default: the file's name)."),
 ) -> None:
     """Check a profile over params.yaml and print the `dvc exp run` line that applies it."""
-    from dflashpipe.params.profile import experiment_command
+    from dflashpipe.core.params.profile import experiment_command
 
     typer.echo(experiment_command(file, name))
 
@@ -71,13 +71,13 @@ def plan(
     features' link or disk, the wall time, every figure with its source; refused when it cannot fit."""
     import subprocess
 
-    from dflashpipe.params.profile import experiment_words
-    from dflashpipe.plan import make_plan, plan_json, plan_lines
+    from dflashpipe.commands.plan import make_plan, plan_json, plan_lines
+    from dflashpipe.core.params.profile import experiment_words
 
     made = make_plan(profile, sets, device, devices, target_config)
     text = plan_json(made)
     if out:
-        from dflashpipe.artifacts import write_bytes_atomic
+        from dflashpipe.core.artifacts import write_bytes_atomic
 
         write_bytes_atomic(out, (text + "\n").encode())
     typer.echo(text if as_json else "\n".join(plan_lines(made)))
@@ -131,8 +131,8 @@ def history(
     as_md: bool = typer.Option(False, "--md", help="Markdown, for pasting into an issue or PR."),
 ) -> None:
     """Every commit since a revision and its experiments: headline metrics, moves beyond noise, root causes."""
-    from dflashpipe.explain.history import history as walk
-    from dflashpipe.explain.history import history_lines, history_markdown
+    from dflashpipe.commands.explain.history import history as walk
+    from dflashpipe.commands.explain.history import history_lines, history_markdown
 
     found = walk(since, metric or None)
     live = explaining.explain("HEAD", explaining.WORKSPACE) if workspace else None
@@ -156,8 +156,8 @@ def bisect(
 ) -> None:
     """The first commit between GOOD and BAD whose METRIC moved beyond noise, each probe reproduced with DVC
     in a temporary worktree sharing this project's cache (so only what the cache lacks is run)."""
-    from dflashpipe.rerun.bisect import bisect as search
-    from dflashpipe.rerun.bisect import bisect_lines
+    from dflashpipe.commands.rerun.bisect import bisect as search
+    from dflashpipe.commands.rerun.bisect import bisect_lines
 
     found = search(metric, good, bad, runs)
     typer.echo("\n".join(bisect_lines(found)))
@@ -169,7 +169,7 @@ def report(
     as_md: bool = typer.Option(False, "--md", help="Markdown plus an images folder beside it, instead of HTML."),
 ) -> None:
     """One self-contained page for the current state: the DAG's verdicts, headline metrics, plots, explain."""
-    from dflashpipe.report import write_report
+    from dflashpipe.commands.report.build import write_report
 
     path = write_report(".", out, as_md)
     typer.echo(f"wrote {path}")
@@ -192,6 +192,6 @@ def plots_template(
     """Write the offline HTML template for `dvc plots show` / `dvc plots diff` (Vega inlined, no CDN).
 
     .dvc/config's plots.html_template points at it."""
-    from dflashpipe import plots
+    from dflashpipe.core import plots
 
     typer.echo(f"wrote {plots.write_template(path)}")

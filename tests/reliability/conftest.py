@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashpipe.artifacts import canonical_json, write_bytes_atomic
+from dflashpipe.core.artifacts import canonical_json, write_bytes_atomic
 
 
 @pytest.fixture(scope="session")
@@ -14,9 +14,9 @@ def fingerprint_bytes(tmp_path_factory) -> bytes:
     """This machine's fingerprint, observed once: what `stages/fingerprint.py` writes in a test project (observed
     for an empty directory: the fingerprint records the serving environment of its project, and a test project has
     none, while this repository may)."""
-    from dflashpipe.env import fingerprint
+    from dflashpipe.core.env import observe
 
-    return canonical_json(fingerprint(tmp_path_factory.mktemp("no-serving-environment")))
+    return canonical_json(observe(project=tmp_path_factory.mktemp("no-serving-environment")).facts)
 
 
 @pytest.fixture

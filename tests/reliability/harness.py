@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from dflashpipe.artifacts import PARTIAL
+from dflashpipe.core.artifacts import PARTIAL
 from tests.conftest import run
 
 

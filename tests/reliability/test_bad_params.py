@@ -18,8 +18,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflashpipe.errors import ParamsError
-from dflashpipe.params import SECTIONS, load_params
+from dflashpipe.core.errors import ParamsError
+from dflashpipe.core.params import SECTIONS, load_params
 from tests.conftest import ROOT
 
 

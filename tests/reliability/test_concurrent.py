@@ -10,10 +10,10 @@ from pathlib import Path
 
 from dvc.lock import FAILED_TO_LOCK_MESSAGE
 
+from dflashpipe.core.params import load_params
+from dflashpipe.core.pipeline import MANIFEST, MANIFEST_METRICS, TARGET, reuse_key
 from dflashpipe.data.manifest import build_manifest
 from dflashpipe.data.shards import verify_manifest
-from dflashpipe.params import load_params
-from dflashpipe.pipeline import MANIFEST, MANIFEST_METRICS, TARGET, reuse_key
 from dflashpipe.target.materialise import materialise_target
 from tests.conftest import run
 from tests.reliability.harness import group_process, kill_group, start, status, tree_bytes

@@ -23,13 +23,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflashpipe.artifacts import FILE_LISTING, canonical_json, write_file_listing
 from dflashpipe.compile.artifact import CompileArtifactError, verify_artifact
+from dflashpipe.core.artifacts import FILE_LISTING, canonical_json, write_file_listing
+from dflashpipe.core.errors import SourceError
+from dflashpipe.core.pipeline import COMPILE, DRAFTER, MANIFEST, TOKENS, TRAIN_STATE
 from dflashpipe.data.shards import EVAL_FILE, SUMMARY_FILE, read_manifest_shard, verify_manifest
-from dflashpipe.errors import SourceError
 from dflashpipe.evaluate.evaluation import verify_drafter
 from dflashpipe.evaluate.prompts import read_eval_split
-from dflashpipe.pipeline import COMPILE, DRAFTER, MANIFEST, TOKENS, TRAIN_STATE
 from dflashpipe.tokens.shards import load_tokens
 from dflashpipe.train.checkpoint import CHECKPOINT, TrainCheckpointError, verify_checkpoint
 

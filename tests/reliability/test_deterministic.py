@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import yaml
 
-from dflashpipe.pipeline import (
+from dflashpipe.core.pipeline import (
     COMPILE,
     DRAFTER,
     FEATURES,

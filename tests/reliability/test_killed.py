@@ -12,11 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from dflashpipe.artifacts import FILE_LISTING, PARTIAL, canonical_json
-from dflashpipe.data.manifest import build_manifest
-from dflashpipe.data.shards import manifest_metrics, verify_manifest
-from dflashpipe.params import load_params
-from dflashpipe.pipeline import (
+from dflashpipe.core.artifacts import FILE_LISTING, PARTIAL, canonical_json
+from dflashpipe.core.params import load_params
+from dflashpipe.core.pipeline import (
     COMPILE,
     DRAFTER,
     FEATURES,
@@ -31,6 +29,8 @@ from dflashpipe.pipeline import (
     TRAIN_STATE,
     reuse_key,
 )
+from dflashpipe.data.manifest import build_manifest
+from dflashpipe.data.shards import manifest_metrics, verify_manifest
 from dflashpipe.target.materialise import materialise_target
 from tests.conftest import copy_project, run, set_params
 from tests.reliability.harness import (

@@ -10,9 +10,9 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflashpipe.core.params import DataParams
 from dflashpipe.data.manifest import build_manifest
 from dflashpipe.data.shards import manifest_metrics, read_manifest_shard, verify_manifest
-from dflashpipe.params import DataParams
 from tests.tiny import manifest_params, source
 
 

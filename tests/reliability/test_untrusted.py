@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from dflashpipe.core.errors import SourceError
+from dflashpipe.core.params import DataParams, TargetParams
+from dflashpipe.core.pipeline import ALLOW_OUTSIDE_PROJECT, MANIFEST
 from dflashpipe.data.manifest import build_manifest
-from dflashpipe.errors import SourceError
-from dflashpipe.params import DataParams, TargetParams
-from dflashpipe.pipeline import ALLOW_OUTSIDE_PROJECT, MANIFEST
 from dflashpipe.target.materialise import materialise_target
 from tests.conftest import ROOT, run, set_params
 from tests.tiny import TARGET_SHAPE, manifest_params, source

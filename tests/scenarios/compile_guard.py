@@ -24,7 +24,7 @@ from dflashpipe.compile.artifact import (  # noqa: E402
     write_artifact,
 )
 from dflashpipe.compile.guard import COUNTER, CompileGuard, dynamo_counters  # noqa: E402
-from dflashpipe.pipeline import StageKey  # noqa: E402
+from dflashpipe.core.pipeline import StageKey  # noqa: E402
 
 SEQ = 256
 KEY = StageKey(

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
-from dflashpipe.params import (  # noqa: E402
+from dflashpipe.core.params import (  # noqa: E402
     CompileParams,
     FeaturesParams,
     ModelParams,
@@ -29,7 +29,7 @@ from dflashpipe.params import (  # noqa: E402
     TrainParams,
     build,
 )
-from dflashpipe.pipeline import StageKey, reuse_key  # noqa: E402
+from dflashpipe.core.pipeline import StageKey, reuse_key  # noqa: E402
 from dflashpipe.train.loop import TrainInputs  # noqa: E402
 from dflashpipe.train.stage import TrainPaths, train_drafter  # noqa: E402
 

@@ -28,13 +28,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflashpipe.artifacts import verify_file_listing, write_bytes_atomic, write_file_listing, write_json_atomic
-from dflashpipe.errors import DflashpipeError
-from dflashpipe.pipeline import StageKey
+from dflashpipe.core.artifacts import verify_file_listing, write_bytes_atomic, write_file_listing, write_json_atomic
+from dflashpipe.core.errors import DflashpipeError
+from dflashpipe.core.pipeline import StageKey
 
 INDUCTOR_DIR = "inductor"
 MEGA_CACHE = "mega.bin"
@@ -42,7 +41,7 @@ REPORT = "report.json"
 BUILT_FOR = "built_for"
 """The report's record of warmup's stage key (StageKey.to_json) when the artifact was built."""
 INTRA_OP_THREADS = "intra_op_threads"
-"""The report's record of the count the step was compiled at (dflashpipe.threads): the kernels are bound to it."""
+"""The report's record of the count the step was compiled at (dflashpipe.core.threads): the kernels are bound to it."""
 NAMED_CHANGES = 5
 """A refusal names at most this many changed inputs and counts the rest: one readable line."""
 
@@ -78,13 +77,6 @@ def write_artifact(out: Path, cache_dir: Path, report: dict[str, Any], with_mega
     write_file_listing(out)
 
 
-@dataclass
-class LoadedArtifact:
-    report: dict[str, Any]
-    cache_dir: Path
-    mega_cache: bool
-
-
 def verify_artifact(path: Path) -> dict[str, Any]:
     """Check every file against files.json; return the report. Raise with the fix otherwise."""
     fix = f"restore it with `dvc checkout {path}` or rebuild it with `dvc repro -f warmup`"
@@ -114,7 +106,7 @@ def check_built_for(path: Path, report: dict[str, Any], expected: StageKey | Non
         )
 
 
-def load_artifact(path: Path | str, workdir: Path | str, expected: StageKey | None) -> LoadedArtifact:
+def load_artifact(path: Path | str, workdir: Path | str, expected: StageKey | None) -> None:
     """Verify the artifact, check it was built for `expected` (warmup's stage key now), copy its
     cache into `workdir` and point inductor there.
 
@@ -130,7 +122,7 @@ def load_artifact(path: Path | str, workdir: Path | str, expected: StageKey | No
     if compiled_at is not None and compiled_at != now:
         raise CompileArtifactError(
             f"{path} was compiled at {compiled_at} intra-op threads per drafter, this run uses {now} "
-            f"(dflashpipe.threads: this process's cores over its workers): `dvc repro -f warmup` on this machine"
+            f"(dflashpipe.core.threads: this process's cores over its workers): `dvc repro -f warmup` on this machine"
         )
     if workdir.exists():
         shutil.rmtree(workdir)
@@ -139,7 +131,6 @@ def load_artifact(path: Path | str, workdir: Path | str, expected: StageKey | No
     mega = path / MEGA_CACHE
     if mega.is_file():
         torch.compiler.load_cache_artifacts(mega.read_bytes())
-    return LoadedArtifact(report, workdir, mega.is_file())
 
 
 def load_artifact_or_go_cold(path: Path | str, workdir: Path | str, expected: StageKey | None) -> str:

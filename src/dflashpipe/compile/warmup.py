@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
+from dflashpipe.core.params import CompileParams, ModelParams
+from dflashpipe.core.pipeline import StageKey
+from dflashpipe.core.threads import ThreadBudget
 from dflashpipe.model import DFlashDrafter, DraftLoss, StepInputs, sample_anchor_positions
 from dflashpipe.model.attention import resolve_backend
-from dflashpipe.params import CompileParams, ModelParams
-from dflashpipe.pipeline import StageKey
 from dflashpipe.target.adapter import Target
-from dflashpipe.threads import ThreadBudget
 
 
 def compiled_step(drafter: DFlashDrafter):
@@ -107,9 +107,9 @@ def build_warmup_artifact(
     from torch._dynamo.utils import counters
     from transformers import AutoTokenizer
 
-    from dflashpipe.artifacts import atomic_directory
     from dflashpipe.compile.artifact import BUILT_FOR, INTRA_OP_THREADS, built_for, point_inductor_at, write_artifact
     from dflashpipe.compile.guard import dynamo_counters
+    from dflashpipe.core.artifacts import atomic_directory
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if threads is not None:

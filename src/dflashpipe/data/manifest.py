@@ -24,7 +24,7 @@ before anything is kept, so a damaged or edited earlier build is rebuilt, never 
 directory is still built beside the old one and renamed into place whole, so a killed run leaves the
 old output or the new one, and no stale file survives.
 
-This is the incremental shards protocol (dflashpipe.incremental) as far as a stream allows: the key is the
+This is the incremental shards protocol (dflashpipe.core.incremental) as far as a stream allows: the key is the
 stage key's digest, recorded once (a shard has no input shard of its own to key it by), and the run
 record says which shards were kept and which written.
 """
@@ -42,7 +42,11 @@ import numpy as np
 import orjson
 from tqdm import tqdm
 
-from dflashpipe.artifacts import atomic_directory, link_or_copy, write_file_listing, write_json_atomic
+from dflashpipe.core.artifacts import atomic_directory, link_or_copy, write_file_listing, write_json_atomic
+from dflashpipe.core.errors import SourceError
+from dflashpipe.core.incremental import ShardRun, reusable_record, stage_digest
+from dflashpipe.core.params import DataParams, SourceSpec
+from dflashpipe.core.pipeline import StageKey
 from dflashpipe.data.shards import (
     DIGEST_SIZE,
     EVAL_FILE,
@@ -55,10 +59,6 @@ from dflashpipe.data.shards import (
     verify_manifest,
 )
 from dflashpipe.data.sources import Conversation, Record, read_source
-from dflashpipe.errors import SourceError
-from dflashpipe.incremental import ShardRun, reusable_record, stage_digest
-from dflashpipe.params import DataParams, SourceSpec
-from dflashpipe.pipeline import StageKey
 
 EXAMPLES_PER_REASON = 3
 
@@ -168,7 +168,7 @@ class WeightedMix:
 
 @dataclass(frozen=True)
 class EarlierBuild:
-    """The manifest already in a directory, read back for the reuse check (a `dflashpipe.incremental.StoredShard`
+    """The manifest already in a directory, read back for the reuse check (a `dflashpipe.core.incremental.StoredShard`
     of the whole build: its key is recorded once, in summary.json)."""
 
     directory: Path

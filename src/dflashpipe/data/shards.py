@@ -19,8 +19,8 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflashpipe.artifacts import FILE_LISTING, file_sha256, verify_file_listing
-from dflashpipe.errors import SourceError
+from dflashpipe.core.artifacts import FILE_LISTING, file_sha256, verify_file_listing
+from dflashpipe.core.errors import SourceError
 
 if TYPE_CHECKING:
     from dflashpipe.data.sources import Conversation

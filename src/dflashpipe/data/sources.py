@@ -19,9 +19,9 @@ from typing import Any
 
 import orjson
 
-from dflashpipe.errors import SourceError
-from dflashpipe.params import SourceSpec
-from dflashpipe.pipeline import project_path
+from dflashpipe.core.errors import SourceError
+from dflashpipe.core.params import SourceSpec
+from dflashpipe.core.pipeline import project_path
 
 ROLES = {
     "system": "system",

@@ -1,6 +1,6 @@
 """The whole evaluate stage: decode the eval prompts both ways, compare a baseline.
 
-The drafter's training step is timed by the bench stage (dflashpipe.bench), not here: evaluate decodes
+The drafter's training step is timed by the bench stage (dflashpipe.bench.stage), not here: evaluate decodes
 eagerly and depends on no compile artifact, so what reruns it (the drafter, the eval split) and what
 reruns bench (kernels, shapes) stay apart."""
 
@@ -13,8 +13,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dflashpipe.artifacts import verify_file_listing, write_json_atomic
-from dflashpipe.errors import ParamsError, SourceError
+from dflashpipe.core.artifacts import verify_file_listing, write_json_atomic
+from dflashpipe.core.errors import ParamsError, SourceError
+from dflashpipe.core.kernels import rows_first
+from dflashpipe.core.params import ComputeParams, EvaluateParams
+from dflashpipe.core.spread import SUFFIX, Measuring
+from dflashpipe.core.threads import thread_budget
 from dflashpipe.evaluate import lossless, regression
 from dflashpipe.evaluate.floor import bigram_floor, bigram_table
 from dflashpipe.evaluate.metrics import PromptResult, eval_metrics, write_plot_tables
@@ -25,13 +29,9 @@ from dflashpipe.evaluate.speculative import (
     speculative_generate,
     target_generate,
 )
-from dflashpipe.kernels import rows_first
 from dflashpipe.model import DFlashDrafter, TargetHead
-from dflashpipe.params import ComputeParams, EvaluateParams
-from dflashpipe.spread import SUFFIX, Measuring
 from dflashpipe.target.adapter import Target
 from dflashpipe.target.dtype import compute_dtype
-from dflashpipe.threads import thread_budget
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ def evaluate_drafter(
     `bench_metrics` (metrics/bench.json) is read for the regression check only; missing, its figure is
     reported as not measured. `tokens_dir` (data/tokens): the training tokens the bigram floor is counted on
     (evaluate.floor); None records no floor."""
-    from dflashpipe.tokens.chat import load_chat_tokenizer
+    from dflashpipe.target.chat import load_chat_tokenizer
 
     p = inputs.evaluate
     drafter_dir, metrics_dir = Path(drafter_dir), Path(metrics_dir)
@@ -166,7 +166,9 @@ def evaluate_drafter(
     drafter = DFlashDrafter.from_pretrained(
         drafter_dir, TargetHead.of(target.model), dtype=target.dtype, attention="sdpa"
     ).eval()
-    rows_first(drafter)  # a draft's block of rows: the fast form on the CPU, as the target has (dflashpipe.kernels)
+    rows_first(
+        drafter
+    )  # a draft's block of rows: the fast form on the CPU, as the target has (dflashpipe.core.kernels)
     prompts, skipped = eval_prompts(manifest_dir, chat, p.num_prompts, p.max_prompt_tokens)
     train_prompts, _ = eval_prompts(manifest_dir, chat, p.num_prompts, p.max_prompt_tokens, TRAIN)
     if not prompts:

@@ -27,7 +27,7 @@ from typing import Literal
 
 import torch
 
-from dflashpipe.errors import DflashpipeError
+from dflashpipe.core.errors import DflashpipeError
 
 NUMERICS, BUG = "numerics", "bug"
 Verdict = Literal["numerics", "bug"]

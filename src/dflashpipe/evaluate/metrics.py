@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
-from dflashpipe import plots as plotting
-from dflashpipe.artifacts import write_bytes_atomic, write_json_atomic
+from dflashpipe.core import plots as plotting
+from dflashpipe.core.artifacts import write_bytes_atomic, write_json_atomic
+from dflashpipe.core.spread import Busy, Spread
 from dflashpipe.evaluate import lossless
 from dflashpipe.evaluate.prompts import HELD_OUT, TRAIN, EvalPrompt
 from dflashpipe.evaluate.speculative import STEP_PARTS, Decoded
-from dflashpipe.spread import Busy, Spread
 
 PLOTS_DIR = "eval"
 PLOT_TABLES = ("tau_per_source", "slot_acceptance", "speedup_per_prompt")

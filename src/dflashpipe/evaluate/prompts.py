@@ -10,8 +10,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflashpipe.errors import SourceError
-from dflashpipe.tokens.chat import ChatTokenizer
+from dflashpipe.core.errors import SourceError
+from dflashpipe.target.chat import ChatTokenizer
 
 HELD_OUT, TRAIN = "held_out", "train"
 
@@ -40,7 +40,7 @@ def read_eval_split(manifest_dir: Path | str, split: str = HELD_OUT) -> list[dic
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dflashpipe.artifacts import verify_file_listing
+    from dflashpipe.core.artifacts import verify_file_listing
     from dflashpipe.data.shards import SCHEMA
 
     manifest_dir = Path(manifest_dir)

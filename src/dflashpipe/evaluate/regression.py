@@ -1,15 +1,15 @@
 """The regression check: this run's headline metrics against a baseline revision's metrics/eval.json and
 metrics/bench.json.
 
-A throughput figure that carries its spread over repeats (dflashpipe.spread) regresses only when its range
+A throughput figure that carries its spread over repeats (dflashpipe.core.spread) regresses only when its range
 and the baseline's do not overlap (a change, not noise) *and* it fell more than evaluate.max_regression. A
 drop within noise is reported as such and never fails the stage. When a side has no spread (a baseline
 recorded before spreads, or a single measurement) the two cannot be told apart: the figure is "unmeasured"
 and today's threshold rule alone decides, which the report and the printed line say.
 
-The baseline is read through git (dflashpipe.revision, the one reader of revisions), never by checking
+The baseline is read through git (dflashpipe.core.revision, the one reader of revisions), never by checking
 anything out, so the workspace that DVC is running the stage in stays untouched. The figures compared are
-the headlines the one list (dflashpipe.headlines) marks as checked.
+the headlines the one list (dflashpipe.core.headlines) marks as checked.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflashpipe import headlines, spread
-from dflashpipe.artifacts import json_number
-from dflashpipe.errors import DflashpipeError, SourceError
-from dflashpipe.revision import Revisions, no_commit_reason, read_json
+from dflashpipe.core import headlines, spread
+from dflashpipe.core.artifacts import json_number
+from dflashpipe.core.errors import DflashpipeError, SourceError
+from dflashpipe.core.revision import Revisions, no_commit_reason, read_json
 
 EVAL_METRICS = "metrics/eval.json"
 BENCH_METRICS = "metrics/bench.json"

@@ -32,8 +32,8 @@ from typing import Protocol
 
 import torch
 
+from dflashpipe.core.spread import clock
 from dflashpipe.model import DFlashDrafter, DraftContext
-from dflashpipe.spread import clock
 from dflashpipe.target.adapter import Target
 
 

@@ -1,7 +1,7 @@
 """The features stage: bring data/features to one shard of the target's hidden states per token shard.
 
 The format, its reuse check and the reader train uses are features/shards.py; this module computes
-and writes them under the incremental protocol (dflashpipe.incremental): a shard is reused only under the key
+and writes them under the incremental protocol (dflashpipe.core.incremental): a shard is reused only under the key
 it was written for (every dep and param dvc.yaml lists for the stage, less data/tokens, plus its own token
 shard's sha256) and only if it hashes to what it stored, so growing the data computes only the new shards.
 Before computing anything it checks that the disk holds what it is about to write.
@@ -20,7 +20,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dflashpipe.errors import DflashpipeError
+from dflashpipe.core.errors import DflashpipeError
+from dflashpipe.core.incremental import SUMMARY_FILE, InputShard, ShardedOutput
+from dflashpipe.features.packing import collate, pack_rows
 from dflashpipe.features.shards import (
     STORED_DTYPE,
     FeatureLayout,
@@ -30,13 +32,11 @@ from dflashpipe.features.shards import (
     stored_shard,
     write_shard,
 )
-from dflashpipe.incremental import SUMMARY_FILE, InputShard, ShardedOutput
-from dflashpipe.packing import collate, pack_rows
-from dflashpipe.target.layers import target_layer_features
+from dflashpipe.target.hidden_states import target_layer_features
 
 if TYPE_CHECKING:
-    from dflashpipe.params import ModelParams
-    from dflashpipe.pipeline import StageKey
+    from dflashpipe.core.params import ModelParams
+    from dflashpipe.core.pipeline import StageKey
     from dflashpipe.tokens.shards import TokenData
 
 ROWS_PER_FORWARD = 4
@@ -148,8 +148,8 @@ def compute_features(
     check_disk(out_dir, todo_tokens * layout.bytes_per_token)
     rates: list[float] = []
     if todo:
+        from dflashpipe.core.threads import thread_budget
         from dflashpipe.target.adapter import Target
-        from dflashpipe.threads import thread_budget
 
         thread_budget({"target": 1}).apply("target", device)  # one computing thread: every core it may use
         target = Target.load(target_dir, device, target_dtype)
@@ -177,7 +177,7 @@ def compute_features(
 
 
 def features_metrics(run: FeaturesRun) -> dict:
-    from dflashpipe.spread import Spread
+    from dflashpipe.core.spread import Spread
 
     s = run.summary
     return {

@@ -1,17 +1,17 @@
 """The features shard format: its writer, when an existing shard may be reused, and the reader training uses.
 
 What is stored, for each sequence of a token shard, is exactly what the online trainer hands the
-drafter for it: the chosen layers' hidden states (`dflashpipe.target.layers.target_layer_features`) of its
+drafter for it: the chosen layers' hidden states (`dflashpipe.target.hidden_states.target_layer_features`) of its
 first `model.seq_len` tokens (train cuts a longer sequence there), the document attending only
 within itself, computed in the target's compute dtype and stored as bfloat16 (2 bytes x layers x
 hidden a token: 2,304 bytes on SmolLM2-135M with 2 layers; 40 KB on Qwen3-8B with 5, which is why
 the 8-GPU profile stays online). Sequences are packed into rows of `seq_len` to compute them, as
-train packs them (dflashpipe.packing); each document sees only itself, so how they were packed does not
+train packs them (dflashpipe.features.packing); each document sees only itself, so how they were packed does not
 decide what is stored for it.
 
 A shard is a safetensors file: `features` [tokens, layers x hidden] bfloat16 and `offsets`
 [sequences + 1] int64, with the key, the input token shard, the layout and the sha256 of both
-tensors in its metadata. It follows the incremental protocol (dflashpipe.incremental): a shard is
+tensors in its metadata. It follows the incremental protocol (dflashpipe.core.incremental): a shard is
 reused only under the key it was written for and only if it hashes to what it stored, so growing
 the data computes only the new shards and any edit to what dvc.yaml lists for the stage recomputes
 them all. Train maps the shards (safetensors reads slices of the mapped file) after checking every
@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from dflashpipe.artifacts import verify_file_listing, write_shard_atomic
-from dflashpipe.errors import ParamsError, SourceError
+from dflashpipe.core.artifacts import verify_file_listing, write_shard_atomic
+from dflashpipe.core.errors import ParamsError, SourceError
 from dflashpipe.tokens.shards import SUMMARY_FILE
 
 if TYPE_CHECKING:
-    from dflashpipe.params import ModelParams
+    from dflashpipe.core.params import ModelParams
     from dflashpipe.tokens.shards import TokenData
 
 STORED_DTYPE = torch.bfloat16
@@ -112,7 +112,7 @@ def write_shard(path: Path, features: torch.Tensor, offsets: torch.Tensor, meta:
 
 @dataclass(frozen=True)
 class StoredFeatures:
-    """A shard read back for the reuse check (a `dflashpipe.incremental.StoredShard` by shape)."""
+    """A shard read back for the reuse check (a `dflashpipe.core.incremental.StoredShard` by shape)."""
 
     path: Path
     meta: dict

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from dflashpipe.errors import ParamsError
+from dflashpipe.core.errors import ParamsError
 from dflashpipe.model.mask import MaskMod, dense_mask, flex_block_mask
 
 Backend = Literal["flex", "sdpa"]

@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dflashpipe.errors import SourceError
+from dflashpipe.core.errors import SourceError
+from dflashpipe.core.params import ModelParams
 from dflashpipe.model.target_layers import check_target_layer_ids, spaced_target_layer_ids
-from dflashpipe.params import ModelParams
 
 ARCHITECTURE = "DFlashDraftModel"
 """The class name that DFlash loaders expect in `architectures`."""

@@ -26,15 +26,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
-from dflashpipe.artifacts import canonical_json, write_bytes_atomic
-from dflashpipe.errors import ParamsError, SourceError
+from dflashpipe.core.artifacts import canonical_json, write_bytes_atomic
+from dflashpipe.core.errors import ParamsError, SourceError
+from dflashpipe.core.params import ModelParams
 from dflashpipe.model.attention import Backend, build_mask, resolve_backend
 from dflashpipe.model.config import DFlashConfig
-from dflashpipe.model.layers import DFlashDecoderLayer, RMSNorm, Rotary
+from dflashpipe.model.decoder_layer import DFlashDecoderLayer, RMSNorm, Rotary
 from dflashpipe.model.loss import Distill, DraftLoss, block_labels, chunked_decay_weighted_loss
 from dflashpipe.model.mask import dflash_mask_mod
 from dflashpipe.model.mask_token import resolve_mask_token_id
-from dflashpipe.params import ModelParams
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

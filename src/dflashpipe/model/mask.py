@@ -5,7 +5,7 @@ features) first, then the A draft blocks of `block_size` tokens each; queries ar
 block tokens only, in the same block order. A query in block a sees
   - context positions strictly before its anchor (what the target had verified), and
   - every token of its own block, in both directions;
-never another block. In a packed row (several documents, dflashpipe.packing) a block sees only the
+never another block. In a packed row (several documents, dflashpipe.features.packing) a block sees only the
 context of its anchor's own document. Both attention backends derive their mask from this one function:
 flex compiles it into a BlockMask, sdpa evaluates it on broadcast index tensors.
 """

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflashpipe.errors import ParamsError
+from dflashpipe.core.errors import ParamsError
 
 
 def resolve_mask_token_id(tokenizer: Any, num_embeddings: int, mask_token: str) -> int:

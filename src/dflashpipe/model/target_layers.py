@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dflashpipe.errors import ParamsError
+from dflashpipe.core.errors import ParamsError
 
 
 def spaced_target_layer_ids(num_target_layers: int, count: int) -> list[int]:

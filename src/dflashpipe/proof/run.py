@@ -17,8 +17,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from dflashpipe.errors import DflashpipeError
-from dflashpipe.params import (
+from dflashpipe.core.errors import DflashpipeError
+from dflashpipe.core.params import (
     CompileParams,
     ComputeParams,
     DataParams,
@@ -28,7 +28,7 @@ from dflashpipe.params import (
     TopologyParams,
     TrainParams,
 )
-from dflashpipe.params.sections import RegenerateParams
+from dflashpipe.core.params.sections import RegenerateParams
 
 ALIGNED = "aligned"
 MEMORISED = 0.8
@@ -170,7 +170,7 @@ def code_key(root: Path, *stages: str) -> dict[str, str]:
     """What dvc.yaml lists for `stages` (their code, params and fingerprint keys), less their data deps: the
     proof makes its own data, which its directory's key covers. A change that would rerun those stages never
     lets the proof reuse what it made before."""
-    from dflashpipe.pipeline import stage_key, stage_spec
+    from dflashpipe.core.pipeline import stage_key, stage_spec
 
     inputs = {}
     for name in stages:
@@ -184,7 +184,7 @@ def prepared_data(run: ProofRun, target_dir: Path, work: Path, root: Path) -> Pa
     reply length, the row length that bounds the prompts, the target's dtype and files, and what dvc.yaml lists
     for the stages that make it), so a changed target, setting or stage never finds the old data, nor resumes an
     arm trained on it."""
-    from dflashpipe.artifacts import canonical_json, file_sha256
+    from dflashpipe.core.artifacts import canonical_json, file_sha256
 
     files = {name: file_sha256(target_dir / name) for name in ("config.json", "model.safetensors", "tokenizer.json")}
     stages = code_key(root, "manifest", "regenerate", "tokenize")
@@ -204,7 +204,7 @@ def prepared_data(run: ProofRun, target_dir: Path, work: Path, root: Path) -> Pa
 
 def train(run: ProofRun, target_dir: Path, tokens_dir: Path, out: Path, steps: int, root: Path) -> dict:
     """Train to `steps` steps with the train stage's own function, resuming `out`'s last checkpoint."""
-    from dflashpipe.pipeline import StageKey
+    from dflashpipe.core.pipeline import StageKey
     from dflashpipe.train.stage import TrainPaths, train_drafter
     from dflashpipe.train.state import TrainInputs
 
@@ -238,13 +238,13 @@ def trained_reply(data, prompt_ids: list[int]) -> list[int]:
 def decode(run: ProofRun, target_dir: Path, drafter_dir: Path, prompts_dir: Path, tokens_dir: Path) -> dict:
     """The evaluate stage's decoding and metrics on the training prompts in `prompts_dir`, and the same figures on
     the `exact` prompts alone: those whose greedy reply is token for token what the drafter was trained on."""
+    from dflashpipe.core.kernels import rows_first
     from dflashpipe.evaluate.evaluation import decode_prompts
     from dflashpipe.evaluate.metrics import eval_metrics
     from dflashpipe.evaluate.prompts import HELD_OUT, TRAIN, eval_prompts
-    from dflashpipe.kernels import rows_first
     from dflashpipe.model import DFlashDrafter, TargetHead
     from dflashpipe.target.adapter import Target
-    from dflashpipe.tokens.chat import load_chat_tokenizer
+    from dflashpipe.target.chat import load_chat_tokenizer
     from dflashpipe.tokens.shards import load_tokens
 
     # as evaluate decodes: the decode kind's dtype, with the decoding form of the linear layers

@@ -11,9 +11,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from dflashpipe.artifacts import write_json_atomic
-from dflashpipe.params import ComputeParams, ModelParams
-from dflashpipe.params.sections import ProofParams
+from dflashpipe.core.artifacts import write_json_atomic
+from dflashpipe.core.params import ComputeParams, ModelParams
+from dflashpipe.core.params.sections import ProofParams
 from dflashpipe.proof.run import ProofDataError, ProofRun, memorise
 
 

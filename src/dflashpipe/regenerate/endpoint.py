@@ -28,8 +28,8 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dflashpipe.artifacts import json_number
-from dflashpipe.errors import DflashpipeError
+from dflashpipe.core.artifacts import json_number
+from dflashpipe.core.errors import DflashpipeError
 
 API_KEY_ENV = "OPENAI_API_KEY"
 """The environment variable that holds the endpoint's API key (unset: no Authorization header is sent)."""

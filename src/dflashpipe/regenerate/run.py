@@ -19,7 +19,7 @@ whose reply is empty (`empty_reply`) ends it before that turn; a reply cut at ma
 conversation left with no reply is dropped (`no_reply`, or `no_assistant_turn`). Trailing turns after the
 last reply carry no supervision and are dropped.
 
-Reuse is the incremental shards protocol (dflashpipe.incremental), tokenize's too: the key is the stage key
+Reuse is the incremental shards protocol (dflashpipe.core.incremental), tokenize's too: the key is the stage key
 from dvc.yaml less data/manifest, plus each input shard's sha256 (pipeline.REUSE), so growing the data
 answers only the new shards. Disabled, the output is the
 manifest's shards, hard-linked: tokenize's input bytes are exactly what they were without this stage.
@@ -40,17 +40,17 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dflashpipe.artifacts import file_sha256, link_or_copy
+from dflashpipe.core.artifacts import file_sha256, link_or_copy
+from dflashpipe.core.errors import SourceError
+from dflashpipe.core.incremental import InputShard, ShardedOutput
+from dflashpipe.core.params.sections import RegenerateParams
+from dflashpipe.core.pipeline import StageKey
+from dflashpipe.core.spread import Busy, Measuring, Spread
+from dflashpipe.core.threads import ThreadBudget, thread_budget
 from dflashpipe.data.shards import ShardWriter, conversation_hash, read_manifest_shard, verify_manifest
-from dflashpipe.errors import SourceError
-from dflashpipe.incremental import InputShard, ShardedOutput
-from dflashpipe.params.sections import RegenerateParams
-from dflashpipe.pipeline import StageKey
 from dflashpipe.regenerate.endpoint import Completion, Endpoint, ServedModel
 from dflashpipe.regenerate.shards import stored_shard, with_reply_ids, write_shard
-from dflashpipe.spread import Busy, Measuring, Spread
-from dflashpipe.threads import ThreadBudget, thread_budget
-from dflashpipe.tokens.chat import ChatTokenizer, load_chat_tokenizer
+from dflashpipe.target.chat import ChatTokenizer, load_chat_tokenizer
 
 SKIPPED_TURNS = ("no_prompt", "prompt_too_long", "empty_reply")
 REPLY_KIND = "decode"
@@ -143,7 +143,7 @@ class InProcessReplier(Replier):
         self.targets = [
             Target.load(target_dir, device, target_dtype, decoding=True, kind=REPLY_KIND) for device in devices
         ]
-        # one worker thread per target copy, sharing the cores with the others on the CPU (dflashpipe.threads)
+        # one worker thread per target copy, sharing the cores with the others on the CPU (dflashpipe.core.threads)
         self.threads: ThreadBudget = thread_budget({"target": sum(t.device.type == "cpu" for t in self.targets)})
         self.chat, self.max_new_tokens = chat, params.max_new_tokens
         self.stop = self.targets[0].stop_token_ids(chat.tokenizer)
@@ -344,7 +344,7 @@ class RegenerateRun:
     seconds: float
     rates: list[float]
     threads: dict | None = None
-    """The in-process generators' thread budget (dflashpipe.threads); None when none ran here."""
+    """The in-process generators' thread budget (dflashpipe.core.threads); None when none ran here."""
     busy: Busy | None = None
     """What the machine gave the generation, and the control beside it (spread.Measuring)."""
 

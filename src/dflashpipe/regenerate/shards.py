@@ -24,9 +24,9 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflashpipe.artifacts import FILE_LISTING, canonical_json, verify_file_listing, write_shard_atomic
+from dflashpipe.core.artifacts import FILE_LISTING, canonical_json, verify_file_listing, write_shard_atomic
+from dflashpipe.core.errors import SourceError
 from dflashpipe.data.shards import SUMMARY_FILE
-from dflashpipe.errors import SourceError
 
 METADATA_KEY = b"dflashpipe.regenerate"
 
@@ -71,7 +71,7 @@ def write_shard(path: Path, table: pa.Table, record: dict) -> None:
 
 @dataclass(frozen=True)
 class StoredConversations:
-    """A regenerated shard read back for the reuse check (a `dflashpipe.incremental.StoredShard`)."""
+    """A regenerated shard read back for the reuse check (a `dflashpipe.core.incremental.StoredShard`)."""
 
     table: pa.Table
     record: dict

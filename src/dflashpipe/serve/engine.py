@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from dflashpipe.errors import DflashpipeError
+from dflashpipe.core.errors import DflashpipeError
 
 RUNNER = Path(__file__).with_name("vllm_run.py")
 TOP_LOGPROBS = 20

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dflashpipe.errors import SourceError
-from dflashpipe.pipeline import DRAFTER
+from dflashpipe.core.errors import SourceError
+from dflashpipe.core.pipeline import DRAFTER
 from dflashpipe.serve.served_files import write_served_files
 
 
@@ -14,8 +14,8 @@ def export_drafter(out_dir: Path | str, root: Path | str = ".") -> Path:
     """The project's data/drafter (checked against its files.json first) as a server reads it, in `out_dir`, with a
     card that also names the git revision, dvc.lock's sha256 and tau/speedup from metrics/eval.json, and a
     files.json of what was written."""
-    from dflashpipe.artifacts import atomic_directory, verify_file_listing, write_file_listing
-    from dflashpipe.pipeline import EVAL_METRICS, TARGET, TOKENS
+    from dflashpipe.core.artifacts import atomic_directory, verify_file_listing, write_file_listing
+    from dflashpipe.core.pipeline import EVAL_METRICS, TARGET, TOKENS
     from dflashpipe.train.card import LOCK_FILE, locked_train_params, provenance, read_json, write_model_card
 
     root = Path(root)

@@ -14,8 +14,8 @@ import json
 import shutil
 from pathlib import Path
 
-from dflashpipe.artifacts import write_json_atomic
-from dflashpipe.errors import SourceError
+from dflashpipe.core.artifacts import write_json_atomic
+from dflashpipe.core.errors import SourceError
 
 SERVED_FILES = ("config.json", "model.safetensors")
 

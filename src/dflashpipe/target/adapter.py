@@ -6,7 +6,7 @@ dtype on a device (dflashpipe.target.dtype), the transformers 5.x differences (`
 turn (`stop_token_ids`), and the passes over a KV cache that decoding needs: a decoder (verify) forward, the
 LM head, a decode step. The passes built on it live beside it: continuous batching of greedy replies
 (dflashpipe.target.batching, regenerate's) and the hand-written decoder pass that gives the drafter's layers'
-hidden states (dflashpipe.target.layers, features' and train's).
+hidden states (dflashpipe.target.hidden_states, features' and train's).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from dflashpipe.errors import SourceError
-from dflashpipe.kernels import rows_first
+from dflashpipe.core.errors import SourceError
+from dflashpipe.core.kernels import rows_first
 from dflashpipe.target.dtype import compute_dtype
 
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from dflashpipe.errors import ParamsError
-from dflashpipe.kernels import WORK_KINDS, bfloat16_native, native_dtypes
+from dflashpipe.core.errors import ParamsError
+from dflashpipe.core.kernels import WORK_KINDS, bfloat16_native, native_dtypes
 
 
 def compute_dtype(device: Any, choice: str, kind: str = "batched") -> torch.dtype:

@@ -14,10 +14,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflashpipe.artifacts import atomic_directory, file_sha256, write_json_atomic
-from dflashpipe.errors import SourceError
-from dflashpipe.params import TargetParams
-from dflashpipe.pipeline import project_path
+from dflashpipe.core.artifacts import atomic_directory, file_sha256, write_json_atomic
+from dflashpipe.core.errors import SourceError
+from dflashpipe.core.params import TargetParams
+from dflashpipe.core.pipeline import project_path
 
 PYPI_PREFIX = "pypi:"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from dflashpipe.params import TokenizeParams
-from dflashpipe.tokens.chat import ChatTokenizer, ReplyLocator, template_errors
+from dflashpipe.core.params import TokenizeParams
+from dflashpipe.target.chat import ChatTokenizer, ReplyLocator, template_errors
 
 SKIP_REASONS = (
     "no_assistant_turn",

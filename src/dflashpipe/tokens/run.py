@@ -6,7 +6,7 @@ Incremental by content. A tokens shard depends only on its manifest shard and on
 lists for the stage (the tokenizer and template in data/target, the tokenize params, this package's
 code, the stage script, the library versions): the caller passes that as a `StageKey`, read from
 dvc.yaml itself, so a shard is reused on exactly the condition under which DVC would keep the
-output (see `dflashpipe.pipeline`; the protocol is `dflashpipe.incremental`). `data/tokens/` is a DVC
+output (see `dflashpipe.core.pipeline`; the protocol is `dflashpipe.core.incremental`). `data/tokens/` is a DVC
 `persist` output: on a rerun, a shard
 whose stored key matches and whose content hashes to its stored sha256 is reused untouched; every other
 one is encoded again and written atomically. Files that are not a current shard are removed first
@@ -32,13 +32,13 @@ from typing import Any
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from dflashpipe.incremental import InputShard, ShardedOutput
-from dflashpipe.params import TokenizeParams
-from dflashpipe.pipeline import StageKey
+from dflashpipe.core.incremental import InputShard, ShardedOutput
+from dflashpipe.core.params import TokenizeParams
+from dflashpipe.core.pipeline import StageKey
+from dflashpipe.core.spread import Busy, Measuring, Spread
+from dflashpipe.core.threads import thread_budget
 from dflashpipe.regenerate.shards import REPLY_IDS, ConversationShard, read_conversation_shards
-from dflashpipe.spread import Busy, Measuring, Spread
-from dflashpipe.threads import thread_budget
-from dflashpipe.tokens.chat import ChatTokenizer, load_chat_tokenizer
+from dflashpipe.target.chat import ChatTokenizer, load_chat_tokenizer
 from dflashpipe.tokens.encode import EncodedRows, SampleEncoder, TokenStats, concat_rows, length_edges
 from dflashpipe.tokens.shards import shard_name, stored_shard, write_shard
 
@@ -120,7 +120,7 @@ class TokenizeRun:
     chunk_rates: list[float] = field(default_factory=list)
     """Tokens/s of each encoded chunk x the processes encoding side by side: the repeats of the rate."""
     threads: dict = field(default_factory=dict)
-    """The thread budget (dflashpipe.threads): the cores, and the processes that shared them."""
+    """The thread budget (dflashpipe.core.threads): the cores, and the processes that shared them."""
     busy: Busy | None = None
     """What the machine gave the encoding, and the control beside it (spread.Measuring)."""
 
@@ -141,7 +141,7 @@ def tokenize_metrics(run: TokenizeRun) -> dict:
         "encoded_samples": run.encoded_samples,
         "seconds": round(run.seconds, 3),
         "threads": run.threads,
-        # The median over encoded chunks with its range (see spread.py), so a move within the
+        # The median over encoded chunks with its range (see core/spread.py), so a move within the
         # machine's noise is not blamed on an input; 0.0 and no spread when nothing was encoded.
         **(
             Spread.of(run.chunk_rates).record("encoded_tokens_per_second", digits=1, busy=run.busy)

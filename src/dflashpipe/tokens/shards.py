@@ -8,7 +8,7 @@ parquet (decompressed on read) would hold the whole set in memory; `.npy` files 
 files per shard and a sidecar for the key. IPC costs disk (about 5 bytes per token, uncompressed),
 which is what buys the mapping.
 
-A shard is reused only under the key it was written for (the protocol: dflashpipe.incremental).
+A shard is reused only under the key it was written for (the protocol: dflashpipe.core.incremental).
 Each shard carries, in its schema metadata, the sha256 of (the stage key: every dep and param
 dvc.yaml lists for `tokenize`, less the manifest and num_proc; this shard's input manifest shard's
 sha256), its own stats, and the sha256 of its content (IPC has no page checksums): a shard whose
@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
-from dflashpipe.artifacts import canonical_json, verify_file_listing, write_shard_atomic
-from dflashpipe.errors import SourceError
+from dflashpipe.core.artifacts import canonical_json, verify_file_listing, write_shard_atomic
+from dflashpipe.core.errors import SourceError
 
 if TYPE_CHECKING:
     from dflashpipe.tokens.encode import EncodedRows, TokenStats
@@ -170,7 +170,7 @@ def map_shard(path: Path, samples: int) -> TokenShard:
 
 @dataclass(frozen=True)
 class StoredTokens:
-    """A shard read back for the reuse check: a `dflashpipe.incremental.StoredShard` by shape (this module
+    """A shard read back for the reuse check: a `dflashpipe.core.incremental.StoredShard` by shape (this module
     imports nothing of the stage: training depends on it alone)."""
 
     batch: pa.RecordBatch

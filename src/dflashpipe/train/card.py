@@ -28,8 +28,8 @@ from typing import Any
 
 import yaml
 
-from dflashpipe.artifacts import file_sha256
-from dflashpipe.revision import run_git
+from dflashpipe.core.artifacts import file_sha256
+from dflashpipe.core.revision import run_git
 
 CARD_FILE = "README.md"
 LOCK_FILE = "dvc.lock"
@@ -243,7 +243,7 @@ def write_model_card(
     evaluation: dict[str, Any] | None = None,
 ) -> None:
     """README.md in `drafter_dir`, beside the config.json and model.safetensors it describes."""
-    from dflashpipe.artifacts import write_bytes_atomic
+    from dflashpipe.core.artifacts import write_bytes_atomic
 
     drafter_dir = Path(drafter_dir)
     text = model_card(

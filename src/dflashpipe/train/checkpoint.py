@@ -3,7 +3,7 @@
 DVC reruns `train` when anything dvc.yaml lists for it changed. A rerun must then train from
 step 0, or it would "resume" the finished run of the old inputs at max_steps, train nothing
 and hand back the old drafter as the new one. So a checkpoint records the key it was saved
-under (`dflashpipe.pipeline.reuse_key("train")` plus the process count, which also decides the
+under (`dflashpipe.core.pipeline.reuse_key("train")` plus the process count, which also decides the
 trajectory but is no dvc.yaml input) and is resumed only under an identical key. A run with
 no key (None) never resumes.
 
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from dflashpipe.artifacts import atomic_directory, verify_file_listing, write_file_listing, write_json_atomic
-from dflashpipe.errors import DflashpipeError
+from dflashpipe.core.artifacts import atomic_directory, verify_file_listing, write_file_listing, write_json_atomic
+from dflashpipe.core.errors import DflashpipeError
+from dflashpipe.core.pipeline import StageKey
 from dflashpipe.model import DFlashDrafter
-from dflashpipe.pipeline import StageKey
 from dflashpipe.train.state import StepRecord, TrainState
 
 CHECKPOINT = "checkpoint"

@@ -1,7 +1,7 @@
 """Which packed rows each step of training takes, in an order that depends only on the seed.
 
 Each epoch's permutation of the sequences (`epoch_order`) is packed into rows of `seq_len` tokens
-(dflashpipe.packing: whole documents, each seeing only itself; an epoch's last rows may be part-filled).
+(dflashpipe.features.packing: whole documents, each seeing only itself; an epoch's last rows may be part-filled).
 Step s of the run takes global rows [s*G, (s+1)*G) of the endless stream of packed epochs (G = processes x
 drafter replicas x micro_batch); process p's replica r takes its own slice of them. So the data a replica
 sees at a step never depends on threads, timing or where a run was resumed: only on the seed, the step and
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dflashpipe.errors import ParamsError
-from dflashpipe.packing import pack_rows
+from dflashpipe.core.errors import ParamsError
+from dflashpipe.features.packing import pack_rows
 
 
 @functools.lru_cache(maxsize=4)

@@ -10,14 +10,14 @@ from collections.abc import Sequence
 
 import torch
 
-from dflashpipe.devices import peak_bf16_flops
-from dflashpipe.params import ModelParams
+from dflashpipe.core.devices import peak_bf16_flops
+from dflashpipe.core.params import ModelParams
 from dflashpipe.train.state import StepRecord, TrainInputs
 from dflashpipe.train.topology import Topology
 
 
 def device_peak_flops(device: torch.device) -> float | None:
-    """The device's dense bf16 peak FLOP/s; None for a CPU or a GPU not in dflashpipe.devices."""
+    """The device's dense bf16 peak FLOP/s; None for a CPU or a GPU not in dflashpipe.core.devices."""
     return peak_bf16_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
 

@@ -49,13 +49,13 @@ import torch
 
 from dflashpipe.compile.guard import CompileGuard
 from dflashpipe.compile.warmup import autocast, compiled_step, run_step_once
+from dflashpipe.core.params import ModelParams, TrainParams
+from dflashpipe.core.threads import ThreadBudget
+from dflashpipe.features.packing import Batch, collate, pack_rows
 from dflashpipe.model import DFlashDrafter, DraftLoss, StepInputs, TargetHead, sample_anchor_positions
 from dflashpipe.model.loss import prediction_positions
-from dflashpipe.packing import Batch, collate, pack_rows
-from dflashpipe.params import ModelParams, TrainParams
 from dflashpipe.target.adapter import Target
-from dflashpipe.target.layers import target_features_and_predictions, target_layer_features
-from dflashpipe.threads import ThreadBudget
+from dflashpipe.target.hidden_states import target_features_and_predictions, target_layer_features
 from dflashpipe.train.checkpoint import Checkpoint
 from dflashpipe.train.data import BatchPlan, held_out, without
 from dflashpipe.train.state import StepRecord, TrainInputs, TrainState, simulated_tau
@@ -332,7 +332,7 @@ class Trainer:
 
     @functools.cached_property
     def threads(self) -> ThreadBudget:
-        """Each worker thread's intra-op threads, which it sets for itself (dflashpipe.threads)."""
+        """Each worker thread's intra-op threads, which it sets for itself (dflashpipe.core.threads)."""
         return train_threads(self.topology)
 
     def global_replica(self, r: int) -> int:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from dflashpipe import plots as plotting
-from dflashpipe.artifacts import PARTIAL, atomic_directory
-from dflashpipe.spread import Busy, Spread
+from dflashpipe.core import plots as plotting
+from dflashpipe.core.artifacts import PARTIAL, atomic_directory
+from dflashpipe.core.spread import Busy, Spread
 from dflashpipe.train.flops import throughput
 from dflashpipe.train.state import StepRecord, TrainInputs, TrainState, acceptance_length
 from dflashpipe.train.topology import Topology
@@ -52,7 +52,7 @@ def train_metrics(
     return {
         "steps": state.step,
         "final_loss": round(history[-1].loss, 6),
-        # the median of the steady steps' own rates, with their spread (tokens_per_s_spread: dflashpipe.spread)
+        # the median of the steady steps' own rates, with their spread (tokens_per_s_spread: dflashpipe.core.spread)
         **Spread.of([h.tokens / h.seconds for h in steady if h.seconds > 0] or [0.0]).record("tokens_per_s", busy=busy),
         "supervised_tokens": int(sum(h.tokens for h in history)),
         "slot_accuracy": {str(k + 1): round(a, 6) for k, a in enumerate(accuracy)},

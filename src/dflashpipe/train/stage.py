@@ -5,14 +5,23 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dflashpipe.artifacts import atomic_directory, write_file_listing, write_json_atomic
 from dflashpipe.compile.artifact import load_artifact_or_go_cold
 from dflashpipe.compile.guard import COUNTER, CompileGuard, dynamo_counters
-from dflashpipe.errors import DflashpipeError
+from dflashpipe.core.artifacts import atomic_directory, write_file_listing, write_json_atomic
+from dflashpipe.core.errors import DflashpipeError
+from dflashpipe.core.pipeline import (
+    COMPILE,
+    DRAFTER,
+    FEATURES,
+    TARGET,
+    TOKENS,
+    TRAIN_METRICS_DIR,
+    TRAIN_STATE,
+    StageKey,
+)
+from dflashpipe.core.spread import Measuring
 from dflashpipe.features.shards import FeatureLayout, FeatureStore, refuse_distillation
 from dflashpipe.model.drafter import PUBLISHED_DTYPE
-from dflashpipe.pipeline import COMPILE, DRAFTER, FEATURES, TARGET, TOKENS, TRAIN_METRICS_DIR, TRAIN_STATE, StageKey
-from dflashpipe.spread import Measuring
 from dflashpipe.tokens.shards import load_tokens
 from dflashpipe.train.card import write_model_card
 from dflashpipe.train.checkpoint import checkpoint_key, load_checkpoint, save_checkpoint
@@ -61,7 +70,7 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
 
     topology = check_topology(inputs.topology)  # before anything loads
     # The main thread loads (or compiles) and warms up the drafter step at the drafter threads' count: the
-    # compiled step is bound to the count it was compiled at (dflashpipe.threads), warmup's too.
+    # compiled step is bound to the count it was compiled at (dflashpipe.core.threads), warmup's too.
     train_threads(topology).apply("drafter", topology.drafters[0])
     key = checkpoint_key(key, topology.world_size)
     paths.state.mkdir(parents=True, exist_ok=True)  # a declared output, even when no checkpoint is due

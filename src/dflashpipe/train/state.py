@@ -13,8 +13,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflashpipe.core.params import (
+    CompileParams,
+    ComputeParams,
+    FeaturesParams,
+    ModelParams,
+    TopologyParams,
+    TrainParams,
+)
 from dflashpipe.model import DraftLoss
-from dflashpipe.params import CompileParams, ComputeParams, FeaturesParams, ModelParams, TopologyParams, TrainParams
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dflashpipe.errors import ParamsError
-from dflashpipe.params import TopologyParams
-from dflashpipe.threads import ThreadBudget, training_budget
+from dflashpipe.core.errors import ParamsError
+from dflashpipe.core.params import TopologyParams
+from dflashpipe.core.threads import ThreadBudget, training_budget
 
 
 @dataclass(frozen=True)
@@ -44,5 +44,5 @@ def check_topology(params: TopologyParams) -> Topology:
 
 
 def train_threads(topology: Topology) -> ThreadBudget:
-    """The process's cores shared by the target and drafter threads that compute on the CPU (dflashpipe.threads)."""
+    """The process's cores shared by the target and drafter threads that compute on the CPU (core.threads)."""
     return training_budget([d.type for d in topology.targets], [d.type for d in topology.drafters])

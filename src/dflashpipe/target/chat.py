@@ -1,0 +1,180 @@
+"""The target's chat template, rendered exactly as transformers renders it, and where its replies lie.
+
+The loss mask comes from the rendering, never from guessing token ids. Each sample is
+rendered once with the template (exactly as `apply_chat_template(tokenize=False)`
+renders it) and encoded once with the fast tokenizer, with character offsets. Where
+each assistant reply lies in that text is learnt from a *skeleton*: the same template
+rendered once per role sequence with a unique sentinel as every message's content.
+The skeleton's literal pieces interleaved with the real contents must rebuild the real
+rendering exactly; then each reply's characters are known, and a token is supervised
+when its characters overlap a reply or the reply's end-of-turn token (the first special
+token the template writes after the reply). A template that rewrites contents (say
+`| trim`) fails that check, and the sample falls back to prefix renders: the reply
+starts where `messages[:i]` + generation prompt ends. Because positions come from the
+template and not from searching the text, a user turn that contains the literal
+`<|im_start|>assistant` is never supervised.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflashpipe.core.errors import SourceError
+
+SENTINEL = "\ue000{}\ue001"
+"""Private-use characters around a message index: no template writes them itself."""
+
+
+class TokenizerError(SourceError):
+    """The target's tokenizer is missing, or cannot render chats."""
+
+
+@dataclass
+class ChatTokenizer:
+    """The target's fast tokenizer, its chat template and what the template is rendered with."""
+
+    tokenizer: Any
+    """The transformers tokenizer, for decoding and for `apply_chat_template` comparisons."""
+    template: str
+    template_kwargs: dict[str, Any]
+    special: re.Pattern
+    """Matches any special added token: the candidates for a reply's end-of-turn token."""
+
+    def __post_init__(self) -> None:
+        self.backend = self.tokenizer.backend_tokenizer
+        self.backend.no_truncation()
+        self.backend.no_padding()
+
+    def render(self, conversation: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        """The text `apply_chat_template(conversation, tokenize=False)` gives, from the same function."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        rendered, _ = render_jinja_template(
+            conversations=[conversation],
+            chat_template=self.template,
+            add_generation_prompt=add_generation_prompt,
+            **self.template_kwargs,
+        )
+        return rendered[0]
+
+
+def load_chat_tokenizer(target_dir: Path | str) -> ChatTokenizer:
+    target_dir = Path(target_dir)
+    tokenizer_json = target_dir / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        raise TokenizerError(
+            f"{tokenizer_json} not found: tokenize needs the target's fast tokenizer; run `dvc repro target` "
+            f"(a target given as a model directory must ship tokenizer.json)"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    except (OSError, ValueError, KeyError) as exc:
+        raise TokenizerError(f"{tokenizer_json}: cannot load the tokenizer: {exc}") from None
+    if not getattr(tokenizer, "is_fast", False):
+        raise TokenizerError(f"{tokenizer_json}: not a fast tokenizer; tokenize needs character offsets")
+    try:
+        template = tokenizer.get_chat_template()
+    except ValueError:
+        template = None
+    if not template:
+        where = target_dir / "chat_template.jinja"
+        raise TokenizerError(
+            f"{where} not found and {target_dir / 'tokenizer_config.json'} has no chat_template: samples are "
+            f"rendered with the target's own template, so use an instruct/chat target"
+        )
+    specials = sorted((t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len, reverse=True)
+    return ChatTokenizer(
+        tokenizer,
+        template,
+        dict(tokenizer.special_tokens_map),
+        re.compile("|".join(map(re.escape, specials)) or "(?!)"),
+    )
+
+
+class ReplyLocator:
+    """Character spans of the assistant replies (each with its end-of-turn token) in a rendering."""
+
+    def __init__(self, chat: ChatTokenizer) -> None:
+        self.chat = chat
+        self.skeletons: dict[tuple[str, ...], list[str] | None] = {}
+
+    def spans(self, conversation: list[dict[str, str]], text: str) -> tuple[list[tuple[int, int]], str] | None:
+        """The spans and how they were found (`skeleton` or `prefix`); None if the template hides a reply."""
+        pieces = self._skeleton(tuple(turn["role"] for turn in conversation))
+        if pieces is not None:
+            parts, spans, pos = [], [], 0
+            for j, turn in enumerate(conversation):
+                parts += (pieces[j], turn["content"])
+                start = pos + len(pieces[j])
+                pos = start + len(turn["content"])
+                if turn["role"] == "assistant":
+                    spans.append((start, pos + self._end_of_turn(pieces[j + 1], 0)))
+            parts.append(pieces[-1])
+            if "".join(parts) == text:
+                return spans, "skeleton"
+        spans = self._by_prefix(conversation, text)
+        return None if spans is None else (spans, "prefix")
+
+    def _skeleton(self, roles: tuple[str, ...]) -> list[str] | None:
+        """The template's literal text between the messages' contents, for this role sequence."""
+        if roles in self.skeletons:
+            return self.skeletons[roles]
+        pieces: list[str] | None = []
+        try:
+            rendered = self.chat.render([{"role": r, "content": SENTINEL.format(j)} for j, r in enumerate(roles)])
+        except template_errors():
+            rendered = None
+        pos = 0
+        for j in range(len(roles)):
+            sentinel = SENTINEL.format(j)
+            at = -1 if rendered is None else rendered.find(sentinel, pos)
+            if at < 0 or rendered.count(sentinel) != 1:
+                pieces = None
+                break
+            pieces.append(rendered[pos:at])
+            pos = at + len(sentinel)
+        if pieces is not None:
+            pieces.append(rendered[pos:])
+        self.skeletons[roles] = pieces
+        return pieces
+
+    def _by_prefix(self, conversation: list[dict[str, str]], text: str) -> list[tuple[int, int]] | None:
+        spans = []
+        for i, turn in enumerate(conversation):
+            if turn["role"] != "assistant":
+                continue
+            try:
+                head = self.chat.render(conversation[:i], add_generation_prompt=True)
+                through = self.chat.render(conversation[: i + 1])
+            except template_errors():
+                return None
+            if not (through.startswith(head) and text.startswith(through)):
+                return None
+            reply = through[len(head) :]
+            content = turn["content"]
+            shown = next(
+                (c for c in (content, content.strip(), content.rstrip(), content.lstrip()) if reply.startswith(c)), ""
+            )
+            end = self._end_of_turn(reply, len(shown))
+            spans.append((len(head), len(head) + (end if end > len(shown) else len(reply))))
+        return spans
+
+    def _end_of_turn(self, text: str, after: int) -> int:
+        """Where the end-of-turn token after `after` ends: the first special token, if only
+        whitespace precedes it; else `after` (the reply has no end-of-turn token)."""
+        match = self.chat.special.search(text, after)
+        if match is None or text[after : match.start()].strip():
+            return after
+        return match.end()
+
+
+def template_errors() -> tuple[type[BaseException], ...]:
+    """What rendering a template can raise for one sample's content (jinja2 imported only when rendering)."""
+    import jinja2
+
+    return (jinja2.TemplateError,)
