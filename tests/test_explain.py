@@ -474,8 +474,10 @@ def test_compare_a_library_version_key_hits_the_stages_naming_it_and_their_downs
         "regenerate": StageVerdict.DIRECT,
         "tokenize": StageVerdict.DIRECT,
         "features": StageVerdict.DIRECT,  # the target's forward is transformers' code
+        "proof": StageVerdict.DIRECT,  # it regenerates and tokenizes its own data
     }
-    assert cause_tuples(found) == [("param", key, "5.24.0", "5.25.0", ("target", "regenerate", "tokenize", "features"))]
+    causes = ("target", "regenerate", "tokenize", "features", "proof")
+    assert cause_tuples(found) == [("param", key, "5.24.0", "5.25.0", causes)]
 
 
 def test_compare_the_always_changed_fingerprint_invalidates_nothing_by_itself(dag):

@@ -48,7 +48,7 @@ OUTPUTS = {
         TRAIN_METRICS_DIR / "plots" / "images": TIMED,
     },  # loss, lr and accuracy plots (tables and images) are byte-identical
     "bench": {METRICS / "bench.json": TIMED},
-    "proof": {METRICS / "proof.json": TIMED},  # its tau is exact; train_s and decode_s are timings
+    "proof": {METRICS / "proof.json": TIMED},  # its tau is exact; its seconds are timings
     "evaluate": {
         METRICS / "eval.json": TIMED,
         METRICS / "eval_regression.json": TIMED,

@@ -61,8 +61,7 @@ def run_proof(
         "lossless": c.lossless,
         "lengths": c.lengths,
         "slot_acceptance": c.slot_acceptance,
-        "train_s": c.train_s,
-        "decode_s": c.decode_s,
+        "seconds": {"train": c.train_s, "decode": c.decode_s},
     }
     write_json_atomic(Path(metrics_path), metrics)
     verdict = "passed" if passed else "FAILED"
