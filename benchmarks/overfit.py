@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -42,15 +42,9 @@ def main() -> None:
         "--arms", nargs="+", default=[ALIGNED, *MISALIGNMENTS], choices=[ALIGNED, *MISALIGNMENTS], help="default: all"
     )
     args = parser.parse_args()
-    run = ProofRun(
-        model=params["model"],
-        compute=params["compute"],
-        samples=args.samples,
-        max_new_tokens=args.max_new_tokens,
-        seq_len=args.seq_len,
-        num_anchors=args.anchors,
-        lr=args.lr,
-    )
+    chosen = {"samples": args.samples, "max_new_tokens": args.max_new_tokens, "seq_len": args.seq_len}
+    proof = replace(proof, **chosen, num_anchors=args.anchors, lr=args.lr)
+    run = ProofRun.of(proof, params["model"], params["compute"])
     table = {arm: memorise(run, args.target, args.work, args.steps, ROOT, arm) for arm in args.arms}
     out = args.work / "overfit.json"
     out.write_text(json.dumps({"run": asdict(run), "arms": {k: [asdict(c) for c in v] for k, v in table.items()}}))

@@ -28,7 +28,7 @@ from dflashpipe.core.params import (
     TopologyParams,
     TrainParams,
 )
-from dflashpipe.core.params.sections import RegenerateParams
+from dflashpipe.core.params.sections import ProofParams, RegenerateParams
 
 ALIGNED = "aligned"
 MEMORISED = 0.8
@@ -52,6 +52,19 @@ class ProofRun:
     num_anchors: int = 256
     lr: float = 2e-3
     seed: int = 0
+
+    @classmethod
+    def of(cls, proof: ProofParams, model: ModelParams, compute: ComputeParams) -> ProofRun:
+        """The run params.yaml's `proof` section describes, on the drafter `model` describes."""
+        return cls(
+            model=model,
+            compute=compute,
+            samples=proof.samples,
+            max_new_tokens=proof.max_new_tokens,
+            seq_len=proof.seq_len,
+            num_anchors=proof.num_anchors,
+            lr=proof.lr,
+        )
 
     def model_params(self) -> ModelParams:
         return replace(self.model, seq_len=self.seq_len, num_anchors=self.num_anchors)

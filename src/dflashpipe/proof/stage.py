@@ -26,15 +26,7 @@ def run_proof(
     root: Path | str = ".",
 ) -> dict:
     root = Path(root)
-    run = ProofRun(
-        model=model,
-        compute=compute,
-        samples=params.samples,
-        max_new_tokens=params.max_new_tokens,
-        seq_len=params.seq_len,
-        num_anchors=params.num_anchors,
-        lr=params.lr,
-    )
+    run = ProofRun.of(params, model, compute)
     # a scratch directory of DVC's own: removed before a run and after a passing one, kept after a failure to look at
     work = root / ".dvc" / "tmp" / "proof"
     shutil.rmtree(work, ignore_errors=True)
