@@ -120,7 +120,7 @@ def plan_lines(p: Plan) -> list[str]:
 
 
 def _reserve() -> str:
-    from dflashpipe.commands.plan.memory import RESERVE
+    from dflashpipe.commands.plan.cost import RESERVE
 
     return f"{RESERVE:.0%}"
 
