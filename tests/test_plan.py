@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 
 from dflashpipe.cli import app
 from dflashpipe.commands.plan import PlanError, make_plan
-from dflashpipe.commands.plan.published import SPECFORGE_QWEN3_8B
-from dflashpipe.commands.plan.throughput import sides, splits
+from dflashpipe.commands.plan.calibration import SPECFORGE_QWEN3_8B
+from dflashpipe.commands.plan.cost import sides, splits
 from dflashpipe.core.devices import published
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -2,19 +2,37 @@
 
 Invariant: every figure is computed from the run's params (a profile and `-S` values over params.yaml), the
 target's config.json, the device table (dflashpipe.core.devices, the user's own rows, this CPU measured now) and MFUs
-calibrated from measurements (calibration.py); every input figure carries its source (measured here,
-published with its source, or assumed), in the text and in the JSON. The modules split where the work does:
-`inputs` (params, config, devices, data size), `model` (the models on the meta device), `calibration` (MFUs),
-`memory`, `throughput`, `against_train` (the plan of the run train last made against what it measured), `render`.
-"""
+calibrated from measurements; every input figure carries its source (measured here, published with its source, or
+assumed), in the text and in the JSON. `make_plan` reads in the order of the modules: `inputs` (params, config,
+devices, data size), `cost` (shapes, memory per device, then time at the calibrated MFUs), `calibration` (the MFUs,
+and the plan of the run train last made against what it measured), `render` (text and JSON)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflashpipe.commands.plan.against_train import against_train
-from dflashpipe.commands.plan.calibration import Calibration, calibrate
+from dflashpipe.commands.plan.calibration import against_train, calibrate
+from dflashpipe.commands.plan.cost import (
+    Calibration,
+    DeviceMemory,
+    Fit,
+    Models,
+    Shapes,
+    Side,
+    Split,
+    Transfer,
+    Wall,
+    balanced,
+    bound,
+    device_memory,
+    largest_fit,
+    sides,
+    splits,
+    transfer,
+    wall,
+)
 from dflashpipe.commands.plan.inputs import (
     DataSize,
     DeviceChoice,
@@ -26,21 +44,7 @@ from dflashpipe.commands.plan.inputs import (
     resolve_run,
     target_config,
 )
-from dflashpipe.commands.plan.memory import DeviceMemory, Fit, device_memory, largest_fit
-from dflashpipe.commands.plan.model import Models, Shapes
 from dflashpipe.commands.plan.render import gib, plan_json, plan_lines
-from dflashpipe.commands.plan.throughput import (
-    Side,
-    Split,
-    Transfer,
-    Wall,
-    balanced,
-    bound,
-    sides,
-    splits,
-    transfer,
-    wall,
-)
 
 __all__ = ["Plan", "PlanError", "make_plan", "plan_json", "plan_lines"]
 
@@ -99,15 +103,17 @@ def make_plan(
     run = resolve_run(profile, list(sets or []), root)
     config = target_config(run, root, target)
     devices = choose_devices(run, device, Path(devices_file) if devices_file else None, root)
-    models = Models.build(config.config, run.model)
+    data = data_size(run, root)
+
     topology = run.topology
+    models = Models.build(config.config, run.model)
     shapes = Shapes.of(models, run.model, run.compute, topology.target_devices[0], topology.drafter_devices[0])
     memory = device_memory(shapes, run, devices.target, devices.drafter)
     fit = largest_fit(shapes, run, devices.target, devices.drafter)
     refuse_what_does_not_fit(run, memory, fit)
+
     calibration = calibrate(run, devices, root, config)
     target_side, drafter_side = sides(run, shapes, devices, calibration)
-    data = data_size(run, root)
     tokens_per_s = min(target_side.rows_per_s, drafter_side.rows_per_s) * run.model.seq_len
     plan = Plan(
         run,
@@ -125,7 +131,7 @@ def make_plan(
         wall(run, tokens_per_s / run.model.seq_len, data),
         None,
     )
-    return Plan(**{**plan.__dict__, "check": against_train(plan, root)})
+    return dataclasses.replace(plan, check=against_train(plan, root))
 
 
 def refuse_what_does_not_fit(run: Run, memory: list[DeviceMemory], fit: Fit) -> None:

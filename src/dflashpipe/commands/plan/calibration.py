@@ -1,7 +1,7 @@
 """The MFUs a plan runs each side at, calibrated from measurements, never assumed: every figure carries where it
 comes from.
 
-- A GPU side: SpecForge's disaggregated run on 8 H200 (published.py), restated in this project's FLOP
+- A GPU side: SpecForge's disaggregated run on 8 H200 (SPECFORGE_QWEN3_8B, below), restated in this project's FLOP
   convention: one capture GPU's prefill tokens/s x the target's FLOPs a token, and one trainer GPU's samples/s
   inside the running pipeline x the drafter's FLOPs a sample, over the H200's peak. The trainer's MFU alone on
   one GPU (43.5%) is higher; the pipeline's is what a plan of a pipeline needs, and only it orders the published
@@ -10,6 +10,11 @@ comes from.
   its busy seconds, the target's (online) or the stored features' bytes (offline) over the target's; the target's
   forward also from the features stage's rate. The CPU's peak is measured now, so an MFU here is a ratio of two
   measurements of this machine.
+
+The plan of the run train last made here is then checked against what train measured (`against_train`): its
+tokens/s and FLOP/s must fall within the spread of its steps' own rates. The CPU's MFUs are calibrated on the same
+run's busy seconds, so what that checks is the rest of the plan: the FLOP count (train's own, exactly), and the
+pipeline model, in which a step lasts as long as the binding side is busy and the other side's time hides behind it.
 """
 
 from __future__ import annotations
@@ -18,36 +23,37 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
-from dflashpipe.commands.plan.inputs import DeviceChoice, PlanError, Run, TargetConfig, resolve_run, target_config
-from dflashpipe.commands.plan.model import Models, Shapes, feature_bytes_per_token, whole_forward_flops
-from dflashpipe.commands.plan.published import SPECFORGE_QWEN3_8B, TARGET_CONFIGS, PublishedRun
+from dflashpipe.commands.plan.cost import (
+    Calibration,
+    Figure,
+    Models,
+    Shapes,
+    feature_bytes_per_token,
+    whole_forward_flops,
+)
+from dflashpipe.commands.plan.inputs import (
+    TARGET_CONFIGS,
+    DeviceChoice,
+    PlanError,
+    Run,
+    TargetConfig,
+    resolve_run,
+    target_config,
+)
 from dflashpipe.core.devices import published
 from dflashpipe.core.params import PARAMS_FILE
 from dflashpipe.core.pipeline import BENCH_METRICS, FEATURES_METRICS, TRAIN_METRICS
 from dflashpipe.train.flops import side_flops
 
+if TYPE_CHECKING:
+    from dflashpipe.commands.plan import Plan
+
 DISK_READ = 3e9
 """Assumed: bytes/s one node reads stored features at (one NVMe drive, sequentially; no measurement here)."""
-
-
-@dataclass(frozen=True)
-class Figure:
-    value: float
-    source: str
-
-
-@dataclass(frozen=True)
-class Calibration:
-    target: Figure
-    """MFU of the target's forward on the target devices' kind."""
-    drafter: Figure
-    """MFU of the drafter's forward and backward on the drafter devices' kind."""
-    read: Figure
-    """Bytes/s at which stored (offline) features are read, per node."""
-    notes: tuple[str, ...] = ()
 
 
 def calibrate(run: Run, devices: DeviceChoice, root: Path, config: TargetConfig) -> Calibration:
@@ -73,6 +79,53 @@ def calibrate(run: Run, devices: DeviceChoice, root: Path, config: TargetConfig)
 
 
 # -- published: SpecForge on H200 ------------------------------------------------------------------
+
+
+# Facts, not code: the numbers are the publication's own; what is derived from them (an MFU in this project's
+# FLOP convention) is derived below, in the open.
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """A measured drafter-training run on real GPUs, as its authors published it."""
+
+    source: str
+    device: str
+    """The GPU it ran on (a row of dflashpipe.core.devices)."""
+    target: str
+    """Its target's config (a key of TARGET_CONFIGS)."""
+    drafter_layers: int
+    block_size: int
+    num_anchors: int
+    tokens_per_sample: int
+    """The samples' mean length: what the capture server prefilled per sample."""
+    capture_tokens_per_s: float
+    """What one capture (target) GPU supplied, in prefill tokens/s, while the run was supply-bound."""
+    trainer_samples_per_s: float
+    """What one trainer (drafter) GPU consumed inside the running pipeline."""
+    trainer_mfu_alone: float
+    """The trainer's MFU measured on one GPU alone, no data path (the authors' own FLOP count)."""
+    splits: dict[tuple[int, int], float]
+    """(capture GPUs, trainer GPUs) -> samples/s of the whole run."""
+
+
+SPECFORGE_QWEN3_8B = PublishedRun(
+    source=(
+        "SpecForge examples/disagg/PERF_FINDINGS.md (sgl-project/SpecForge, PR #661: "
+        "https://github.com/sgl-project/SpecForge/pull/661), 1x8 H200, samples over >= 390 s"
+    ),
+    device="H200",
+    target="qwen3-8b",
+    drafter_layers=5,
+    block_size=16,
+    num_anchors=256,
+    tokens_per_sample=550,
+    capture_tokens_per_s=27_000,
+    trainer_samples_per_s=7.0,
+    trainer_mfu_alone=0.435,
+    splits={(1, 7): 50.1, (2, 6): 39.0},
+)
+"""SpecForge's disaggregated DFlash-family training of a ~1.1B draft for Qwen3-8B on 8 H200s."""
 
 
 def published_run_models(pub: PublishedRun, base: Run) -> tuple[Models, object]:
@@ -200,3 +253,67 @@ def measured_here(run: Run, devices: DeviceChoice, root: Path, config: TargetCon
         else Figure(DISK_READ, "assumed: one NVMe drive's sequential read"),
         tuple(notes),
     )
+
+
+# -- against the measured train run ----------------------------------------------------------------
+
+
+TRAIN_SECTIONS = ("model", "compile", "topology", "train", "features", "compute")
+"""What decides a train run's speed: the plan is checked only against a run of the same values."""
+
+
+def against_train(plan: Plan, root: Path) -> dict | None:
+    """Predicted vs measured for the run in metrics/train/metrics.json, or None when this plan is not of that run
+    (other params, or devices other than this CPU)."""
+    if plan.devices.target.name != "cpu" or plan.devices.drafter.name != "cpu":
+        return None
+    metrics = _read_json(root / TRAIN_METRICS)
+    if metrics is None:
+        return None
+    measured = measured_run(root)
+    if any(getattr(plan.run, s) != getattr(measured, s) for s in TRAIN_SECTIONS):
+        return None
+    run, sh = plan.run, plan.shapes
+    rows_per_step = len(run.topology.drafter_devices) * run.compile.micro_batch
+    step_s = rows_per_step / plan.rows_per_s
+    steps = (metrics.get("balance") or {}).get("steps", metrics["steps"])
+    spread, median = metrics["tokens_per_s_spread"], metrics["tokens_per_s"]
+    low, high = spread["low"] / median, spread["high"] / median
+    supervised = metrics["supervised_tokens"] / metrics["steps"] / step_s
+    flops = plan.flops_per_step / step_s
+    measured_flops = metrics["throughput"]["flops_per_s"]
+    if run.features.mode == "offline":  # each target worker read at the calibrated rate
+        n_t = len(run.topology.target_devices)
+        t_busy = n_t * steps * rows_per_step * run.model.seq_len * feature_bytes_per_token(sh, run.model)
+        t_busy /= plan.calibration.read.value
+    else:
+        t_busy = steps * rows_per_step / plan.target.per_worker
+    return {
+        "run": f"{TRAIN_METRICS}: {metrics['steps']} steps",
+        "flops_per_step": {"predicted": plan.flops_per_step, "measured": metrics["throughput"]["flops_per_step"]},
+        "tokens_per_s": {
+            "predicted": round(supervised, 1),
+            "measured": median,
+            "low": spread["low"],
+            "high": spread["high"],
+            "within": spread["low"] <= supervised <= spread["high"],
+            "what": "supervised tokens/s (train's tokens_per_s): its mean supervised tokens a step / predicted step",
+        },
+        "flops_per_s": {
+            "predicted": float(f"{flops:.4g}"),
+            "measured": measured_flops,
+            "low": float(f"{measured_flops * low:.4g}"),
+            "high": float(f"{measured_flops * high:.4g}"),
+            "within": measured_flops * low <= flops <= measured_flops * high,
+            "what": "train's flops_per_s; its spread is tokens_per_s's, relative",
+        },
+        "busy_s": {
+            "target": {"predicted": round(t_busy, 3), "measured": metrics["busy_s"]["target"]},
+            "drafter": {
+                "predicted": round(steps * rows_per_step / plan.drafter.per_worker, 3),
+                "measured": metrics["busy_s"]["drafter"],
+            },
+            "what": "calibrated on these very seconds: equal by construction, shown for the record",
+        },
+        "bound_by": {"predicted": plan.bound_by, "measured": metrics["throughput"].get("bound_by")},
+    }

@@ -1,5 +1,6 @@
 """What a plan is computed from: the run's params (params.yaml, a profile laid over it, `-S` values), the target's
-config.json, the devices (a published row, the user's own file, or this CPU, measured) and the data's size.
+config.json (or a shipped one, so that a model need not be downloaded to be planned for), the devices (a published
+row, the user's own file, or this CPU, measured) and the data's size.
 
 Every failure is one PlanError naming the file, the key and the fix.
 """
@@ -15,7 +16,6 @@ from typing import Any
 
 import yaml
 
-from dflashpipe.commands.plan.published import TARGET_CONFIGS
 from dflashpipe.core.devices import GB, PUBLISHED, Device
 from dflashpipe.core.errors import DflashpipeError, ParamsError
 from dflashpipe.core.params import PARAMS_FILE, SECTIONS, build
@@ -82,6 +82,31 @@ def parse_set(item: str) -> tuple[str, Any]:
 
 
 # -- the target's config --------------------------------------------------------------------------
+
+
+TARGET_CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
+    "qwen3-8b": (
+        {
+            "model_type": "qwen3",
+            "architectures": ["Qwen3ForCausalLM"],
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "max_position_embeddings": 40960,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+        },
+        "Qwen/Qwen3-8B config.json, https://huggingface.co/Qwen/Qwen3-8B/blob/main/config.json",
+    ),
+}
+"""Shipped target configs by name (`dflashpipe plan --target-config qwen3-8b`): the architecture keys of the
+published config.json, which is all a plan reads of a target."""
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ import dataclasses
 import json
 from typing import TYPE_CHECKING
 
+from dflashpipe.commands.plan.cost import RESERVE
+
 if TYPE_CHECKING:
     from dflashpipe.commands.plan import Plan
 
@@ -29,10 +31,22 @@ def _duration(seconds: float) -> str:
 
 
 def plan_lines(p: Plan) -> list[str]:
-    run, sh, cal = p.run, p.shapes, p.calibration
-    s = run.model.seq_len
-    lines = [f"plan: {run.label}", f"  target config: {p.target_config.source}"]
-    lines.append("devices")
+    """The plan as `dflashpipe plan` prints it, in the order it is made: inputs, cost, the check."""
+    return [
+        f"plan: {p.run.label}",
+        f"  target config: {p.target_config.source}",
+        *_device_lines(p),
+        *_calibration_lines(p),
+        *_memory_lines(p),
+        *_throughput_lines(p),
+        *_feature_lines(p),
+        *_wall_lines(p),
+        *_check_lines(p),
+    ]
+
+
+def _device_lines(p: Plan) -> list[str]:
+    lines = ["devices"]
     for role in ("target", "drafter"):
         d = getattr(p.devices, role)
         link = f", link {_si(d.link_bytes_per_s, 'B/s')} one way" if d.link_bytes_per_s else ""
@@ -40,13 +54,23 @@ def plan_lines(p: Plan) -> list[str]:
             f"  {role:8} {d.name}: bf16 {_si(d.bf16_flops, 'FLOP/s')}, fp32 {_si(d.fp32_flops, 'FLOP/s')}, "
             f"{gib(d.memory_bytes)}{link}  [{d.source}]"
         )
-    lines.append("calibration")
-    lines.append(f"  target MFU {cal.target.value:.3g}  [{cal.target.source}]")
-    lines.append(f"  drafter MFU {cal.drafter.value:.3g}  [{cal.drafter.source}]")
-    if run.features.mode == "offline":
+    return lines
+
+
+def _calibration_lines(p: Plan) -> list[str]:
+    cal = p.calibration
+    lines = [
+        "calibration",
+        f"  target MFU {cal.target.value:.3g}  [{cal.target.source}]",
+        f"  drafter MFU {cal.drafter.value:.3g}  [{cal.drafter.source}]",
+    ]
+    if p.run.features.mode == "offline":
         lines.append(f"  stored features read at {_si(cal.read.value, 'B/s')}  [{cal.read.source}]")
-    lines += [f"  note: {n}" for n in cal.notes]
-    lines.append(f"memory per device (estimates; {_reserve()} of each device kept in reserve)")
+    return lines + [f"  note: {n}" for n in cal.notes]
+
+
+def _memory_lines(p: Plan) -> list[str]:
+    lines = [f"memory per device (estimates; {RESERVE:.0%} of each device kept in reserve)"]
     alike: dict[tuple, list[str]] = {}  # devices holding the same workers and terms: one line
     for d in p.memory:
         alike.setdefault((d.roles, d.terms, d.usable), []).append(d.device)
@@ -55,12 +79,15 @@ def plan_lines(p: Plan) -> list[str]:
         listed = ", ".join(f"{t.name} {gib(t.bytes)}" for t in sorted(terms, key=lambda t: -t.bytes) if t.bytes)
         lines.append(f"  {', '.join(names)} ({'+'.join(roles)}): {gib(total)} of {gib(usable)} each: {listed}")
     lines.append(
-        f"  largest that fits: model.seq_len {p.fit.seq_len} at compile.micro_batch {run.compile.micro_batch}; "
-        f"compile.micro_batch {p.fit.micro_batch} at model.seq_len {s}"
+        f"  largest that fits: model.seq_len {p.fit.seq_len} at compile.micro_batch {p.run.compile.micro_batch}; "
+        f"compile.micro_batch {p.fit.micro_batch} at model.seq_len {p.run.model.seq_len}"
     )
-    lines.append(
-        f"throughput (rows of {s} tokens; {_si(sh.target_flops)} FLOP target, {_si(sh.drafter_flops)} drafter)"
-    )
+    return lines
+
+
+def _throughput_lines(p: Plan) -> list[str]:
+    run, sh, s = p.run, p.shapes, p.run.model.seq_len
+    lines = [f"throughput (rows of {s} tokens; {_si(sh.target_flops)} FLOP target, {_si(sh.drafter_flops)} drafter)"]
     for side in (p.target, p.drafter):
         lines.append(
             f"  {side.name:8} side {side.rows_per_s:,.3g} rows/s = {_si(side.rows_per_s * s)} tokens/s ({side.how})"
@@ -82,47 +109,53 @@ def plan_lines(p: Plan) -> list[str]:
             f"  balanced: {best.targets}+{best.drafters}, {_si(best.rows_per_s * s)} tokens/s "
             f"({best.rows_per_s / p.rows_per_s:.2g}x the configured {configured}+{len(run.topology.drafter_devices)})"
         )
-    t = p.transfer
-    if run.features.mode == "online" and t.link_bytes_per_s:
+    return lines
+
+
+def _feature_lines(p: Plan) -> list[str]:
+    t, lines = p.transfer, []
+    if p.run.features.mode == "online" and t.link_bytes_per_s:
         lines.append(
             f"features between devices: {_si(t.bytes_per_token, 'B')} a token x {_si(p.tokens_per_s)} tokens/s = "
             f"{_si(t.bytes_per_s, 'B/s')}; the busiest device {_si(t.per_device_bytes_per_s, 'B/s')} of its "
             f"{_si(t.link_bytes_per_s, 'B/s')} link ({t.per_device_bytes_per_s / t.link_bytes_per_s:.1%})"
         )
-    elif run.features.mode == "online":
+    elif p.run.features.mode == "online":
         lines.append(f"features between workers: {_si(t.bytes_per_token, 'B')} a token, in one memory (no link)")
     lines.append(
         f"offline features would take {_si(t.offline_bytes, 'B')} on disk ({p.data.samples:,} samples x "
-        f"{min(p.data.tokens_per_sample, s):,.0f} tokens x {_si(t.bytes_per_token, 'B')}; mean length "
-        f"[{p.data.source}]), read at {_si(t.bytes_per_s, 'B/s')}"
+        f"{min(p.data.tokens_per_sample, p.run.model.seq_len):,.0f} tokens x {_si(t.bytes_per_token, 'B')}; mean "
+        f"length [{p.data.source}]), read at {_si(t.bytes_per_s, 'B/s')}"
     )
-    w = p.wall
-    lines.append(
-        f"wall: train.max_steps {run.train.max_steps} = {w.rows:,} rows in {_duration(w.seconds)} "
-        f"({w.epochs:.3g} epochs of the data; one epoch {_duration(w.epoch_rows / p.rows_per_s)})"
-    )
-    if p.check:
-        c = p.check
-        lines.append(f"against the measured train ({c['run']})")
-        for key in ("tokens_per_s", "flops_per_s"):
-            x = c[key]
-            verdict = "within" if x["within"] else "OUTSIDE"
-            lines.append(
-                f"  {key}: predicted {_si(x['predicted'])}, measured {_si(x['measured'])} "
-                f"(steps {_si(x['low'])}..{_si(x['high'])}): {verdict} its spread"
-            )
-        lines.append(
-            f"  flops_per_step: predicted {c['flops_per_step']['predicted']:,}, measured "
-            f"{c['flops_per_step']['measured']:,}; bound by: predicted {c['bound_by']['predicted']}, "
-            f"measured {c['bound_by']['measured']}"
-        )
     return lines
 
 
-def _reserve() -> str:
-    from dflashpipe.commands.plan.memory import RESERVE
+def _wall_lines(p: Plan) -> list[str]:
+    w = p.wall
+    return [
+        f"wall: train.max_steps {p.run.train.max_steps} = {w.rows:,} rows in {_duration(w.seconds)} "
+        f"({w.epochs:.3g} epochs of the data; one epoch {_duration(w.epoch_rows / p.rows_per_s)})"
+    ]
 
-    return f"{RESERVE:.0%}"
+
+def _check_lines(p: Plan) -> list[str]:
+    if not p.check:
+        return []
+    c = p.check
+    lines = [f"against the measured train ({c['run']})"]
+    for key in ("tokens_per_s", "flops_per_s"):
+        x = c[key]
+        verdict = "within" if x["within"] else "OUTSIDE"
+        lines.append(
+            f"  {key}: predicted {_si(x['predicted'])}, measured {_si(x['measured'])} "
+            f"(steps {_si(x['low'])}..{_si(x['high'])}): {verdict} its spread"
+        )
+    lines.append(
+        f"  flops_per_step: predicted {c['flops_per_step']['predicted']:,}, measured "
+        f"{c['flops_per_step']['measured']:,}; bound by: predicted {c['bound_by']['predicted']}, "
+        f"measured {c['bound_by']['measured']}"
+    )
+    return lines
 
 
 def plan_json(p: Plan) -> str:
@@ -136,7 +169,7 @@ def plan_json(p: Plan) -> str:
         "shapes": dataclasses.asdict(p.shapes),
         "data": dataclasses.asdict(p.data),
         "memory": {
-            "reserve": _reserve(),
+            "reserve": f"{RESERVE:.0%}",
             "devices": [
                 {
                     "device": d.device,
