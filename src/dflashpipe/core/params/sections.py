@@ -483,10 +483,11 @@ class ProofParams:
         ):
             if not (low <= value <= high):
                 raise ParamsError(f"params.yaml: proof.{key} = {value}: must be between {low} and {high}")
-        if not (self.lr > 0 and self.min_tau >= 0):
+        if not (0.0 < self.lr <= 1.0):
+            raise ParamsError(f"params.yaml: proof.lr = {self.lr}: must be above 0 and at most 1")
+        if not (0.0 <= self.min_tau <= 1024.0):
             raise ParamsError(
-                f"params.yaml: proof.lr = {self.lr}, proof.min_tau = {self.min_tau}: lr must be positive and "
-                "min_tau not negative"
+                f"params.yaml: proof.min_tau = {self.min_tau}: must be between 0 and 1024, a block's tokens"
             )
 
 
