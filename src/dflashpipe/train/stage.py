@@ -15,7 +15,7 @@ from dflashpipe.pipeline import COMPILE, DRAFTER, FEATURES, TARGET, TOKENS, TRAI
 from dflashpipe.spread import Measuring
 from dflashpipe.tokens.shards import load_tokens
 from dflashpipe.train.card import write_model_card
-from dflashpipe.train.checkpoint import checkpoint_key, load_checkpoint, save_checkpoint
+from dflashpipe.train.checkpoint import CheckpointPolicy, checkpoint_key, load_checkpoint
 from dflashpipe.train.loop import Trainer
 from dflashpipe.train.metrics import train_metrics, write_plots
 from dflashpipe.train.state import TrainInputs
@@ -93,27 +93,18 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
         guard.arm()
     before = dynamo_counters()
 
-    max_steps, every = inputs.train.max_steps, inputs.train.checkpoint_every
-
-    def save(t: Trainer) -> None:
-        save_checkpoint(t.state, t.replicas[0].drafter, t.replicas[0].optimizer, paths.state, key)
-
-    def on_step(t: Trainer) -> None:
-        # In the main thread, while the drafter threads compute the next step: it reads only the state, weights
-        # and optimizer the main thread alone writes.
-        if topology.rank != 0:
-            return
-        if every and t.state.step % every == 0 and t.state.step < max_steps:  # the last step's: with the outputs
-            save(t)
-        last = t.state.history[-1]
-        print(
-            f"train: step {last.step + 1}/{max_steps} loss {last.loss:.4f} lr {last.lr:.2e} "
-            f"{last.tokens / max(last.seconds, 1e-9):.0f} tok/s",
-            flush=True,
-        )
-
+    # built once the Trainer has restored: it writes the TrainState that the Trainer then holds
+    checkpoints = CheckpointPolicy(
+        paths.state,
+        key,
+        inputs.train.checkpoint_every,
+        writes=topology.rank == 0,
+        state=trainer.state,
+        drafter=trainer.replicas[0].drafter,
+        optimizer=trainer.replicas[0].optimizer,
+    )
     with Measuring(trainer.replicas[0].device) as window:  # what the machine gave the steps, and the control
-        trainer.run(guard, on_step)
+        trainer.run(guard, checkpoints)
     if inputs.compile.enabled:
         guard.disarm()
     after = dynamo_counters()
@@ -148,6 +139,5 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
             write_file_listing(tmp)  # evaluate checks the drafter against it before use
         write_plots(trainer.state.history, paths.metrics)
         write_json_atomic(paths.metrics / "metrics.json", metrics)
-        if every:
-            save(trainer)
+        checkpoints.save(trainer.state.step, last_step=True)
     return metrics
