@@ -19,7 +19,7 @@ from dflashpipe.train.checkpoint import CheckpointPolicy, checkpoint_key, load_c
 from dflashpipe.train.loop import Trainer
 from dflashpipe.train.metrics import train_metrics, write_plots
 from dflashpipe.train.state import TrainInputs
-from dflashpipe.train.topology import check_topology, train_threads
+from dflashpipe.train.topology import Topology, check_topology, train_threads
 
 
 @dataclass(frozen=True)
@@ -57,36 +57,10 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
     `paths.state` is resumed only if it was saved under the same key and process count; None never
     resumes. `compile_key`: warmup's key, which the compile artifact must have been built under to be
     used (None: compile cold)."""
-    from transformers import AutoTokenizer
-
     topology = check_topology(inputs.topology)  # before anything loads
-    # The main thread loads (or compiles) and warms up the drafter step at the drafter threads' count: the
-    # compiled step is bound to the count it was compiled at (dflashpipe.threads), warmup's too.
-    train_threads(topology).apply("drafter", topology.drafters[0])
     key = checkpoint_key(key, topology.world_size)
     paths.state.mkdir(parents=True, exist_ok=True)  # a declared output, even when no checkpoint is due
-    if topology.world_size > 1:
-        import torch.distributed as dist
-
-        dist.init_process_group("nccl" if topology.drafters[0].type == "cuda" else "gloo")
-    data = load_tokens(paths.tokens)
-    tokenizer = AutoTokenizer.from_pretrained(paths.target)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-    compile_note = "eager: compile.enabled is false"
-    if inputs.compile.enabled:
-        compile_note = load_artifact_or_go_cold(paths.compile, paths.state / "inductor-cache", compile_key)
-        if compile_note != "artifact":
-            print(f"train: {compile_note}, in the main thread")
-    COUNTER.install()
-
-    trainer = Trainer(inputs, data, topology, paths.target, pad_id)
-    trainer.build(tokenizer)
-    if inputs.features.mode == "offline":
-        trainer.features = offline_features(inputs, paths, data, trainer.targets[0])
-    checkpoint = load_checkpoint(paths.state, key)
-    if checkpoint is not None:
-        trainer.restore(checkpoint)
+    trainer, compile_note = load_trainer(inputs, paths, topology, key, compile_key)
     warm_s = trainer.warm_up_compiled()
     guard = CompileGuard(strict=inputs.compile.guard == "error")
     if inputs.compile.enabled:
@@ -124,20 +98,66 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
     )
     metrics["threads"] = trainer.threads.to_json()
     if mismatches:  # before any output: a drafter from diverged replicas is no result
-        shown = ", ".join(mismatches[:3]) + (f" and {len(mismatches) - 3} more" if len(mismatches) > 3 else "")
-        raise DflashpipeError(
-            f"drafter replicas diverged ({shown} differ from replica 0): their gradients were "
-            f"not averaged identically, a bug in dflashpipe/train/loop.py; no output written"
-        )
+        raise diverged(mismatches)
     if topology.rank == 0:
-        with atomic_directory(paths.drafter) as tmp:
-            # bf16 to serve (the checkpoint keeps the exact fp32 weights), with its model card: only what
-            # train's inputs decide (no revision, no dvc.lock hash), so the same inputs give the same bytes
-            trainer.replicas[0].drafter.save_pretrained(tmp, dtype=PUBLISHED_DTYPE)
-            params = {name: asdict(getattr(inputs, name)) for name in ("model", "train", "compile", "topology")}
-            write_model_card(tmp, target_dir=paths.target, tokens_dir=paths.tokens, params=params)
-            write_file_listing(tmp)  # evaluate checks the drafter against it before use
-        write_plots(trainer.state.history, paths.metrics)
-        write_json_atomic(paths.metrics / "metrics.json", metrics)
-        checkpoints.save(trainer.state.step, last_step=True)
+        write_outputs(trainer, inputs, paths, metrics)
+        checkpoints.save(trainer.state.step, last_step=True)  # only now: a refused run leaves no finished one
     return metrics
+
+
+def load_trainer(
+    inputs: TrainInputs, paths: TrainPaths, topology: Topology, key: StageKey | None, compile_key: StageKey | None
+) -> tuple[Trainer, str]:
+    """This process set up for training (its threads, its process group under torchrun), the Trainer built on
+    `topology`'s devices and resumed from the checkpoint saved under `key` if there is one, and how its drafter
+    step was compiled (the metrics' compile note)."""
+    from transformers import AutoTokenizer
+
+    # The main thread loads (or compiles) and warms up the drafter step at the drafter threads' count: the
+    # compiled step is bound to the count it was compiled at (dflashpipe.threads), warmup's too.
+    train_threads(topology).apply("drafter", topology.drafters[0])
+    if topology.world_size > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if topology.drafters[0].type == "cuda" else "gloo")
+    data = load_tokens(paths.tokens)
+    tokenizer = AutoTokenizer.from_pretrained(paths.target)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    compile_note = "eager: compile.enabled is false"
+    if inputs.compile.enabled:
+        compile_note = load_artifact_or_go_cold(paths.compile, paths.state / "inductor-cache", compile_key)
+        if compile_note != "artifact":
+            print(f"train: {compile_note}, in the main thread")
+    COUNTER.install()
+
+    trainer = Trainer(inputs, data, topology, paths.target, pad_id)
+    trainer.build(tokenizer)
+    if inputs.features.mode == "offline":
+        trainer.features = offline_features(inputs, paths, data, trainer.targets[0])
+    checkpoint = load_checkpoint(paths.state, key)
+    if checkpoint is not None:
+        trainer.restore(checkpoint)
+    return trainer, compile_note
+
+
+def diverged(mismatches: list[str]) -> DflashpipeError:
+    """The refusal of a drafter whose replicas differ (`mismatches`: Trainer.replica_mismatches)."""
+    shown = ", ".join(mismatches[:3]) + (f" and {len(mismatches) - 3} more" if len(mismatches) > 3 else "")
+    return DflashpipeError(
+        f"drafter replicas diverged ({shown} differ from replica 0): their gradients were "
+        f"not averaged identically, a bug in dflashpipe/train/loop.py; no output written"
+    )
+
+
+def write_outputs(trainer: Trainer, inputs: TrainInputs, paths: TrainPaths, metrics: dict) -> None:
+    """The drafter (with its model card and file listing), the plots and metrics.json."""
+    with atomic_directory(paths.drafter) as tmp:
+        # bf16 to serve (the checkpoint keeps the exact fp32 weights), with its model card: only what
+        # train's inputs decide (no revision, no dvc.lock hash), so the same inputs give the same bytes
+        trainer.replicas[0].drafter.save_pretrained(tmp, dtype=PUBLISHED_DTYPE)
+        params = {name: asdict(getattr(inputs, name)) for name in ("model", "train", "compile", "topology")}
+        write_model_card(tmp, target_dir=paths.target, tokens_dir=paths.tokens, params=params)
+        write_file_listing(tmp)  # evaluate checks the drafter against it before use
+    write_plots(trainer.state.history, paths.metrics)
+    write_json_atomic(paths.metrics / "metrics.json", metrics)
