@@ -73,8 +73,9 @@ def save_checkpoint(
 @dataclass(frozen=True)
 class CheckpointPolicy:
     """When a run writes its checkpoint, and of what (torchtitan's CheckpointManager, at a fraction of the size):
-    after every `every` steps (train.checkpoint_every; 0: never) and after the last step. Only one process writes
-    (rank 0): every process holds the same weights."""
+    after every `every` steps (train.checkpoint_every; 0: never) and after the last step, which the stage saves
+    once its outputs are written (`Trainer.run` says why). Only rank 0 writes: every process holds the same
+    weights."""
 
     state_dir: Path
     key: StageKey | None
