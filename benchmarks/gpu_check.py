@@ -536,7 +536,7 @@ def section_train(dry: bool, target_name: str, work: Path) -> dict:
     guard.arm()
     before = dynamo_counters()
     began = time.perf_counter()
-    trainer.run(guard, lambda t: None)
+    trainer.run(guard)
     loop_s = time.perf_counter() - began
     guard.disarm()
     after = dynamo_counters()

@@ -202,6 +202,24 @@ def test_diverged_replicas_fail_the_stage_and_write_no_drafter(workdir, monkeypa
     assert not paths.drafter.exists() and not (paths.metrics / "metrics.json").exists()
 
 
+def test_checkpoints_come_every_n_steps_and_the_last_after_the_outputs(workdir, monkeypatch):
+    # The last step's checkpoint is written only once the drafter is: a run refused before its outputs (its
+    # replicas diverged) must leave no finished checkpoint, which a rerun would resume at max_steps.
+    from dflashpipe.train import checkpoint
+    from dflashpipe.train.stage import train_drafter
+
+    inputs, paths = in_process(workdir, config("every-2", drafters=1, max_steps=4, checkpoint_every=2))
+    original, saved = checkpoint.save_checkpoint, []
+
+    def recorded(state, *args):
+        saved.append((state.step, paths.drafter.exists()))
+        return original(state, *args)
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", recorded)
+    train_drafter(inputs, paths, key=None, compile_key=None)
+    assert saved == [(2, False), (4, True)]
+
+
 @pytest.mark.parametrize("where", ["main", "target"])
 def test_a_failure_in_any_thread_stops_every_thread_and_is_raised(workdir, monkeypatch, where):
     # The main thread holds the loop: its failure (here in the optimizer step) must stop the drafter and

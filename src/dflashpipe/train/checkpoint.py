@@ -7,8 +7,8 @@ under (`dflashpipe.core.pipeline.reuse_key("train")` plus the process count, whi
 trajectory but is no dvc.yaml input) and is resumed only under an identical key. A run with
 no key (None) never resumes.
 
-This module reads and writes files only: `load_checkpoint` hands back what was saved, and the
-Trainer loads it into its replicas (`Trainer.restore`).
+This module reads and writes files: `load_checkpoint` hands back what was saved, and the Trainer
+loads it into its replicas (`Trainer.restore`); `CheckpointPolicy` says when a run writes one.
 """
 
 from __future__ import annotations
@@ -68,6 +68,30 @@ def save_checkpoint(
             },
         )
         write_file_listing(tmp)
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """When a run writes its checkpoint, and of what (torchtitan's CheckpointManager, at a fraction of the size):
+    after every `every` steps (train.checkpoint_every; 0: never) and after the last step, which the stage saves
+    once its outputs are written (`Trainer.run` says why). Only rank 0 writes: every process holds the same
+    weights."""
+
+    state_dir: Path
+    key: StageKey | None
+    every: int
+    writes: bool
+    """False on every process but rank 0."""
+    state: TrainState
+    """The run's state, which the loop advances in place: the one the Trainer holds once it has restored."""
+    drafter: DFlashDrafter
+    optimizer: torch.optim.Optimizer
+    """One replica's (every replica is identical)."""
+
+    def save(self, step: int, last_step: bool) -> None:
+        """The checkpoint after `step` steps, when due: every `every` steps, and after the last one."""
+        if self.every and self.writes and (last_step or step % self.every == 0):
+            save_checkpoint(self.state, self.drafter, self.optimizer, self.state_dir, self.key)
 
 
 def verify_checkpoint(path: Path) -> None:

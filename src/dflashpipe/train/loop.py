@@ -6,7 +6,7 @@
       collect every replica's result ◀──────────────────────────────── results[r]
       average over replicas (and processes), clip, AdamW step on every replica, record the step,
       measure the held-out sequences when due; release the drafter threads into the next step;
-      then `on_step` (the checkpoint, the progress line) while they compute it
+      then the checkpoint when due (`CheckpointPolicy`) and the progress line, while they compute it
 
 - Each target device holds a frozen copy of the target; its thread runs the forward
   (no grad) for the (step, replica) items assigned to it round-robin, draws that item's
@@ -17,10 +17,10 @@
   its result to the main thread, then it waits until the main thread has stepped. All replicas start
   from the same initialisation and apply the same averaged gradient with identical optimizers, so
   they stay identical, which the run checks at the end.
-- The threads share one `RunState` (the abort event, the mailboxes both ways, the target workers'
-  busy time, the step's start, the first error). The main thread alone writes the weights, the
-  optimizers and the `TrainState`: `on_step` runs beside the next step's forwards and backwards,
-  which read the weights and write only gradients.
+- The threads share one `RunState` (train/workers.py: the mailboxes both ways, the abort on the first
+  error, the target workers' busy time). The main thread alone writes the weights, the optimizers and
+  the `TrainState`: the checkpoint runs beside the next step's forwards and backwards, which read the
+  weights and write only gradients.
 - The main thread loads the warmup artifact and runs every compiled graph once before
   any worker starts, then arms the compile guard: the workers compile nothing.
 - Under torchrun (WORLD_SIZE > 1) the averaged gradient is all-reduced across
@@ -29,8 +29,8 @@
   from the seed and the step, so a run resumed from a checkpoint ends where an
   uninterrupted one does.
 
-The stage around this loop is train/stage.py; the run's state, train/state.py; checkpoints,
-train/checkpoint.py; metrics, train/metrics.py.
+The stage around this loop is train/stage.py; the threads' plumbing, train/workers.py; the run's state,
+train/state.py; checkpoints, train/checkpoint.py; metrics, train/metrics.py.
 """
 
 from __future__ import annotations
@@ -38,12 +38,11 @@ from __future__ import annotations
 import copy
 import functools
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -56,252 +55,22 @@ from dflashpipe.model import DFlashDrafter, DraftLoss, StepInputs, TargetHead, s
 from dflashpipe.model.loss import prediction_positions
 from dflashpipe.target.adapter import Target
 from dflashpipe.target.hidden_states import target_features_and_predictions, target_layer_features
-from dflashpipe.train.checkpoint import Checkpoint
+from dflashpipe.train.checkpoint import Checkpoint, CheckpointPolicy
 from dflashpipe.train.data import BatchPlan, held_out, without
 from dflashpipe.train.state import StepRecord, TrainInputs, TrainState, simulated_tau
 from dflashpipe.train.topology import Topology, train_threads
+from dflashpipe.train.workers import RunState, StepResult, TargetFeatures
 
 if TYPE_CHECKING:  # only an annotation: training imports no pyarrow (the GPU check's machine has none)
     from dflashpipe.features.shards import FeatureStore
     from dflashpipe.tokens.shards import TokenData
 
-POLL_S = 0.05
-T = TypeVar("T")
-
-
-def lr_at(step: int, p: TrainParams) -> float:
-    """Linear warmup to lr, then cosine down to lr * min_lr_ratio at max_steps."""
-    if step < p.warmup_steps:
-        return p.lr * (step + 1) / p.warmup_steps
-    progress = (step - p.warmup_steps) / max(1, p.max_steps - p.warmup_steps)
-    return p.lr * (p.min_lr_ratio + (1 - p.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
-def anchor_generator(seed: int, step: int, replica: int) -> torch.Generator:
-    """Anchors are resampled every step, per sequence, from (seed, step, global replica) alone."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 4099 + replica)
-
-
-def head_on(target: Target, device: torch.device) -> TargetHead:
-    """The target's embedding, final norm and LM head on `device` (shared when it is the target's device)."""
-    head = TargetHead.of(target.model)
-    if target.device == device:
-        return head
-    return TargetHead(*(copy.deepcopy(m).to(device) for m in (head.embed_tokens, head.final_norm, head.lm_head)))
-
-
-def replica_mismatches(replicas: list[torch.nn.Module]) -> list[str]:
-    """The tensors (as `replica N: name`) in which a replica differs from replica 0; [] when all are identical."""
-    first = {k: v.detach().cpu() for k, v in replicas[0].state_dict().items()}
-    return [
-        f"replica {r}: {k}"
-        for r, rep in enumerate(replicas[1:], start=1)
-        for k, v in rep.state_dict().items()
-        if k not in first or not torch.equal(first[k], v.detach().cpu())
-    ]
-
-
-FUSED_ADAMW_DEVICES = ("cpu", "cuda")
-"""Device types with torch's fused AdamW kernel."""
-
-
-def mean_gradient(buckets: list[torch.Tensor], world_size: int, clip: float) -> torch.Tensor:
-    """The mean of the replicas' flat gradient buckets (on the first one's device), then over processes
-    (world_size > 1: one all-reduce), clipped to total norm `clip` (0: no clipping)."""
-    total = buckets[0].clone()
-    for bucket in buckets[1:]:
-        total += bucket.to(total.device)
-    total /= len(buckets)
-    if world_size > 1:
-        import torch.distributed as dist
-
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        total /= world_size
-    if clip > 0:  # what clip_grad_norm_ does, over the one tensor
-        total.mul_((clip / (torch.linalg.vector_norm(total) + 1e-6)).clamp_max(1.0))
-    return total
-
-
-@dataclass(frozen=True)
-class TargetFeatures:
-    """What a target worker hands one drafter replica for one step."""
-
-    batch: Batch
-    inputs: StepInputs
-    """The step's inputs; its features (and target_hidden) already on the replica's device and dtype."""
-    release: Callable[[], None]
-    """Frees the target worker's prefetch slot: the drafter calls it on receipt."""
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What a drafter replica hands the main thread for a step, once its backward is done (its gradients stay
-    on the replica)."""
-
-    loss_terms: DraftLoss
-    truncated: int
-    padding_fraction: float
-    """Of the replica's rows (all replicas' rows are the same size)."""
-
-
-def _wait(cond: threading.Condition, ready: Callable[[], bool], abort: threading.Event) -> None:
-    """Wait on `cond` (held) until `ready()`; an abort wakes every waiter (_Aborted)."""
-    while not ready():
-        if abort.is_set():
-            raise _Aborted()
-        cond.wait(POLL_S)
-
-
-class Mailbox(Generic[T]):
-    """Items from one thread to another, by step. `get` waits; an abort wakes every waiter."""
-
-    def __init__(self, abort: threading.Event) -> None:
-        self.items: dict[int, T] = {}
-        self.cond = threading.Condition()
-        self.abort = abort
-
-    def put(self, step: int, item: T) -> None:
-        with self.cond:
-            self.items[step] = item
-            self.cond.notify_all()
-
-    def get(self, step: int) -> T:
-        with self.cond:
-            _wait(self.cond, lambda: step in self.items, self.abort)
-            return self.items.pop(step)
-
-
-class Stepped:
-    """The last step the main thread has finished (optimizer stepped, gradients cleared): a drafter thread
-    waits here after each step, so its next forward reads the updated weights."""
-
-    def __init__(self, abort: threading.Event, step: int) -> None:
-        self.step = step
-        self.cond = threading.Condition()
-        self.abort = abort
-
-    def finished(self, step: int) -> None:
-        with self.cond:
-            self.step = step
-            self.cond.notify_all()
-
-    def wait(self, step: int) -> None:
-        with self.cond:
-            _wait(self.cond, lambda: self.step >= step, self.abort)
-
-
-class _Aborted(Exception):
-    """Another thread failed; this one stops quietly and the first error is reported."""
-
-
-@dataclass
-class Replica:
-    drafter: DFlashDrafter
-    step_fn: Callable[..., DraftLoss]
-    optimizer: torch.optim.Optimizer
-    device: torch.device
-    busy_s: float = 0.0
-
-
-@dataclass
-class RunState:
-    """What the threads of one `Trainer.run` share."""
-
-    first_step: int
-    guard: CompileGuard
-    abort: threading.Event
-    """Set by the first failure: every waiting thread then stops."""
-    mailboxes: list[Mailbox[TargetFeatures]]
-    """One per replica: what the target workers hand that replica, by step."""
-    results: list[Mailbox[StepResult]]
-    """One per replica: what that replica hands the main thread, by step."""
-    stepped: Stepped
-    """The main thread's progress, which the drafter threads wait on."""
-    target_busy_s: list[float]
-    """Per target worker, cumulative: its forwards and copies, not its waits."""
-    step_began: float
-    """perf_counter() when the step now running began (the end of the previous one)."""
-    held_out: HeldOut | None
-    errors: list[BaseException] = field(default_factory=list)
-    errors_lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def fail(self, exc: BaseException) -> None:
-        """Keep the first failure (re-raised by `Trainer.run`) and stop every thread."""
-        with self.errors_lock:
-            self.errors.append(exc)
-        self.abort.set()
-
-    def guarded(self, worker: Callable[[RunState, int], None], index: int) -> None:
-        """Run a worker thread's body; the first failure stops every thread and is re-raised by `run`."""
-        try:
-            worker(self, index)
-        except _Aborted:
-            pass  # another thread failed first, and reports it
-        except BaseException as exc:
-            self.fail(exc)
-
-
-def target_inputs(
-    target: Target, batch: Batch, anchors: torch.Tensor, layer_ids: Sequence[int], model: ModelParams
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The target's side of one training item, on its device: the drafter's layers' hidden states of every
-    row [B, S, n*H] (each packed document attending only within itself, as if alone: what decoding captures
-    for that document), and when distilling its final hidden states where it predicts each slot, else None.
-
-    Without distillation only decoder layers 0..max(layer_ids) run: no later layer, LM head or logits."""
-    device = target.device
-    ids, attention = batch.input_ids.to(device), batch.attention_mask.to(device)
-    documents, positions = batch.document_ids.to(device), batch.position_ids.to(device)
-    with torch.no_grad():
-        if model.distill == "none":
-            return target_layer_features(target.model, ids, attention, layer_ids, documents, positions), None
-        at = prediction_positions(anchors, model.block_size, model.seq_len).to(device)
-        return target_features_and_predictions(target.model, ids, attention, layer_ids, at, documents, positions)
-
-
-def step_inputs(
-    batch: Batch,
-    features: torch.Tensor,
-    anchors: torch.Tensor,
-    valid: torch.Tensor,
-    target_hidden: torch.Tensor | None,
-) -> StepInputs:
-    """The drafter step's inputs for a collated batch: the target's side, the batch's tokens, the anchors."""
-    return StepInputs(
-        features,
-        batch.input_ids,
-        batch.loss_mask,
-        anchors,
-        valid,
-        batch.document_ids,
-        batch.position_ids,
-        target_hidden,
-    )
-
-
-@dataclass(frozen=True)
-class HeldOut:
-    """The held-out sequences (train.heldout_sequences) as the drafter step's inputs: chunks of the compiled
-    step's rows (micro_batch; the last padded with empty rows), fixed anchors, and their features computed
-    once. Measured with the training step itself, so no new graph is compiled and no kernel differs."""
-
-    chunks: list[StepInputs]
-    sequences: int
-
-    def acceptance(self, step_fn: Callable[..., DraftLoss], guard: CompileGuard, device: torch.device) -> float:
-        """Simulated tau on the held-out blocks: what the drafter's weights now would get verified."""
-        accepted = blocks = 0.0
-        for inputs in self.chunks:
-            with autocast(device):
-                out = guard.call("held-out acceptance", step_fn, *inputs.args())
-            accepted += float(out.accepted.detach())
-            blocks += float(out.blocks.detach())
-            del out  # its graph: this forward is never backpropagated
-        return simulated_tau(accepted, blocks)
-
 
 @dataclass
 class Trainer:
+    """One training run: the target copies and drafter replicas it builds (`build`, `restore`), the loop the main
+    thread holds (`run`), and what its target and drafter threads compute (`target_worker`, `drafter_worker`)."""
+
     inputs: TrainInputs
     data: TokenData
     topology: Topology
@@ -400,64 +169,36 @@ class Trainer:
 
     # -- the run --------------------------------------------------------------------------------
 
-    def run(self, guard: CompileGuard, on_step: Callable[[Trainer], None]) -> None:
+    def run(self, guard: CompileGuard, checkpoints: CheckpointPolicy | None = None) -> None:
         """Train from state.step to max_steps. This (main) thread holds the loop: each step it collects every
-        replica's result, ends the step (`end_step`), releases the drafter threads into the next step, then calls
-        `on_step` (the checkpoint, the progress line) while they compute it."""
-        abort = threading.Event()
-        run = RunState(
-            first_step=self.state.step,
-            guard=guard,
-            abort=abort,
-            mailboxes=[Mailbox(abort) for _ in self.replicas],
-            results=[Mailbox(abort) for _ in self.replicas],
-            stepped=Stepped(abort, self.state.step - 1),
-            target_busy_s=[0.0] * len(self.targets),
-            step_began=time.perf_counter(),
-            held_out=self.held_out(),
+        replica's result, ends the step (`end_step`) and releases the drafter threads into the next step; while
+        they compute it, it writes the checkpoint when due and the progress line. The last step's checkpoint is
+        the stage's to write, after its outputs: a run whose outputs are refused leaves no finished checkpoint."""
+        max_steps = self.inputs.train.max_steps
+        run = RunState.of(
+            self.state.step, max_steps, self.inputs.train.prefetch, guard, len(self.targets), len(self.replicas)
         )
-        threads = [
-            threading.Thread(target=run.guarded, args=(self.target_worker, t), name=f"target-{t}", daemon=True)
-            for t in range(len(self.targets))
-        ]
-        threads += [
-            threading.Thread(target=run.guarded, args=(self.drafter_worker, r), name=f"drafter-{r}", daemon=True)
-            for r in range(len(self.replicas))
-        ]
-        for th in threads:
-            th.start()
-        try:
-            for step in range(run.first_step, self.inputs.train.max_steps):
+        held_out = self.held_out()
+        workers = {f"target-{t}": functools.partial(self.target_worker, run, t) for t in range(len(self.targets))}
+        workers |= {f"drafter-{r}": functools.partial(self.drafter_worker, run, r) for r in range(len(self.replicas))}
+        with run.threads(workers):
+            for step in range(run.first_step, max_steps):
                 results = [mailbox.get(step) for mailbox in run.results]
-                self.end_step(run, results)
+                self.end_step(run, results, held_out)
                 run.stepped.finished(step)
-                on_step(self)
-        except _Aborted:
-            pass  # a worker failed first, and reports it
-        except BaseException as exc:
-            run.fail(exc)
-        finally:
-            for th in threads:
-                th.join()
-        if run.errors:
-            raise run.errors[0]
+                # Beside the next step's forwards and backwards, which read the weights and write only gradients.
+                if checkpoints is not None and self.state.step < max_steps:
+                    checkpoints.save(self.state.step, last_step=False)
+                self.report_step()
 
     def target_worker(self, run: RunState, t: int) -> None:
-        """Target t's thread: the frozen forward (offline: the stored features) and the anchors for its (step,
-        replica) items, into the mailboxes."""
-        self.threads.apply("target", self.targets[t].device)
-        p = self.inputs
-        n_targets, n_replicas = len(self.targets), len(self.replicas)
-        layer_ids = self.replicas[0].drafter.config.target_layer_ids
-        slots = threading.Semaphore(p.train.prefetch)  # at most `prefetch` items ahead of the drafters
+        """Target t's thread: for each of its (step, replica) items, the frozen forward (offline: the stored
+        features) and the anchors, into that replica's mailbox."""
         target = self.targets[t]
-        items = (p.train.max_steps - run.first_step) * n_replicas
-        for i in range(t, items, n_targets):  # (step, replica) items, round-robin over the targets
-            step, r = divmod(i, n_replicas)
-            step += run.first_step
-            while not slots.acquire(timeout=POLL_S):
-                if run.abort.is_set():
-                    return
+        self.threads.apply("target", target.device)
+        p = self.inputs
+        layer_ids = self.replicas[0].drafter.config.target_layer_ids
+        for step, r, release in run.target_items(t):
             rows = self.plan.rows(step, self.topology.rank, r)
             batch = collate(self.data, rows, p.model.seq_len, self.pad_id)
             began = time.perf_counter()
@@ -478,16 +219,13 @@ class Trainer:
                 target_hidden = target_hidden.to(drafter_device, dtype)
             run.target_busy_s[t] += time.perf_counter() - began
             inputs = step_inputs(batch, features, anchors, valid, target_hidden)
-            run.mailboxes[r].put(step, TargetFeatures(batch, inputs, slots.release))
+            run.mailboxes[r].put(step, TargetFeatures(batch, inputs, release))
 
     def drafter_worker(self, run: RunState, r: int) -> None:
-        """Replica r's thread: each step's forward and backward on its inputs, its result to the main thread,
-        then a wait until the main thread has stepped."""
+        """Replica r's thread: each step's forward and backward on its inputs, its result to the main thread."""
         replica = self.replicas[r]
         self.threads.apply("drafter", replica.device)
-        for step in range(run.first_step, self.inputs.train.max_steps):
-            item = run.mailboxes[r].get(step)
-            item.release()
+        for step, item in run.drafter_items(r):
             began = time.perf_counter()
             inputs = item.inputs.to(replica.device, replica.drafter.feature_dtype)
             with autocast(replica.device):
@@ -495,9 +233,8 @@ class Trainer:
             out.loss.backward()
             replica.busy_s += time.perf_counter() - began
             run.results[r].put(step, StepResult(out, item.batch.truncated, item.batch.padding_fraction))
-            run.stepped.wait(step)
 
-    def end_step(self, run: RunState, results: list[StepResult]) -> None:
+    def end_step(self, run: RunState, results: list[StepResult], held_out: HeldOut | None) -> None:
         """In the main thread, once every replica's backward is done and while the drafter threads wait: the
         optimizer step on the averaged gradient, the step's record, and the held-out measurement when due (it
         runs replica 0's compiled step with the cores the drafter threads would otherwise use)."""
@@ -519,13 +256,22 @@ class Trainer:
             )
         )
         done, every = self.state.step + 1, self.inputs.train.heldout_every
-        if run.held_out is not None and (
-            done == 1 or done == self.inputs.train.max_steps or (every and done % every == 0)
-        ):
+        if held_out is not None and (done == 1 or done == self.inputs.train.max_steps or (every and done % every == 0)):
             rep = self.replicas[0]  # every replica holds the same weights
-            self.state.history[-1].heldout_acceptance = run.held_out.acceptance(rep.step_fn, run.guard, rep.device)
+            self.state.history[-1].heldout_acceptance = held_out.acceptance(rep.step_fn, run.guard, rep.device)
         run.step_began = time.perf_counter()
         self.state.step += 1
+
+    def report_step(self) -> None:
+        """The progress line of the step just ended (rank 0 alone: every process runs the same steps)."""
+        if self.topology.rank != 0:
+            return
+        last = self.state.history[-1]
+        print(
+            f"train: step {last.step + 1}/{self.inputs.train.max_steps} loss {last.loss:.4f} lr {last.lr:.2e} "
+            f"{last.tokens / max(last.seconds, 1e-9):.0f} tok/s",
+            flush=True,
+        )
 
     @property
     def adamw_kernel(self) -> dict[str, bool]:
@@ -565,3 +311,126 @@ class Trainer:
 
     def replica_mismatches(self) -> list[str]:
         return replica_mismatches([rep.drafter for rep in self.replicas])
+
+
+@dataclass
+class Replica:
+    """One drafter replica on its device: its weights, compiled step and optimizer, and its thread's busy time."""
+
+    drafter: DFlashDrafter
+    step_fn: Callable[..., DraftLoss]
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    busy_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """The held-out sequences (train.heldout_sequences) as the drafter step's inputs: chunks of the compiled
+    step's rows (micro_batch; the last padded with empty rows), fixed anchors, and their features computed
+    once. Measured with the training step itself, so no new graph is compiled and no kernel differs."""
+
+    chunks: list[StepInputs]
+    sequences: int
+
+    def acceptance(self, step_fn: Callable[..., DraftLoss], guard: CompileGuard, device: torch.device) -> float:
+        """Simulated tau on the held-out blocks: what the drafter's weights now would get verified."""
+        accepted = blocks = 0.0
+        for inputs in self.chunks:
+            with autocast(device):
+                out = guard.call("held-out acceptance", step_fn, *inputs.args())
+            accepted += float(out.accepted.detach())
+            blocks += float(out.blocks.detach())
+            del out  # its graph: this forward is never backpropagated
+        return simulated_tau(accepted, blocks)
+
+
+def target_inputs(
+    target: Target, batch: Batch, anchors: torch.Tensor, layer_ids: Sequence[int], model: ModelParams
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's side of one training item, on its device: the drafter's layers' hidden states of every
+    row [B, S, n*H] (each packed document attending only within itself, as if alone: what decoding captures
+    for that document), and when distilling its final hidden states where it predicts each slot, else None.
+
+    Without distillation only decoder layers 0..max(layer_ids) run: no later layer, LM head or logits."""
+    device = target.device
+    ids, attention = batch.input_ids.to(device), batch.attention_mask.to(device)
+    documents, positions = batch.document_ids.to(device), batch.position_ids.to(device)
+    with torch.no_grad():
+        if model.distill == "none":
+            return target_layer_features(target.model, ids, attention, layer_ids, documents, positions), None
+        at = prediction_positions(anchors, model.block_size, model.seq_len).to(device)
+        return target_features_and_predictions(target.model, ids, attention, layer_ids, at, documents, positions)
+
+
+def step_inputs(
+    batch: Batch,
+    features: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    target_hidden: torch.Tensor | None,
+) -> StepInputs:
+    """The drafter step's inputs for a collated batch: the target's side, the batch's tokens, the anchors."""
+    return StepInputs(
+        features,
+        batch.input_ids,
+        batch.loss_mask,
+        anchors,
+        valid,
+        batch.document_ids,
+        batch.position_ids,
+        target_hidden,
+    )
+
+
+def anchor_generator(seed: int, step: int, replica: int) -> torch.Generator:
+    """Anchors are resampled every step, per sequence, from (seed, step, global replica) alone."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 4099 + replica)
+
+
+def head_on(target: Target, device: torch.device) -> TargetHead:
+    """The target's embedding, final norm and LM head on `device` (shared when it is the target's device)."""
+    head = TargetHead.of(target.model)
+    if target.device == device:
+        return head
+    return TargetHead(*(copy.deepcopy(m).to(device) for m in (head.embed_tokens, head.final_norm, head.lm_head)))
+
+
+def lr_at(step: int, p: TrainParams) -> float:
+    """Linear warmup to lr, then cosine down to lr * min_lr_ratio at max_steps."""
+    if step < p.warmup_steps:
+        return p.lr * (step + 1) / p.warmup_steps
+    progress = (step - p.warmup_steps) / max(1, p.max_steps - p.warmup_steps)
+    return p.lr * (p.min_lr_ratio + (1 - p.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+"""Device types with torch's fused AdamW kernel."""
+
+
+def mean_gradient(buckets: list[torch.Tensor], world_size: int, clip: float) -> torch.Tensor:
+    """The mean of the replicas' flat gradient buckets (on the first one's device), then over processes
+    (world_size > 1: one all-reduce), clipped to total norm `clip` (0: no clipping)."""
+    total = buckets[0].clone()
+    for bucket in buckets[1:]:
+        total += bucket.to(total.device)
+    total /= len(buckets)
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        total /= world_size
+    if clip > 0:  # what clip_grad_norm_ does, over the one tensor
+        total.mul_((clip / (torch.linalg.vector_norm(total) + 1e-6)).clamp_max(1.0))
+    return total
+
+
+def replica_mismatches(replicas: list[torch.nn.Module]) -> list[str]:
+    """The tensors (as `replica N: name`) in which a replica differs from replica 0; [] when all are identical."""
+    first = {k: v.detach().cpu() for k, v in replicas[0].state_dict().items()}
+    return [
+        f"replica {r}: {k}"
+        for r, rep in enumerate(replicas[1:], start=1)
+        for k, v in rep.state_dict().items()
+        if k not in first or not torch.equal(first[k], v.detach().cpu())
+    ]

@@ -24,11 +24,11 @@ from dflashpipe.features.shards import FeatureLayout, FeatureStore, refuse_disti
 from dflashpipe.model.drafter import PUBLISHED_DTYPE
 from dflashpipe.tokens.shards import load_tokens
 from dflashpipe.train.card import write_model_card
-from dflashpipe.train.checkpoint import checkpoint_key, load_checkpoint, save_checkpoint
+from dflashpipe.train.checkpoint import CheckpointPolicy, checkpoint_key, load_checkpoint
 from dflashpipe.train.loop import Trainer
 from dflashpipe.train.metrics import train_metrics, write_plots
 from dflashpipe.train.state import TrainInputs
-from dflashpipe.train.topology import check_topology, train_threads
+from dflashpipe.train.topology import Topology, check_topology, train_threads
 
 
 @dataclass(frozen=True)
@@ -66,14 +66,65 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
     `paths.state` is resumed only if it was saved under the same key and process count; None never
     resumes. `compile_key`: warmup's key, which the compile artifact must have been built under to be
     used (None: compile cold)."""
+    topology = check_topology(inputs.topology)  # before anything loads
+    key = checkpoint_key(key, topology.world_size)
+    paths.state.mkdir(parents=True, exist_ok=True)  # a declared output, even when no checkpoint is due
+    trainer, compile_note = load_trainer(inputs, paths, topology, key, compile_key)
+    warm_s = trainer.warm_up_compiled()
+    guard = CompileGuard(strict=inputs.compile.guard == "error")
+    if inputs.compile.enabled:
+        guard.arm()
+    before = dynamo_counters()
+
+    # built once the Trainer has restored: it writes the TrainState that the Trainer then holds
+    checkpoints = CheckpointPolicy(
+        paths.state,
+        key,
+        inputs.train.checkpoint_every,
+        writes=topology.rank == 0,
+        state=trainer.state,
+        drafter=trainer.replicas[0].drafter,
+        optimizer=trainer.replicas[0].optimizer,
+    )
+    with Measuring(trainer.replicas[0].device) as window:  # what the machine gave the steps, and the control
+        trainer.run(guard, checkpoints)
+    if inputs.compile.enabled:
+        guard.disarm()
+    after = dynamo_counters()
+    mismatches = trainer.replica_mismatches()
+    metrics = train_metrics(
+        trainer.state,
+        inputs,
+        topology,
+        trainer.replicas[0].drafter,
+        trainer.targets[0].model,
+        before,
+        after,
+        warm_s,
+        compile_note,
+        replicas_identical=not mismatches,
+        busy=window.busy,
+    )
+    metrics["threads"] = trainer.threads.to_json()
+    if mismatches:  # before any output: a drafter from diverged replicas is no result
+        raise diverged(mismatches)
+    if topology.rank == 0:
+        write_outputs(trainer, inputs, paths, metrics)
+        checkpoints.save(trainer.state.step, last_step=True)  # only now: a refused run leaves no finished one
+    return metrics
+
+
+def load_trainer(
+    inputs: TrainInputs, paths: TrainPaths, topology: Topology, key: StageKey | None, compile_key: StageKey | None
+) -> tuple[Trainer, str]:
+    """This process set up for training (its threads, its process group under torchrun), the Trainer built on
+    `topology`'s devices and resumed from the checkpoint saved under `key` if there is one, and how its drafter
+    step was compiled (the metrics' compile note)."""
     from transformers import AutoTokenizer
 
-    topology = check_topology(inputs.topology)  # before anything loads
     # The main thread loads (or compiles) and warms up the drafter step at the drafter threads' count: the
     # compiled step is bound to the count it was compiled at (dflashpipe.core.threads), warmup's too.
     train_threads(topology).apply("drafter", topology.drafters[0])
-    key = checkpoint_key(key, topology.world_size)
-    paths.state.mkdir(parents=True, exist_ok=True)  # a declared output, even when no checkpoint is due
     if topology.world_size > 1:
         import torch.distributed as dist
 
@@ -96,67 +147,26 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
     checkpoint = load_checkpoint(paths.state, key)
     if checkpoint is not None:
         trainer.restore(checkpoint)
-    warm_s = trainer.warm_up_compiled()
-    guard = CompileGuard(strict=inputs.compile.guard == "error")
-    if inputs.compile.enabled:
-        guard.arm()
-    before = dynamo_counters()
+    return trainer, compile_note
 
-    max_steps, every = inputs.train.max_steps, inputs.train.checkpoint_every
 
-    def save(t: Trainer) -> None:
-        save_checkpoint(t.state, t.replicas[0].drafter, t.replicas[0].optimizer, paths.state, key)
-
-    def on_step(t: Trainer) -> None:
-        # In the main thread, while the drafter threads compute the next step: it reads only the state, weights
-        # and optimizer the main thread alone writes.
-        if topology.rank != 0:
-            return
-        if every and t.state.step % every == 0 and t.state.step < max_steps:  # the last step's: with the outputs
-            save(t)
-        last = t.state.history[-1]
-        print(
-            f"train: step {last.step + 1}/{max_steps} loss {last.loss:.4f} lr {last.lr:.2e} "
-            f"{last.tokens / max(last.seconds, 1e-9):.0f} tok/s",
-            flush=True,
-        )
-
-    with Measuring(trainer.replicas[0].device) as window:  # what the machine gave the steps, and the control
-        trainer.run(guard, on_step)
-    if inputs.compile.enabled:
-        guard.disarm()
-    after = dynamo_counters()
-    mismatches = trainer.replica_mismatches()
-    metrics = train_metrics(
-        trainer.state,
-        inputs,
-        topology,
-        trainer.replicas[0].drafter,
-        trainer.targets[0].model,
-        before,
-        after,
-        warm_s,
-        compile_note,
-        replicas_identical=not mismatches,
-        busy=window.busy,
+def diverged(mismatches: list[str]) -> DflashpipeError:
+    """The refusal of a drafter whose replicas differ (`mismatches`: Trainer.replica_mismatches)."""
+    shown = ", ".join(mismatches[:3]) + (f" and {len(mismatches) - 3} more" if len(mismatches) > 3 else "")
+    return DflashpipeError(
+        f"drafter replicas diverged ({shown} differ from replica 0): their gradients were "
+        f"not averaged identically, a bug in dflashpipe/train/loop.py; no output written"
     )
-    metrics["threads"] = trainer.threads.to_json()
-    if mismatches:  # before any output: a drafter from diverged replicas is no result
-        shown = ", ".join(mismatches[:3]) + (f" and {len(mismatches) - 3} more" if len(mismatches) > 3 else "")
-        raise DflashpipeError(
-            f"drafter replicas diverged ({shown} differ from replica 0): their gradients were "
-            f"not averaged identically, a bug in dflashpipe/train/loop.py; no output written"
-        )
-    if topology.rank == 0:
-        with atomic_directory(paths.drafter) as tmp:
-            # bf16 to serve (the checkpoint keeps the exact fp32 weights), with its model card: only what
-            # train's inputs decide (no revision, no dvc.lock hash), so the same inputs give the same bytes
-            trainer.replicas[0].drafter.save_pretrained(tmp, dtype=PUBLISHED_DTYPE)
-            params = {name: asdict(getattr(inputs, name)) for name in ("model", "train", "compile", "topology")}
-            write_model_card(tmp, target_dir=paths.target, tokens_dir=paths.tokens, params=params)
-            write_file_listing(tmp)  # evaluate checks the drafter against it before use
-        write_plots(trainer.state.history, paths.metrics)
-        write_json_atomic(paths.metrics / "metrics.json", metrics)
-        if every:
-            save(trainer)
-    return metrics
+
+
+def write_outputs(trainer: Trainer, inputs: TrainInputs, paths: TrainPaths, metrics: dict) -> None:
+    """The drafter (with its model card and file listing), the plots and metrics.json."""
+    with atomic_directory(paths.drafter) as tmp:
+        # bf16 to serve (the checkpoint keeps the exact fp32 weights), with its model card: only what
+        # train's inputs decide (no revision, no dvc.lock hash), so the same inputs give the same bytes
+        trainer.replicas[0].drafter.save_pretrained(tmp, dtype=PUBLISHED_DTYPE)
+        params = {name: asdict(getattr(inputs, name)) for name in ("model", "train", "compile", "topology")}
+        write_model_card(tmp, target_dir=paths.target, tokens_dir=paths.tokens, params=params)
+        write_file_listing(tmp)  # evaluate checks the drafter against it before use
+    write_plots(trainer.state.history, paths.metrics)
+    write_json_atomic(paths.metrics / "metrics.json", metrics)
