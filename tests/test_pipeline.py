@@ -204,8 +204,8 @@ def test_a_drifted_dvc_yaml_is_named_stage_by_stage_and_written_back_stably(tmp_
     path.write_text(drifted)
     assert drift(project) == [
         "dvc.yaml stage target: extra src/dflashpipe/target/adapter.py (run bin/deps --write)",
-        "dvc.yaml stage proof: missing src/dflashpipe/tokens (run bin/deps --write)",
         "dvc.yaml stage tokenize: missing src/dflashpipe/tokens (run bin/deps --write)",
+        "dvc.yaml stage proof: missing src/dflashpipe/tokens (run bin/deps --write)",
     ]
     deps = pipeline_code_deps(project)
     assert with_code_deps(drifted, deps) == written
