@@ -497,14 +497,14 @@ def section_train(dry: bool, target_name: str, work: Path) -> dict:
     p = project_params(dry)
     name = str(device)
     steps = 3 if dry else 20
+    schedule = p["train"].for_steps(steps)  # a run stated in epochs too: its warmup ratio, of these steps
     inputs = TrainInputs(
         model=p["model"],
         compile=replace(p["compile"], enabled=True, guard="error"),
         topology=TopologyParams(target_devices=(name,), drafter_devices=(name, name), allow_shared_devices=True),
         train=replace(
-            p["train"],
-            max_steps=steps,
-            warmup_steps=min(p["train"].warmup_steps, steps),
+            schedule,
+            warmup_steps=min(schedule.warmup_steps, steps),
             checkpoint_every=0,
             heldout_sequences=0,  # its synthetic data is one shard of a few sequences; throughput is the point
         ),

@@ -82,6 +82,19 @@ def test_a_stage_cannot_read_a_section_it_does_not_declare(project):
             lambda d: d["data"]["sources"].append(dict(d["data"]["sources"][0])),
             r"duplicate source names \['sharegpt'\]",
         ),
+        (
+            lambda d: d["train"].update(max_steps=10, epochs=2),
+            r"train.max_steps = 10 and train.epochs = 2: exactly one of them states the run's length",
+        ),
+        (
+            lambda d: d["train"].update(max_steps=0, epochs=0),
+            r"train.max_steps = 0 and train.epochs = 0: exactly one of them",
+        ),
+        (
+            lambda d: d["train"].update(warmup_steps=4, warmup_ratio=0.04),
+            r"train.warmup_steps = 4 and train.warmup_ratio = 0.04: at most one of them",
+        ),
+        (lambda d: d["train"].update(warmup_ratio=1.5), r"train.warmup_ratio = 1.5: must be between 0.0 and 1.0"),
         (lambda d: d["target"].update(dtype="int8"), r"target.dtype = 'int8': allowed values"),
         (lambda d: d["compile"].update(enabled="yes"), r"compile.enabled = 'yes': allowed values are \['auto'\]"),
         (lambda d: d.update(extra={"a": 1}), r"unknown section\(s\) \['extra'\]"),

@@ -1,7 +1,8 @@
 """Profiles: every shipped profile is valid over params.yaml, and its `dvc exp run` line means the profile.
 
 The line is parsed back by DVC's own override parser (the one `dvc exp run -S` uses) on a copy of
-params.yaml; the result must be params.yaml with exactly the profile's keys replaced.
+params.yaml; the result must be params.yaml with exactly the profile's keys replaced. A GPU profile is a recipe:
+it states every key params.yaml sizes for the CPU, or it is refused naming them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typer.testing import CliRunner
 from dflashpipe.cli import app
 from dflashpipe.core.errors import ParamsError
 from dflashpipe.core.params import load_params
-from dflashpipe.core.params.profile import experiment_command, profile_overrides
+from dflashpipe.core.params.profile import cpu_sized_keys, experiment_command, profile_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = sorted((ROOT / "profiles").glob("*.yaml"))
@@ -61,3 +62,34 @@ def test_a_profile_with_an_unknown_key_or_section_is_refused(tmp_path):
         assert "bad.yaml" in result.output
         with pytest.raises(ParamsError, match=needle):
             profile_overrides(bad, ROOT)
+
+
+GPU_PROFILES = [p for p in PROFILES if "cuda" in str(yaml.safe_load(p.read_text()).get("topology"))]
+
+
+def test_every_gpu_profile_states_each_cpu_sized_key():
+    assert {p.stem for p in GPU_PROFILES} == {"gpu8", "gpu8-story", "specforge-qwen3-8b"}
+    for profile in GPU_PROFILES:
+        assert set(cpu_sized_keys()) <= set(profile_overrides(profile, ROOT)), profile.name
+
+
+def test_a_gpu_profile_that_inherits_cpu_sized_keys_is_refused_naming_every_one(tmp_path):
+    recipe = yaml.safe_load((ROOT / "profiles" / "gpu8.yaml").read_text())
+    del recipe["train"]["lr"], recipe["evaluate"]["num_prompts"]
+    bad = tmp_path / "gpu.yaml"
+    bad.write_text(yaml.safe_dump(recipe))
+    result = CliRunner().invoke(app, ["profile", str(bad)])
+    assert result.exit_code == 2
+    message = " ".join(result.output.split())  # the CLI's line, as the terminal wraps it
+    assert "gpu.yaml: a GPU profile" in message and "params.yaml: train.lr, evaluate.num_prompts; state each" in message
+    # the same keys left to params.yaml are a CPU profile's right
+    cpu = {section: keys for section, keys in recipe.items() if section != "topology"}
+    bad.write_text(yaml.safe_dump(cpu))
+    profile_overrides(bad, ROOT)
+
+
+def test_the_story_runs_the_shipped_recipe_on_its_own_split():
+    # so that `dflashpipe plan` compares the two splits alone (tests/test_plan.py)
+    story, shipped = (yaml.safe_load((ROOT / "profiles" / f"{n}.yaml").read_text()) for n in ("gpu8-story", "gpu8"))
+    assert story.pop("topology") != shipped.pop("topology")
+    assert story == shipped

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import csv
 import json
 import os
 import shutil
@@ -393,3 +394,55 @@ def test_held_out_sequences_are_never_trained_on_and_measured_every_n_steps(work
     assert 1.0 <= curve["last"]["tau"] <= MODEL["block_size"]
     assert metrics["replicas_identical"] is True
     assert (workdir / "heldout" / "metrics" / "plots" / "images" / "heldout_acceptance.png").is_file()
+
+
+def test_a_run_stated_in_epochs_takes_the_steps_that_cover_every_row_of_them():
+    from dflashpipe.core.params import TrainParams
+    from dflashpipe.train.data import run_length
+
+    lengths = np.array([5, 30, 12, 64, 7, 40, 3, 22, 18, 9, 50, 11] * 3)
+    plan = BatchPlan(lengths, 64, world_size=2, replicas=3, micro_batch=2, seed=1)
+    rows = sum(len(pack_rows(epoch_order(len(lengths), 1, e), lengths, 64)) for e in range(3))
+    train = TrainParams(**{**TRAIN, "max_steps": 0, "epochs": 3, "warmup_steps": 0, "warmup_ratio": 0.25})
+    length = run_length(train, plan)
+    assert (length.rows, length.rows_per_step, length.epochs) == (rows, 12, 3)
+    assert (length.steps - 1) * 12 < rows <= length.steps * 12  # every row of the 3 epochs, and no step more
+    assert length.warmup_steps == round(0.25 * length.steps)
+    assert run_length(TrainParams(**TRAIN), plan).steps == TRAIN["max_steps"]  # stated in steps: as stated
+    with pytest.raises(ParamsError, match="train.epochs is set, but the token data holds no sequence"):
+        run_length(train, BatchPlan(np.zeros(4, np.int64), 64, 1, 1, 1, seed=1))
+
+
+def test_the_derived_steps_drive_the_schedule_checkpoints_and_held_out_and_are_recorded(workdir, monkeypatch):
+    from dflashpipe.train import checkpoint
+    from dflashpipe.train.data import held_out, without
+    from dflashpipe.train.loop import lr_at
+    from dflashpipe.train.stage import train_drafter
+
+    epochs = {"max_steps": 0, "epochs": 1, "warmup_steps": 0, "warmup_ratio": 0.5, "checkpoint_every": 2}
+    cfg = config("epochs", drafters=1, heldout_sequences=2, heldout_every=100, **epochs)
+    inputs, paths = in_process(workdir, cfg)
+    data = load_tokens(workdir / "tokens")
+    kept = without(data.lengths, held_out(data.starts, 2))
+    rows = len(pack_rows(epoch_order(len(kept), TRAIN["seed"], 0), kept, MODEL["seq_len"]))
+    steps = -(-rows // 2)  # one replica x micro_batch 2, rounded up
+    saved = []
+    monkeypatch.setattr(checkpoint, "save_checkpoint", lambda state, *args: saved.append(state.step))
+
+    metrics = train_drafter(inputs, paths, key=None, compile_key=None)
+    assert metrics["steps"] == steps
+    assert metrics["run_length"] == {
+        "steps": steps,
+        "warmup_steps": round(steps / 2),
+        "epochs": 1,
+        "rows": rows,
+        "rows_per_step": 2,
+        "from": "train.epochs: ceil(rows / rows_per_step)",
+    }
+    assert saved == [s for s in range(2, steps, 2)] + [steps]
+    assert metrics["heldout_acceptance"]["last"]["step"] == steps  # measured after the derived last step
+    with (paths.metrics / "plots" / "metrics" / "lr.tsv").open() as f:
+        lrs = [float(row["lr"]) for row in csv.DictReader(f, delimiter="\t")]
+    # the cosine runs over the derived steps; the warmup, half of them, reaches lr at its last step
+    assert lrs == pytest.approx([lr_at(s, inputs.train.for_steps(steps)) for s in range(steps)])
+    assert lrs.index(max(lrs)) == round(steps / 2) - 1

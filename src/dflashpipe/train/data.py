@@ -5,11 +5,12 @@ Each epoch's permutation of the sequences (`epoch_order`) is packed into rows of
 Step s of the run takes global rows [s*G, (s+1)*G) of the endless stream of packed epochs (G = processes x
 drafter replicas x micro_batch); process p's replica r takes its own slice of them. So the data a replica
 sees at a step never depends on threads, timing or where a run was resumed: only on the seed, the step and
-the sequences' lengths.
+the sequences' lengths. A run stated in epochs (`run_length`) is as many steps as take those epochs' rows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from dflashpipe.core.errors import ParamsError
+from dflashpipe.core.params import TrainParams
 from dflashpipe.features.packing import pack_rows
 
 
@@ -83,6 +85,13 @@ class BatchPlan:
                 del self._packed[next(iter(self._packed))]  # the least recently packed
         return self._packed[epoch]
 
+    def rows_in(self, epochs: int) -> int:
+        """Packed rows in the stream's first `epochs` epochs (each epoch's packing differs, so each is counted)."""
+        with self._lock:
+            while len(self._rows_per_epoch) < epochs:
+                self._rows_per_epoch.append(len(self._epoch(len(self._rows_per_epoch))[1]) - 1)
+            return sum(self._rows_per_epoch[:epochs])
+
     def row(self, index: int) -> list[int]:
         """Global row `index` of the endless stream of packed epochs."""
         if not len(self.lengths):
@@ -101,3 +110,33 @@ class BatchPlan:
     def rows(self, step: int, rank: int, replica: int) -> list[list[int]]:
         start = step * self.global_batch + (rank * self.replicas + replica) * self.micro_batch
         return [self.row(k) for k in range(start, start + self.micro_batch)]
+
+
+@dataclass(frozen=True)
+class RunLength:
+    """How many steps the run trains and where the count comes from (metrics.json `run_length`)."""
+
+    steps: int
+    warmup_steps: int
+    epochs: int
+    """0: train.max_steps stated the steps."""
+    rows: int | None
+    """Packed rows in those epochs (None when max_steps stated the steps)."""
+    rows_per_step: int
+    """compile.micro_batch x drafter replicas x processes."""
+
+    def to_json(self) -> dict:
+        source = "train.max_steps" if not self.epochs else "train.epochs: ceil(rows / rows_per_step)"
+        return {**dataclasses.asdict(self), "from": source}
+
+
+def run_length(train: TrainParams, plan: BatchPlan) -> RunLength:
+    """The run's steps: train.max_steps, or enough steps to take every row of train.epochs epochs (rounded up: the
+    last step's rows may begin the next epoch, so no row of the stated epochs goes untrained)."""
+    if not train.epochs:
+        return RunLength(train.max_steps, train.for_steps(train.max_steps).warmup_steps, 0, None, plan.global_batch)
+    if not int(np.count_nonzero(plan.lengths)):
+        raise ParamsError("params.yaml: train.epochs is set, but the token data holds no sequence to train on")
+    rows = plan.rows_in(train.epochs)
+    steps = -(-rows // plan.global_batch)
+    return RunLength(steps, train.for_steps(steps).warmup_steps, train.epochs, rows, plan.global_batch)

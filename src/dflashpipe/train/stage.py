@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from dflashpipe.model.drafter import PUBLISHED_DTYPE
 from dflashpipe.tokens.shards import load_tokens
 from dflashpipe.train.card import write_model_card
 from dflashpipe.train.checkpoint import CheckpointPolicy, checkpoint_key, load_checkpoint
+from dflashpipe.train.data import run_length
 from dflashpipe.train.loop import Trainer
 from dflashpipe.train.metrics import train_metrics, write_plots
 from dflashpipe.train.state import TrainInputs
@@ -70,6 +72,16 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
     key = checkpoint_key(key, topology.world_size)
     paths.state.mkdir(parents=True, exist_ok=True)  # a declared output, even when no checkpoint is due
     trainer, compile_note = load_trainer(inputs, paths, topology, key, compile_key)
+    length = run_length(inputs.train, trainer.plan)
+    if length.epochs and topology.rank == 0:
+        print(
+            f"train: train.epochs {length.epochs} = {length.rows:,} packed rows / {length.rows_per_step} a step "
+            f"= {length.steps:,} steps (warmup {length.warmup_steps})",
+            flush=True,
+        )
+    # The loop, its schedule, checkpoints and held-out cadence run on the resolved count; the card keeps the params
+    # as stated.
+    trainer.inputs = dataclasses.replace(inputs, train=inputs.train.for_steps(length.steps))
     warm_s = trainer.warm_up_compiled()
     guard = CompileGuard(strict=inputs.compile.guard == "error")
     if inputs.compile.enabled:
@@ -106,6 +118,7 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
         busy=window.busy,
     )
     metrics["threads"] = trainer.threads.to_json()
+    metrics["run_length"] = length.to_json()
     if mismatches:  # before any output: a drafter from diverged replicas is no result
         raise diverged(mismatches)
     if topology.rank == 0:

@@ -449,8 +449,11 @@ def transfer(run: Run, sh: Shapes, devices: DeviceChoice, tokens_per_s: float, d
 
 @dataclass(frozen=True)
 class Wall:
+    steps: int
+    """train.max_steps, or the steps train.epochs takes at `epoch_rows` a pass (train derives the exact count
+    from the tokenized data)."""
     rows: int
-    """Rows train.max_steps trains (every replica's micro-batch each step)."""
+    """Rows those steps train (every replica's micro-batch each step)."""
     seconds: float
     epoch_rows: float
     """Rows in one pass over the data, packed (the mean sample, cut to model.seq_len)."""
@@ -461,6 +464,7 @@ class Wall:
 
 
 def wall(run: Run, rows_per_s: float, data: DataSize) -> Wall:
-    rows = run.train.max_steps * len(run.topology.drafter_devices) * run.compile.micro_batch
+    per_step = len(run.topology.drafter_devices) * run.compile.micro_batch
     epoch_rows = data.samples * min(data.tokens_per_sample, run.model.seq_len) / run.model.seq_len
-    return Wall(rows, rows / rows_per_s, epoch_rows)
+    steps = run.train.max_steps or math.ceil(run.train.epochs * epoch_rows / per_step)
+    return Wall(steps, steps * per_step, steps * per_step / rows_per_s, epoch_rows)

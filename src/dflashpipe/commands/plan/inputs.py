@@ -329,13 +329,15 @@ class DataSize:
 
 def data_size(run: Run, root: Path) -> DataSize:
     """data.num_samples, at the mean sample length that tokenize measured (metrics/tokenize.json), else assumed
-    to fill a training row."""
+    to fill a training row. Measured only for params.yaml's sources: a profile's own data is assumed."""
     path = root / TOKENIZE_METRICS
     try:
+        if "data.sources" in run.overrides:
+            raise ValueError("not the data tokenize measured")
         measured = json.loads(path.read_text())
         mean = measured["tokens"] / measured["samples_out"]
         source = f"measured here: {TOKENIZE_METRICS} (tokens / samples_out, for params.yaml's data)"
     except (OSError, KeyError, ValueError, ZeroDivisionError):
         mean = min(run.model.seq_len, run.tokenize.max_length)
-        source = "assumed: every sample fills a training row (no metrics/tokenize.json here)"
+        source = "assumed: every sample fills a training row (no metrics/tokenize.json here for this data)"
     return DataSize(run.data.num_samples, float(mean), source)

@@ -131,10 +131,15 @@ def _feature_lines(p: Plan) -> list[str]:
 
 
 def _wall_lines(p: Plan) -> list[str]:
-    w = p.wall
+    w, train = p.wall, p.run.train
+    epoch = f"one epoch {w.epoch_rows:,.0f} rows, {_duration(w.epoch_rows / p.rows_per_s)}"
+    if train.epochs:
+        return [
+            f"wall: train.epochs {train.epochs} = ~{w.steps:,} steps of {w.rows // w.steps} rows in "
+            f"{_duration(w.seconds)} ({epoch}; train derives the steps from the tokenized data)"
+        ]
     return [
-        f"wall: train.max_steps {p.run.train.max_steps} = {w.rows:,} rows in {_duration(w.seconds)} "
-        f"({w.epochs:.3g} epochs of the data; one epoch {_duration(w.epoch_rows / p.rows_per_s)})"
+        f"wall: train.max_steps {w.steps} = {w.rows:,} rows in {_duration(w.seconds)} ({w.epochs:.3g} epochs; {epoch})"
     ]
 
 

@@ -4,10 +4,14 @@ A profile (`profiles/*.yaml`) has params.yaml's shape, with only the keys it cha
 checks it the way a stage would read it (laid over the project's params.yaml, every section built and
 range-checked) and turns it into one `dvc exp run -n NAME -S key=value ...` line, so a profile is a
 recorded experiment whose params `dvc params diff` and `dflashpipe explain` can name key by key.
+
+A profile for GPUs (its topology names a cuda device) is a recipe: it must state every key that params.yaml sizes
+for the CPU (`cpu_sized_keys`), or the run would silently be 200 samples and 120 steps on eight GPUs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 from pathlib import Path
@@ -26,18 +30,38 @@ def profile_overrides(profile: Path | str, root: Path | str = ".") -> dict[str, 
         raise ParamsError(f"{path}: expected a mapping of params.yaml sections to the keys it changes")
     base = _read_yaml(Path(root) / PARAMS_FILE)
     overrides: dict[str, Any] = {}
+    merged_sections: dict[str, dict] = {}
     for section, keys in raw.items():
         if section not in SECTIONS:
             raise ParamsError(f"{path}: unknown section {section!r}; params.yaml has {sorted(SECTIONS)}")
         if not isinstance(keys, dict) or not keys:
             raise ParamsError(f"{path}: {section}: expected a mapping of the keys it changes")
-        merged = {**(base.get(section) or {}), **keys}
+        merged = merged_sections[section] = {**(base.get(section) or {}), **keys}
         try:
             build(SECTIONS[section], merged, section)
         except ParamsError as exc:
             raise ParamsError(f"{path} (over {PARAMS_FILE}): {str(exc).removeprefix(PARAMS_FILE + ': ')}") from None
         overrides.update({f"{section}.{key}": value for key, value in keys.items()})
+    devices = (merged_sections.get("topology") or base.get("topology") or {}).values()
+    if any(str(d).startswith("cuda") for value in devices if isinstance(value, list) for d in value):
+        inherited = [key for key in cpu_sized_keys() if key not in overrides]
+        if inherited:
+            raise ParamsError(
+                f"{path}: a GPU profile (its topology names cuda devices) inherits CPU-sized keys from "
+                f"{PARAMS_FILE}: {', '.join(inherited)}; state each for the run (profiles/gpu8.yaml says where "
+                f"each of its values comes from)"
+            )
     return overrides
+
+
+def cpu_sized_keys() -> list[str]:
+    """`section.key` of every field marked CPU_SIZED (core.params.sections), in params.yaml's order."""
+    return [
+        f"{section}.{f.name}"
+        for section, cls in SECTIONS.items()
+        for f in dataclasses.fields(cls)
+        if f.metadata.get("cpu_sized")
+    ]
 
 
 def experiment_command(profile: Path | str, name: str | None = None, root: Path | str = ".") -> str:

@@ -5,16 +5,22 @@ Each field carries its docstring (what it means, what it changes) and each class
 
 Invariant: declarations only. Nothing here reads a file or knows about dvc.yaml; `SECTIONS` is the one
 list of sections, and loading.py builds them from parsed YAML by their field types alone, so a new key is
-a new field here and nothing else.
+a new field here and nothing else. A field marked `CPU_SIZED` is one whose params.yaml value is sized for the
+CPU default; `dflashpipe profile` refuses a GPU profile that leaves one of them to params.yaml.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from dflashpipe.core.errors import ParamsError
+
+CPU_SIZED = {"cpu_sized": True}
+"""Field metadata: params.yaml sizes this value for a CPU run of minutes (200 samples, 120 steps, 64-token
+replies), so a profile for GPUs must state its own (core.params.profile). Declared on the field it sizes, so a
+new sized key is marked where it is defined."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -84,13 +90,13 @@ class SourceSpec:
 class DataParams:
     """The dataset build: which sources, how many samples, how they are sharded."""
 
-    num_samples: int
+    num_samples: int = field(metadata=CPU_SIZED)
     """Training samples in the manifest. Growing it appends shards and changes none."""
-    shard_size: int
+    shard_size: int = field(metadata=CPU_SIZED)
     """Samples per training shard; only the last shard may be partial."""
     on_bad_record: Literal["error", "skip"]
     """`error` stops at the first bad record (naming file and line); `skip` counts it by reason."""
-    sources: tuple[SourceSpec, ...]
+    sources: tuple[SourceSpec, ...] = field(metadata=CPU_SIZED)
     """The sources, in the order used to break ties in the weighted mix."""
 
     def __post_init__(self) -> None:
@@ -117,9 +123,9 @@ class ModelParams:
     compiled flex_attention serves a whole run.
     """
 
-    layers: int
+    layers: int = field(metadata=CPU_SIZED)
     """Drafter decoder layers (Qwen3-style, non-causal)."""
-    block_size: int
+    block_size: int = field(metadata=CPU_SIZED)
     """Tokens per draft block: the anchor plus block_size - 1 masked slots to predict."""
     target_layers: int
     """How many target layers feed the drafter (spaced evenly from layer 1 to L-3; one layer: L//2); 0 = as many
@@ -146,12 +152,12 @@ class ModelParams:
     """The target's share of the loss, 0..1: loss = (1 - w) x CE(data) + w x the distill term (1: the
     target instead of the data token). Ignored when distill is none. Both are model
     keys, like gamma, because they shape the compiled training step that warmup builds."""
-    num_anchors: int
+    num_anchors: int = field(metadata=CPU_SIZED)
     """Blocks per training row (anchors sampled among supervised positions, resampled each step)."""
-    seq_len: int
+    seq_len: int = field(metadata=CPU_SIZED)
     """Training row length: sequences are packed whole into rows of exactly this many tokens (a longer
     sequence is cut to it, counted as truncated), the rest of a row padded."""
-    gamma: float
+    gamma: float = field(metadata=CPU_SIZED)
     """Loss decay: slot k weighs exp(-(k-1)/gamma) (published: 7 for block 16, 5 for 10, 4 for 8)."""
     attention: Literal["auto", "flex", "sdpa"]
     """`flex`: compiled FlexAttention with a BlockMask; `sdpa`: the same mask as a dense boolean tensor;
@@ -207,14 +213,14 @@ class ModelParams:
 class TokenizeParams:
     """Rendering manifest samples with the target's chat template into input_ids + loss_mask."""
 
-    max_length: int
+    max_length: int = field(metadata=CPU_SIZED)
     """Most tokens in one sample, template markup included."""
     truncation: Literal["drop", "turn"]
     """A longer sample: `drop` skips it (counted as too_long); `turn` keeps its longest prefix that
     ends with an assistant reply's end-of-turn token (skipped only if even the first reply does not fit)."""
     assistant_turns: Literal["all", "last"]
     """Which assistant replies are supervised: every one, or only the last one kept."""
-    min_supervised_tokens: int
+    min_supervised_tokens: int = field(metadata=CPU_SIZED)
     """Samples with fewer supervised tokens are skipped (counted). DFlash drops those under 2 x block size."""
     num_proc: int
     """Worker processes; 0 = every core this process may use. Never changes the output bytes."""
@@ -242,7 +248,7 @@ class CompileParams:
     auto: compile where a drafter replica runs on CUDA, where compiled kernels are what the run is timed on;
     on a CPU the compiled step measured slower than the eager one (bench's compiled_over_eager 0.87-0.96 on
     this project's 2-core machines), and compiling it costs warmup ~40 s."""
-    micro_batch: int
+    micro_batch: int = field(metadata=CPU_SIZED)
     """Packed rows per drafter replica per step: with model.seq_len, the one shape that is compiled."""
     guard: Literal["error", "warn"]
     """After warmup, a new compile, an eager fallback or an FX-tracing race is an `error` (or a `warn`ing)."""
@@ -300,33 +306,43 @@ class FeaturesParams:
 class TrainParams:
     """The drafter's training recipe (DFlash defaults: AdamW, warmup + cosine, clip 1.0)."""
 
-    max_steps: int
-    """Optimizer steps; each consumes compile.micro_batch packed rows per drafter replica (and per process)."""
-    lr: float
+    max_steps: int = field(metadata=CPU_SIZED)
+    """Optimizer steps; each consumes compile.micro_batch packed rows per drafter replica (and per process).
+    0: derived from `epochs`. Exactly one of the two states the run's length."""
+    epochs: int = field(default=0, metadata=CPU_SIZED)
+    """Passes over the training data (as the papers state a recipe); 0: `max_steps` says. Train derives the steps
+    from the tokenized data: the packed rows of these epochs over the rows a step takes (compile.micro_batch x
+    drafter replicas x processes), rounded up, and records the count and its inputs (metrics.json `run_length`).
+    The schedule, the checkpoint and the held-out cadence all run on that count."""
+    lr: float = field(metadata=CPU_SIZED)
     """Peak learning rate."""
-    warmup_steps: int
-    """Linear warmup from 0 to lr, then cosine decay to lr * min_lr_ratio at max_steps."""
-    min_lr_ratio: float
+    warmup_steps: int = field(metadata=CPU_SIZED)
+    """Linear warmup from 0 to lr, then cosine decay to lr * min_lr_ratio at the last step."""
+    warmup_ratio: float = field(default=0.0, metadata=CPU_SIZED)
+    """Warmup as a share of the run's steps (SpecForge states 0.04), for a run whose steps are derived from
+    epochs; 0: `warmup_steps` says. At most one of the two is nonzero."""
+    min_lr_ratio: float = field(metadata=CPU_SIZED)
     """Floor of the cosine schedule, as a fraction of lr."""
-    weight_decay: float
+    weight_decay: float = field(metadata=CPU_SIZED)
     """AdamW weight decay."""
-    grad_clip: float
+    grad_clip: float = field(metadata=CPU_SIZED)
     """Clip the averaged gradient's global norm to this (0 = no clipping)."""
     seed: int
     """Seeds the drafter's initialisation, the data order and every step's anchors."""
-    checkpoint_every: int
+    checkpoint_every: int = field(metadata=CPU_SIZED)
     """Save a resumable checkpoint every this many steps (0 = only at the end)."""
     prefetch: int
     """Batches of target features a target worker may run ahead of the drafters (bounded queues)."""
-    heldout_sequences: int = 0
+    heldout_sequences: int = field(default=0, metadata=CPU_SIZED)
     """Sequences kept out of training (the last ones of the first token shard, which growing the data never
     changes) on which the drafter's simulated acceptance is measured while it trains; 0 = none."""
-    heldout_every: int = 0
+    heldout_every: int = field(default=0, metadata=CPU_SIZED)
     """Measure the held-out acceptance after every this many steps (and after the first and the last)."""
 
     def __post_init__(self) -> None:
         checks = (
-            ("max_steps", self.max_steps, 1, 10**9),
+            ("max_steps", self.max_steps, 0, 10**9),
+            ("epochs", self.epochs, 0, 10**6),
             ("warmup_steps", self.warmup_steps, 0, 10**9),
             ("checkpoint_every", self.checkpoint_every, 0, 10**9),
             ("prefetch", self.prefetch, 1, 1024),
@@ -340,6 +356,7 @@ class TrainParams:
         for key, value, low, high in (
             ("lr", self.lr, 0.0, 1.0),
             ("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0),
+            ("warmup_ratio", self.warmup_ratio, 0.0, 1.0),
             ("weight_decay", self.weight_decay, 0.0, 10.0),
             ("grad_clip", self.grad_clip, 0.0, 1e6),
         ):
@@ -349,18 +366,34 @@ class TrainParams:
                     if key == "lr"
                     else f"params.yaml: train.{key} = {value}: must be between {low} and {high}"
                 )
+        if (self.max_steps == 0) == (self.epochs == 0):
+            raise ParamsError(
+                f"params.yaml: train.max_steps = {self.max_steps} and train.epochs = {self.epochs}: exactly one of "
+                f"them states the run's length; set the other to 0"
+            )
+        if self.warmup_steps and self.warmup_ratio:
+            raise ParamsError(
+                f"params.yaml: train.warmup_steps = {self.warmup_steps} and train.warmup_ratio = {self.warmup_ratio}: "
+                f"at most one of them states the warmup; set the other to 0"
+            )
+
+    def for_steps(self, steps: int) -> TrainParams:
+        """What the loop runs on: these params with the run's length given as `steps` (what train derived from
+        epochs) and the warmup as steps (warmup_ratio of them, rounded)."""
+        warmup = round(self.warmup_ratio * steps) if self.warmup_ratio else self.warmup_steps
+        return dataclasses.replace(self, max_steps=steps, epochs=0, warmup_steps=warmup, warmup_ratio=0.0)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class EvaluateParams:
     """Speculative decoding with the trained drafter on the eval split, and the regression check."""
 
-    num_prompts: int
+    num_prompts: int = field(metadata=CPU_SIZED)
     """Prompts per source, the first usable ones in file order: held-out from the eval split, and as many
     from the first training shard (the acceptance on the training distribution, and the gap)."""
-    max_new_tokens: int
+    max_new_tokens: int = field(metadata=CPU_SIZED)
     """New tokens per prompt (the prefill's first token included); decoding also stops at end of turn."""
-    max_prompt_tokens: int
+    max_prompt_tokens: int = field(metadata=CPU_SIZED)
     """Prompts longer than this many tokens are skipped (counted): prefill time is not what is measured."""
     baseline: str = "HEAD"
     """Git revision or DVC experiment whose metrics/eval.json is the baseline ("" or none: no baseline)."""
@@ -402,12 +435,12 @@ class RegenerateParams:
     enabled: bool
     """false: data/regenerated/ holds the manifest's training shards as they are (hard links), so tokenize
     sees exactly today's input; true: every assistant reply is the target's own, greedy."""
-    max_new_tokens: int
+    max_new_tokens: int = field(metadata=CPU_SIZED)
     """Longest reply; a reply cut here is kept (counted as stopped_at_limit) and ends its conversation."""
-    max_prompt_tokens: int
+    max_prompt_tokens: int = field(metadata=CPU_SIZED)
     """A turn whose prompt (the conversation before it, template included) is longer is skipped (counted),
     and its conversation ends before it."""
-    batch_size: int
+    batch_size: int = field(metadata=CPU_SIZED)
     """Prompts per batch, in this process or per request to the endpoint (prompts are sorted by length first)."""
     endpoint: str | None = None
     """None: generate here, on topology.target_devices. Else an OpenAI-compatible base URL (vLLM, SGLang),
