@@ -102,13 +102,13 @@ def materialise_target(params: TargetParams, out: Path | str, root: Path | str =
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     src = resolve_source(params.source, Path(root))
-    in_place = src.gguf_file is None and weights.in_place(src.directory, params.dtype)
-    recorded = weights.record(src.directory) if in_place else {}
     dtype = getattr(torch, params.dtype)
     # local_files_only: never a hub, and the saved tokenizer_config.json records this flag, so passing it
     # keeps the bytes the same whether or not the calling process set HF_HUB_OFFLINE before importing.
     kwargs = {"local_files_only": True, **({"gguf_file": src.gguf_file} if src.gguf_file else {})}
     try:
+        in_place = src.gguf_file is None and weights.in_place(src.directory, params.dtype)
+        recorded = weights.record(src.directory) if in_place else {}
         tokenizer = AutoTokenizer.from_pretrained(src.directory, **kwargs)
         if src.gguf_file:
             loaded = AutoModelForCausalLM.from_pretrained(src.directory, dtype=torch.float32, **kwargs)
