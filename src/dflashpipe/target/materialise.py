@@ -148,5 +148,5 @@ def materialise_target(params: TargetParams, out: Path | str, root: Path | str =
             model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         write_json_atomic(tmp / weights.SOURCE_JSON, summary)
-    weights.write_location(out, src.directory if in_place else None, recorded)
+    weights.write_location(out, src.directory if in_place else None, recorded, root)
     return summary

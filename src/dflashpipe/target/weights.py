@@ -4,8 +4,8 @@ A local Hugging Face directory whose safetensors already hold `target.dtype` is 
 writes data/target/ without weights (config, tokenizer, chat template, source.json) and records two things:
 - in source.json (DVC-cached, what every downstream stage depends on): each weight file's sha256 and size, what
   the weights *are*;
-- in data/target-weights.json (`cache: false`, this machine's): the directory's absolute path and each file's
-  size, mtime_ns and sha256, *where* they are. Touching or moving the files reruns only the target stage (the
+- in data/target-weights.json (`cache: false`, this machine's): the directory (absolute outside the project) and each
+  file's size, mtime_ns and sha256, *where* they are. Touching or moving the files reruns only the target stage (the
   fingerprint's `target_source.files`), which hashes them again: same bytes, same source.json, nothing downstream.
 
 Every reader of the weights goes through `model_directory`: data/target/ itself when it holds them, else a
@@ -94,10 +94,17 @@ def identity(recorded: dict[str, Recorded]) -> dict[str, dict[str, Any]]:
     return {name: {"sha256": r.sha256, "size": r.size} for name, r in recorded.items()}
 
 
-def write_location(target_dir: Path | str, directory: Path | None, recorded: dict[str, Recorded]) -> None:
-    """data/target-weights.json: where the weights are on this machine (`directory` None: in data/target/)."""
+def write_location(
+    target_dir: Path | str, directory: Path | None, recorded: dict[str, Recorded], root: Path | str = "."
+) -> None:
+    """data/target-weights.json: where the weights are on this machine (`directory` None: in data/target/). A
+    directory in the project is recorded relative to the file, so a copy of the project reads its own."""
+    location = location_path(target_dir)
+    where = directory and str(directory)
+    if directory is not None and directory.is_relative_to(Path(root).resolve()):
+        where = os.path.relpath(directory, location.parent.resolve())
     files = {name: {"sha256": r.sha256, "size": r.size, "mtime_ns": r.mtime_ns} for name, r in recorded.items()}
-    write_json_atomic(location_path(target_dir), {"directory": directory and str(directory), "files": files})
+    write_json_atomic(location, {"directory": where, "files": files})
 
 
 def weights_sha256(target_dir: Path | str) -> dict[str, str]:
@@ -113,16 +120,16 @@ def weights_sha256(target_dir: Path | str) -> dict[str, str]:
 def model_directory(target_dir: Path | str) -> Path:
     """A directory `from_pretrained` (or an engine) loads the target from: data/target/ when it holds the weights,
     else one of symlinks to its files and the recorded weights, once each file's size and mtime match the record."""
-    target_dir = Path(target_dir).resolve()
+    named, target_dir = target_dir, Path(target_dir).resolve()
     outside = _read(target_dir / SOURCE_JSON).get("weights")
     if not outside:
         return target_dir
-    stale = f"the target's weights changed under {target_dir}: run `dvc repro target`"
+    stale = f"the target's weights changed under {named}: run `dvc repro target`"
     location = _read(location_path(target_dir))
     files = location.get("files") or {}
     if {n: e["sha256"] for n, e in files.items()} != {n: e["sha256"] for n, e in outside.items()}:
         raise SourceError(f"{location_path(target_dir)} does not record these weights: {stale}")
-    directory = Path(location["directory"])
+    directory = location_path(target_dir).parent / location["directory"]  # an absolute one stays as it is
     for name, entry in files.items():
         try:
             seen = (directory / name).stat()
