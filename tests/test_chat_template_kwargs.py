@@ -70,10 +70,11 @@ def filled_blocks(text: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def thinking_target(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-    """The SmolLM2 tokenizer with the thinking template: all that rendering reads of a target."""
+def thinking_target(tmp_path_factory, tiny_target_dir) -> Path:
+    """The tiny target (the SmolLM2 tokenizer) with the thinking template: what rendering reads of a target, and
+    the config and weights that regenerate's reuse key hashes."""
     out = tmp_path_factory.mktemp("thinking") / "target"
-    shutil.copytree(smollm2_tokenizer_dir, out)
+    shutil.copytree(tiny_target_dir, out)
     (out / "chat_template.jinja").write_text(THINKING)
     return out
 
