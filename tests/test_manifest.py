@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from dflashpipe.core.artifacts import FILE_LISTING, write_file_listing, write_json_atomic
 from dflashpipe.core.errors import SourceError
@@ -406,3 +407,36 @@ def test_a_hashes_file_short_of_the_counts_is_refused_and_rebuilt(tmp_path):
     ):
         verify_manifest(out)
     assert build_manifest(params(specs, num_samples=20), out, root=tmp_path, key=KEY) == expected
+
+
+# --- through DVC: what adding a source recomputes downstream ------------------------------------
+
+
+@pytest.mark.slow
+def test_adding_a_source_recomputes_only_its_shards_in_every_stage(dvc_project):
+    from tests.conftest import run, set_params
+
+    project = dvc_project
+    set_params(project, features__mode="offline")  # features per shard, as the GPU profiles store them
+
+    def repro() -> tuple[str, dict[str, dict]]:
+        out = run(["dvc", "repro", "features"], project).stdout
+        metrics = {s: json.loads((project / f"metrics/{s}.json").read_text()) for s in ("tokenize", "features")}
+        return out, metrics
+
+    repro()
+    manifest_dir = project / "data/manifest"
+    before = {p.name: p.read_bytes() for p in manifest_dir.glob("train-*.parquet")}
+    write_jsonl(project / "data/sources/extra.jsonl", [conv(i, " extra") for i in range(30)])
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    # listed first: where it is listed changes no other source's shards while it shares no sample with them
+    extra = {"name": "extra", "kind": "jsonl", "path": "data/sources/extra.jsonl", "weight": 0.2, "eval": 0}
+    params["data"]["sources"].insert(0, extra)
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    out, metrics = repro()
+    after = {p.name: p.read_bytes() for p in manifest_dir.glob("train-*.parquet")}
+    assert {n: b for n, b in after.items() if n in before} == before  # every earlier shard keeps its bytes
+    assert sorted(set(after) - set(before)) == ["train-extra-00000.parquet"]  # 12 samples: 0.2 x 60
+    assert f"manifest: kept {len(before)} training shard(s) of the earlier build, wrote 1" in out
+    for stage, done in (("tokenize", "encoded_shards"), ("features", "computed_shards")):
+        assert (metrics[stage][done], metrics[stage]["reused_shards"]) == (1, len(before)), stage

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import binascii
 import hashlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,8 +209,12 @@ def file_prefixes(spec: SourceSpec, root: Path, resume_at: tuple[int, ...] | Non
     for path, end in zip(files, ends[: len(files)], strict=True):
         with open(path, "rb") as fh:
             data = fh.read() if end is None else fh.read(end)
-        out.append({"file": path.relative_to(root).as_posix(), "bytes": len(data), "sha256": _sha256(data)})
+        out.append({"file": _label(path, root), "bytes": len(data), "sha256": _sha256(data)})
     return out
+
+
+def _label(path: Path, root: Path) -> str:
+    return Path(os.path.relpath(path, root)).as_posix()  # a source outside the project too, where allowed
 
 
 def _sha256(data: bytes) -> str:
@@ -219,7 +224,7 @@ def _sha256(data: bytes) -> str:
 def refuse_edited(spec: SourceSpec, root: Path, recorded: list[dict]) -> None:
     """Stop, naming the file and the source, if a file the recorded shards were read from changed under
     them (not only grew), or a file was inserted before them in the reading order."""
-    now = [p.relative_to(root).as_posix() for p in source_files(spec, root)]
+    now = [_label(p, root) for p in source_files(spec, root)]
     for i, entry in enumerate(recorded):
         path = root / entry["file"]
         same = i < len(now) and now[i] == entry["file"]
