@@ -266,7 +266,7 @@ class SourceShards:
         if index < len(old) and old[index]["samples"] == samples:  # the same key: the same rows
             self.keep(old[index], tmp)
         else:
-            self.entries.append(self.writer.write(path))
+            self.entries.append({**self.writer.write(path), "source": self.name})
             self.run.written.append(path.name)
         self.characters += self.writer.characters
         self.writer = ShardWriter()
@@ -278,6 +278,7 @@ class BuiltSource:
     hashes (in order) and its shards' run."""
 
     record: dict
+    shards: list[dict]
     eval_rows: list[dict]
     train_hashes: bytes
     run: ShardRun
@@ -290,6 +291,7 @@ def build_source(
     key: str | None,
     done: dict | None,
     done_eval: list[dict],
+    done_shards: list[dict],
     held: set[bytes],
 ) -> BuiltSource:
     """Build one source's eval rows and training shards into `tmp` (dirs: tmp, out, root). `done` is its
@@ -313,7 +315,7 @@ def build_source(
     if done is not None and not grow:
         seen = SeenHashes(held)
     stream = SampleStream(spec, iter(()), seen, params.on_bad_record)
-    shards = SourceShards(spec.name, out, done["shards"] if done else [])
+    shards = SourceShards(spec.name, out, done_shards if done else [])
     eval_rows: list[dict] = []
     if grow:
         stream.stats = SourceStats(
@@ -321,7 +323,7 @@ def build_source(
         )
         stream.resume_at = tuple(done["resume_at"]) if done["resume_at"] else None
         stream.records = read_source(spec, root, done["read"], stream.resume_at)
-        old = done["shards"]
+        old = done_shards
         last_partial = bool(old) and old[-1]["samples"] < params.shard_size
         for entry in old[:-1] if last_partial else old:
             shards.keep(entry, tmp)
@@ -370,7 +372,6 @@ def build_source(
         "skipped_examples": dict(sorted(stream.stats.examples.items())),
         "resume_at": stream.resume_at,
         "files": file_prefixes(spec, root, stream.resume_at),
-        "shards": shards.entries,
         "characters": {"train": shards.characters},
         "hashes": {
             "file": hashes.name,
@@ -380,7 +381,9 @@ def build_source(
         },
     }
     held.update(seen.known)
-    return BuiltSource(record, eval_rows, bytes(seen.kept[DIGEST_SIZE * stream.stats.eval :]), shards.run)
+    return BuiltSource(
+        record, shards.entries, eval_rows, bytes(seen.kept[DIGEST_SIZE * stream.stats.eval :]), shards.run
+    )
 
 
 def keep_if_same(path: Path, out: Path) -> bool:
@@ -412,9 +415,10 @@ def build_manifest(params: DataParams, out: Path | str, root: Path | str = ".", 
     with atomic_directory(out) as tmp:
         for spec in params.sources:
             done_eval = [row for row in earlier_eval if row["source"] == spec.name]
-            built[spec.name] = build_source(
-                spec, params, (tmp, out, root), source_key(digest, spec), earlier.get(spec.name), done_eval, held
-            )
+            done_shards = [e for e in previous["shards"] if e["source"] == spec.name] if previous else []
+            key = source_key(digest, spec)
+            done = earlier.get(spec.name)
+            built[spec.name] = build_source(spec, params, (tmp, out, root), key, done, done_eval, done_shards, held)
         eval_writer = ShardWriter()
         for row in (row for source in built.values() for row in source.eval_rows):
             eval_writer.add(row["id"], row["source"], row["conversation"], row["hash"])
@@ -424,7 +428,7 @@ def build_manifest(params: DataParams, out: Path | str, root: Path | str = ".", 
         summary = {
             "num_samples": sum(s.record["train"] for s in built.values()),
             "shard_size": params.shard_size,
-            "shards": [entry for s in built.values() for entry in s.record["shards"]],
+            "shards": [entry for s in built.values() for entry in s.shards],
             "eval": eval_entry,
             "characters": {
                 "train": sum(s.record["characters"]["train"] for s in built.values()),
