@@ -44,7 +44,10 @@ def test_stored_features_are_what_the_online_trainer_computes_for_the_same_rows(
     from dflashpipe.train.loop import target_inputs
 
     out, run = offline
-    assert run.computed_shards == ["train-chitchat-00000.safetensors", "train-chitchat-00001.safetensors"] and not run.reused_shards
+    assert (
+        run.computed_shards == ["train-chitchat-00000.safetensors", "train-chitchat-00001.safetensors"]
+        and not run.reused_shards
+    )
     data = load_tokens(train_inputs / "tokens")
     layout = layout_for(train_inputs)
     store = FeatureStore.load(out, train_inputs / "tokens", data, layout)
@@ -69,7 +72,10 @@ def test_a_rerun_reuses_every_shard_and_a_missing_or_rekeyed_one_is_computed_aga
     shutil.copytree(out, copy)
     inode = (copy / "train-chitchat-00000.safetensors").stat().st_ino
     again = compute_features("offline", MODEL, "cpu", train_inputs / "tokens", train_inputs / "target", copy, KEY)
-    assert again.computed_shards == [] and again.reused_shards == ["train-chitchat-00000.safetensors", "train-chitchat-00001.safetensors"]
+    assert again.computed_shards == [] and again.reused_shards == [
+        "train-chitchat-00000.safetensors",
+        "train-chitchat-00001.safetensors",
+    ]
     assert (copy / "train-chitchat-00000.safetensors").stat().st_ino == inode
     assert again.summary == first.summary
     assert (copy / "files.json").read_bytes() == (out / "files.json").read_bytes()
@@ -77,7 +83,9 @@ def test_a_rerun_reuses_every_shard_and_a_missing_or_rekeyed_one_is_computed_aga
     (copy / "train-chitchat-00001.safetensors").unlink()
     (copy / ".train-chitchat-00001.safetensors.partial-x").write_bytes(b"left by a kill")
     one = compute_features("offline", MODEL, "cpu", train_inputs / "tokens", train_inputs / "target", copy, KEY)
-    assert one.computed_shards == ["train-chitchat-00001.safetensors"] and one.reused_shards == ["train-chitchat-00000.safetensors"]
+    assert one.computed_shards == ["train-chitchat-00001.safetensors"] and one.reused_shards == [
+        "train-chitchat-00000.safetensors"
+    ]
     assert sorted(p.name for p in copy.iterdir()) == sorted(p.name for p in out.iterdir())
     for name in ("train-chitchat-00001.safetensors", "summary.json", "files.json"):
         assert (copy / name).read_bytes() == (out / name).read_bytes(), f"{name}: not the bytes of a full run"
