@@ -367,7 +367,7 @@ def test_dvc_repro_after_growing_the_data_reuses_the_old_shard_files(pipeline_ru
     tokens = project / TOKENS
     before = files(tokens)
     shards, samples = len([n for n in before if n.endswith(".arrow")]), RUN_PROFILE["data__num_samples"]
-    # two more manifest shards; num_proc changes no byte, so it changes no shard's key either
+    # a new manifest shard per source (+20, +12, +8 samples); num_proc changes no byte, nor any shard's key
     set_params(project, data__num_samples=samples + 40, tokenize__num_proc=2)
     out = run(["dvc", "repro", "tokenize"], project)
     assert "Running stage 'tokenize'" in out.stdout
@@ -375,7 +375,7 @@ def test_dvc_repro_after_growing_the_data_reuses_the_old_shard_files(pipeline_ru
     for name in (n for n in before if n.endswith(".arrow")):
         assert after[name] == before[name]
     metrics = json.loads((project / TOKENIZE_METRICS).read_text())
-    assert (metrics["encoded_shards"], metrics["reused_shards"], metrics["encoded_samples"]) == (2, shards, 40)
+    assert (metrics["encoded_shards"], metrics["reused_shards"], metrics["encoded_samples"]) == (3, shards, 40)
     summary = json.loads((tokens / "summary.json").read_text())
     assert summary["samples_in"] == samples + 40 == summary["samples_out"] + sum(summary["skipped"].values())
     assert yaml.safe_load((project / "dvc.lock").read_text())["stages"]["tokenize"]["outs"]
