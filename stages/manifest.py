@@ -14,8 +14,8 @@ from dflashpipe.data.shards import manifest_metrics  # noqa: E402
 
 
 def manifest(params) -> None:
-    # The key is what dvc.yaml lists for the stage less data.num_samples (pipeline.REUSE): the shards of
-    # an earlier build under it are kept, so growing the data writes only what was added.
+    # The key is what dvc.yaml lists for the stage less the sources and data.num_samples (pipeline.REUSE); each
+    # source adds its own spec: its shards of an earlier build are kept, so growing the data writes only what was added.
     summary = build_manifest(params.data, MANIFEST, key=reuse_key("manifest"))
     write_json_atomic(MANIFEST_METRICS, manifest_metrics(summary))
 

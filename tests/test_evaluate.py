@@ -337,13 +337,13 @@ def test_the_eval_split_is_checked_against_the_manifests_listing_alone(tiny, tmp
 
     manifest = tmp_path / "manifest"
     shutil.copytree(tiny["work"] / "manifest", manifest)
-    shard = manifest / "train-00000.parquet"
+    shard = manifest / "train-chitchat-00000.parquet"
     assert [row["id"] for row in read_eval_split(manifest, TRAIN)] == [
         row["id"] for row in pq.read_table(shard).to_pylist()
     ]
     shard.write_bytes(b"a damaged training shard")  # read for the training-distribution prompts only
     assert read_eval_split(manifest)
-    with pytest.raises(SourceError, match=r"train-00000.parquet: does not match its sha256"):
+    with pytest.raises(SourceError, match=r"train-chitchat-00000.parquet: does not match its sha256"):
         read_eval_split(manifest, TRAIN)
     eval_file = manifest / "eval.parquet"
     # refused by the listing, with the fix, before pyarrow reads it
@@ -359,7 +359,7 @@ def test_growing_the_training_set_leaves_the_eval_split_as_it_was(tmp_path):
     small = build_manifest(manifest_params(20, 10, *sources), tmp_path / "small")
     big = build_manifest(manifest_params(40, 10, *sources), tmp_path / "big")
     assert small["eval"] == big["eval"]  # file name, row count and sha256
-    for name in ("eval.parquet", "train-00000.parquet"):  # the held-out and the training-distribution prompts
+    for name in ("eval.parquet", "train-chitchat-00000.parquet"):  # the held-out and the training-distribution prompts
         assert (tmp_path / "small" / name).read_bytes() == (tmp_path / "big" / name).read_bytes()
 
 

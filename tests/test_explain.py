@@ -83,7 +83,7 @@ def test_growing_the_data_hits_manifest_only_and_costs_are_attributed(committed)
     assert verdicts(report)["manifest"] == StageVerdict.DIRECT and verdicts(report)["target"] == StageVerdict.UNCHANGED
     deltas = {m.key: (m.old, m.new, m.causes) for m in report.metrics}
     assert deltas["train_samples"] == (N, N + 20, ["params.yaml:data.num_samples"])
-    assert deltas["shards"] == (SHARDS, SHARDS + 1, ["params.yaml:data.num_samples"])
+    assert deltas["shards"] == (SHARDS, SHARDS + 3, ["params.yaml:data.num_samples"])  # one more per source
     assert next(m for m in report.metrics if m.key == "train_samples").change == pytest.approx(20 / N)
     md = to_markdown(report)
     assert f"- (1) param data.num_samples: {N} -> {N + 20}  [dvc.lock@HEAD vs params.yaml]" in md
@@ -102,11 +102,12 @@ def test_grown_data_rerun_and_committed_names_the_changed_files_on_each_path(com
     report = explain("HEAD~1", "HEAD", committed)
     assert report.machine is None  # two recorded states: the machine now is not part of the question
     paths = {v.stage: v.paths for v in report.stages}
-    new_shard = f"data/manifest/train-{SHARDS:05d}.parquet"
-    # the new shard and the manifest's own listing and summary moved; the old shards kept their bytes
-    grown = (
-        f"data/manifest/files.json, data/manifest/hashes.bin, data/manifest/summary.json, {new_shard} "
-        "(manifest: params.yaml:data.num_samples)"
+    # each source's new shard, its hashes and the manifest's own listing and summary moved (eight files: five
+    # named); the old shards kept their bytes
+    grown = ", ".join(
+        ["data/manifest/files.json"]
+        + [f"data/manifest/hashes-{s}.bin" for s in ("chitchat", "python_code", "sharegpt")]
+        + ["data/manifest/summary.json", "3 more (manifest: params.yaml:data.num_samples)"]
     )
     assert paths["tokenize"] == [f"tokenize <- data/regenerated (regenerate) <- {grown}"]
     # the eval split kept its sha256: evaluate is invalidated through the token shards (its bigram floor counts
@@ -121,8 +122,9 @@ def test_grown_data_rerun_and_committed_names_the_changed_files_on_each_path(com
             )
         )
         for p in paths["evaluate"]
+        if not p.startswith("evaluate <- data/manifest/summary.json")  # it names the first training shard
     )
-    assert all(p.endswith(f"(regenerate) <- {grown}") for p in paths["evaluate"])
+    assert all(p.endswith(f"(regenerate) <- {grown}") for p in paths["evaluate"] if "summary.json (manifest" not in p)
     assert paths["warmup"] == [] and paths["target"] == []
 
 

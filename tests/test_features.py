@@ -44,7 +44,10 @@ def test_stored_features_are_what_the_online_trainer_computes_for_the_same_rows(
     from dflashpipe.train.loop import target_inputs
 
     out, run = offline
-    assert run.computed_shards == ["train-00000.safetensors", "train-00001.safetensors"] and not run.reused_shards
+    assert (
+        run.computed_shards == ["train-chitchat-00000.safetensors", "train-chitchat-00001.safetensors"]
+        and not run.reused_shards
+    )
     data = load_tokens(train_inputs / "tokens")
     layout = layout_for(train_inputs)
     store = FeatureStore.load(out, train_inputs / "tokens", data, layout)
@@ -67,19 +70,24 @@ def test_a_rerun_reuses_every_shard_and_a_missing_or_rekeyed_one_is_computed_aga
     out, first = offline
     copy = tmp_path / "features"
     shutil.copytree(out, copy)
-    inode = (copy / "train-00000.safetensors").stat().st_ino
+    inode = (copy / "train-chitchat-00000.safetensors").stat().st_ino
     again = compute_features("offline", MODEL, "cpu", train_inputs / "tokens", train_inputs / "target", copy, KEY)
-    assert again.computed_shards == [] and again.reused_shards == ["train-00000.safetensors", "train-00001.safetensors"]
-    assert (copy / "train-00000.safetensors").stat().st_ino == inode
+    assert again.computed_shards == [] and again.reused_shards == [
+        "train-chitchat-00000.safetensors",
+        "train-chitchat-00001.safetensors",
+    ]
+    assert (copy / "train-chitchat-00000.safetensors").stat().st_ino == inode
     assert again.summary == first.summary
     assert (copy / "files.json").read_bytes() == (out / "files.json").read_bytes()
 
-    (copy / "train-00001.safetensors").unlink()
-    (copy / ".train-00001.safetensors.partial-x").write_bytes(b"left by a kill")
+    (copy / "train-chitchat-00001.safetensors").unlink()
+    (copy / ".train-chitchat-00001.safetensors.partial-x").write_bytes(b"left by a kill")
     one = compute_features("offline", MODEL, "cpu", train_inputs / "tokens", train_inputs / "target", copy, KEY)
-    assert one.computed_shards == ["train-00001.safetensors"] and one.reused_shards == ["train-00000.safetensors"]
+    assert one.computed_shards == ["train-chitchat-00001.safetensors"] and one.reused_shards == [
+        "train-chitchat-00000.safetensors"
+    ]
     assert sorted(p.name for p in copy.iterdir()) == sorted(p.name for p in out.iterdir())
-    for name in ("train-00001.safetensors", "summary.json", "files.json"):
+    for name in ("train-chitchat-00001.safetensors", "summary.json", "files.json"):
         assert (copy / name).read_bytes() == (out / name).read_bytes(), f"{name}: not the bytes of a full run"
 
     edited = StageKey("features", {"test": "an edited dep"})
@@ -106,7 +114,7 @@ def test_features_of_other_layers_are_refused_naming_the_shard_shapes_and_fix(tr
     with pytest.raises(SourceError) as caught:
         FeatureStore.load(out, train_inputs / "tokens", data, want)
     message = str(caught.value)
-    assert str(out / "train-00000.safetensors") in message and "run `dvc repro features`" in message
+    assert str(out / "train-chitchat-00000.safetensors") in message and "run `dvc repro features`" in message
     assert f"for layers {list(want.layer_ids)}" in message and "features of shape [" in message
     longer = FeatureLayout(layout_for(train_inputs).layer_ids, want.hidden_size, MODEL.seq_len * 2)
     cut = rf"cut at {MODEL.seq_len} tokens, but the drafter reads .* cut at {MODEL.seq_len * 2}:"
@@ -118,17 +126,17 @@ def test_a_damaged_shard_is_refused_by_train_and_recomputed_by_the_stage(train_i
     out, _ = offline
     copy = tmp_path / "features"
     shutil.copytree(out, copy)
-    victim = copy / "train-00001.safetensors"
+    victim = copy / "train-chitchat-00001.safetensors"
     raw = bytearray(victim.read_bytes())
     raw[-100] ^= 0x40  # inside the features
     os.chmod(victim, 0o644)
     victim.write_bytes(bytes(raw))
     data = load_tokens(train_inputs / "tokens")
-    with pytest.raises(SourceError, match=r"train-00001.safetensors.*run `dvc repro features`"):
+    with pytest.raises(SourceError, match=r"train-chitchat-00001.safetensors.*run `dvc repro features`"):
         FeatureStore.load(copy, train_inputs / "tokens", data, layout_for(train_inputs))
     run = compute_features("offline", MODEL, "cpu", train_inputs / "tokens", train_inputs / "target", copy, KEY)
-    assert run.computed_shards == ["train-00001.safetensors"]
-    assert victim.read_bytes() == (out / "train-00001.safetensors").read_bytes()
+    assert run.computed_shards == ["train-chitchat-00001.safetensors"]
+    assert victim.read_bytes() == (out / "train-chitchat-00001.safetensors").read_bytes()
 
 
 def test_a_disk_too_small_is_refused_before_writing_with_the_estimate(train_inputs, tmp_path):

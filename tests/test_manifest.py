@@ -10,13 +10,22 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from dflashpipe.core.artifacts import FILE_LISTING, write_file_listing, write_json_atomic
 from dflashpipe.core.errors import SourceError
 from dflashpipe.core.params import DataParams, SourceSpec
 from dflashpipe.core.pipeline import StageKey
+from dflashpipe.data import manifest
 from dflashpipe.data.manifest import build_manifest
-from dflashpipe.data.shards import EVAL_FILE, HASHES_FILE, SUMMARY_FILE, shard_name, verify_manifest
+from dflashpipe.data.shards import (
+    EVAL_FILE,
+    SUMMARY_FILE,
+    conversation_hash,
+    hashes_name,
+    shard_name,
+    verify_manifest,
+)
 from dflashpipe.data.sources import package_file, read_json_list, read_sharegpt
 
 
@@ -68,24 +77,32 @@ def test_two_builds_give_the_same_bytes(tmp_path):
     build_manifest(params(DEFAULT_MIX), a)
     build_manifest(params(DEFAULT_MIX), b)
     names = sorted(p.name for p in a.iterdir())
+    shards = {"sharegpt": 2, "chitchat": 2, "python_code": 1, "humaneval": 0}  # 20, 12, 8 and 0 of 40 samples
     assert (
         names
         == sorted(p.name for p in b.iterdir())
-        == sorted([EVAL_FILE, HASHES_FILE, SUMMARY_FILE, FILE_LISTING] + [shard_name(i) for i in range(4)])
+        == sorted(
+            [EVAL_FILE, SUMMARY_FILE, FILE_LISTING]
+            + [hashes_name(s) for s in shards]
+            + [shard_name(s, i) for s, n in shards.items() for i in range(n)]
+        )
     )
     for name in names:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
-def test_growing_num_samples_appends_shards_and_changes_none(tmp_path):
+def test_growing_num_samples_appends_to_each_source_and_changes_no_full_shard(tmp_path):
     small, large = tmp_path / "n40", tmp_path / "n70"
     build_manifest(params(DEFAULT_MIX, num_samples=40), small)
     build_manifest(params(DEFAULT_MIX, num_samples=70), large)
-    for i in range(4):
-        assert (small / shard_name(i)).read_bytes() == (large / shard_name(i)).read_bytes()
+    for name in ("sharegpt-00000", "sharegpt-00001", "chitchat-00000"):
+        assert (small / f"train-{name}.parquet").read_bytes() == (large / f"train-{name}.parquet").read_bytes()
     assert (small / EVAL_FILE).read_bytes() == (large / EVAL_FILE).read_bytes()
-    assert len(train_rows(large)) == 70 and train_rows(large)[:40] == train_rows(small)
-    assert [s["samples"] for s in json.loads((large / SUMMARY_FILE).read_text())["shards"]] == [10] * 7
+    for source in ("sharegpt", "chitchat", "python_code"):
+        old, new = ([r for r in train_rows(m) if r["source"] == source] for m in (small, large))
+        assert new[: len(old)] == old
+    summary = json.loads((large / SUMMARY_FILE).read_text())
+    assert [s["samples"] for s in summary["shards"]] == [10, 10, 10, 5, 10, 10, 1, 10, 4]  # 35, 21, 14
 
 
 def test_weights_set_each_source_share_and_eval_never_overlaps_training(tmp_path):
@@ -165,10 +182,13 @@ def test_empty_file_missing_path_and_missing_package_are_clear_errors(tmp_path):
         package_file("no-such-dataset", "data.json")
 
 
-def test_too_few_samples_names_the_shortfall(tmp_path):
+def test_a_source_short_of_its_share_gives_what_it_has_and_says_so(tmp_path, capsys):
     write_jsonl(tmp_path / "data/sources/mine.jsonl", [conv(i) for i in range(7)])
-    with pytest.raises(SourceError, match=r"only 5 unique usable training samples.*num_samples = 20"):
-        build_manifest(params([user_source(eval=2)], num_samples=20), tmp_path / "m", root=tmp_path)
+    summary = build_manifest(params([user_source(eval=2)], num_samples=20), tmp_path / "m", root=tmp_path)
+    assert summary["sources"]["mine"]["train"] == summary["num_samples"] == 5
+    assert "source 'mine' holds 5 of the 20 training samples its weight asks" in capsys.readouterr().out
+    with pytest.raises(SourceError, match=r"source 'mine' has only 7 usable records.*eval = 8: lower it"):
+        build_manifest(params([user_source(eval=8)], num_samples=20), tmp_path / "m", root=tmp_path)
 
 
 def test_truncated_json_array_keeps_every_complete_record_and_counts_the_tail(tmp_path):
@@ -210,13 +230,8 @@ def test_parquet_and_saved_datasets_in_both_shapes(tmp_path):
     ]
     build_manifest(params(specs, num_samples=6), tmp_path / "m", root=tmp_path)
     got = [(r["source"], r["conversation"][0]["content"]) for r in train_rows(tmp_path / "m")]
-    assert got == [
-        ("pq", "q0"),
-        ("hf", "question 0!"),
-        ("pq", "q1"),
-        ("hf", "question 1!"),
-        ("pq", "q2"),
-        ("hf", "question 2!"),
+    assert got == [("pq", "q0"), ("pq", "q1"), ("pq", "q2"), ("hf", "question 0!"), ("hf", "question 1!")] + [
+        ("hf", "question 2!")
     ]
 
 
@@ -266,13 +281,15 @@ def test_growing_keeps_the_old_shards_and_writes_what_a_fresh_build_writes(tmp_p
         "duplicate": 1,
         "malformed_json": 1,
     }
-    # `few` ran out before the first build ended. Every old file of the same rows is the same inode,
+    # `few` ran out before the first build ended. Every old file of the same bytes is the same inode,
     # untouched (mtime); only what changed is new
-    kept = [EVAL_FILE] + [shard_name(i) for i in range(first // 10 if grown > first else -(-first // 10))]
+    many = round(0.6 * first) // 10 if grown > first else -(-round(0.6 * first) // 10)
+    kept = [EVAL_FILE, shard_name("few", 0), hashes_name("few")] + [shard_name("many", i) for i in range(many)]
+    assert sorted(n for n in set(after) & set(before) if after[n][2] == before[n][2]) == sorted(
+        kept + ([hashes_name("many")] if grown == first else []) + [SUMMARY_FILE, FILE_LISTING] * (grown == first)
+    )
     for name in kept:
         assert after[name] == before[name], name
-    for name in set(after) - set(kept) - {SUMMARY_FILE, FILE_LISTING}:
-        assert after[name][0] not in {v[0] for v in before.values()}, name
 
 
 def test_a_changed_key_a_damaged_or_a_smaller_build_reuses_only_what_still_holds(tmp_path):
@@ -292,56 +309,134 @@ def test_a_changed_key_a_damaged_or_a_smaller_build_reuses_only_what_still_holds
         before = now
     build(30)
     before = inodes(out)
-    damaged = out / shard_name(0)
+    damaged = out / shard_name("many", 0)
     os.chmod(damaged, 0o644)
     damaged.write_bytes(damaged.read_bytes()[:-10])  # a damaged manifest is rebuilt, never trusted
-    build(40)
-    assert inodes(out)[shard_name(0)][2] == before[shard_name(0)][2]
-    assert inodes(out)[shard_name(1)][0] != before[shard_name(1)][0]
+    build(40)  # many: 18 -> 24 samples
+    assert inodes(out)[shard_name("many", 0)][2] == before[shard_name("many", 0)][2]
+    assert inodes(out)[shard_name("many", 1)][0] != before[shard_name("many", 1)][0]
+    build(50)  # many: 30 samples
     before = inodes(out)
-    shrunk = build(25)  # smaller: the shards of the same rows are kept; the partial last one and stale files go
+    shrunk = build(40)  # smaller: the shards of the same rows are kept; the partial last one and stale files go
     after = inodes(out)
-    assert [after[shard_name(i)][:2] == before[shard_name(i)][:2] for i in range(3)] == [True, True, False]
+    many = [shard_name("many", i) for i in range(3)]
+    assert [after[n][:2] == before[n][:2] for n in many] == [True, True, False]
     assert after[EVAL_FILE] == before[EVAL_FILE]
     assert sorted(after) == sorted(
-        [EVAL_FILE, HASHES_FILE, SUMMARY_FILE, FILE_LISTING] + [shard_name(i) for i in range(3)]
+        [EVAL_FILE, SUMMARY_FILE, FILE_LISTING, hashes_name("many"), hashes_name("few"), shard_name("few", 0)] + many
     )
-    assert [s["samples"] for s in shrunk["shards"]] == [10, 10, 5]
+    assert [s["samples"] for s in shrunk["shards"]] == [10, 10, 4, 5]
 
 
-def test_growth_seeks_past_what_a_jsonl_source_gave_and_never_reads_it_again(tmp_path):
+def test_growth_seeks_past_what_a_jsonl_source_gave_and_an_edit_under_it_is_refused(tmp_path, monkeypatch):
     records = [conv(i) for i in range(30)]
     records[12:12] = [b"", b"{not json", conv(3)]  # past the first build's cut: a blank line, a bad line, a duplicate
     source = write_jsonl(tmp_path / "data/sources/mine.jsonl", records)
     specs, out, fresh = [user_source(eval=2)], tmp_path / "m", tmp_path / "fresh"
     first = build_manifest(params(specs, num_samples=10), out, root=tmp_path, key=KEY)
     build_manifest(params(specs, num_samples=25), fresh, root=tmp_path, key=KEY)
-    offset, line = first["sources"]["mine"]["resume_at"]
-    assert line == 12
-    # the records the first build consumed, blanked (lines kept): read again by count, they would be missed
+    file_index, offset, line = first["sources"]["mine"]["resume_at"]
+    assert (file_index, line) == (0, 12)
+    hashed = []
+    monkeypatch.setattr(manifest, "conversation_hash", lambda c: hashed.append(c) or conversation_hash(c))
+    grown = build_manifest(params(specs, num_samples=25), out, root=tmp_path, key=KEY)
+    assert len(hashed) == 16  # the duplicate and 15 new samples: nothing before the cut is parsed again
+    assert grown["sources"]["mine"]["skipped"] == {"duplicate": 1, "malformed_json": 1}
+    assert {p.name: p.read_bytes() for p in sorted(out.iterdir())} == {
+        p.name: p.read_bytes() for p in sorted(fresh.iterdir())
+    }
+    # the records the build consumed, edited: refused before any work, naming the file and the source
     data = source.read_bytes()
     source.write_bytes(re.sub(rb"[^\n]", b" ", data[:offset]) + data[offset:])
-    grown = build_manifest(params(specs, num_samples=25), out, root=tmp_path, key=KEY)
-    assert grown["sources"]["mine"]["skipped"] == {"duplicate": 1, "malformed_json": 1}
+    with pytest.raises(SourceError, match=r"^data/sources/mine.jsonl: changed under .* data.sources\[mine\].*rename"):
+        build_manifest(params(specs, num_samples=30), out, root=tmp_path, key=KEY)
     assert {p.name: p.read_bytes() for p in sorted(out.iterdir())} == {
         p.name: p.read_bytes() for p in sorted(fresh.iterdir())
     }
 
 
+def test_adding_a_source_writes_only_its_shards_and_drops_what_an_earlier_one_holds(tmp_path):
+    specs, out, fresh = mixed_sources(tmp_path), tmp_path / "m", tmp_path / "fresh"
+    build_manifest(params(specs, num_samples=20), out, root=tmp_path, key=KEY)
+    before = inodes(out)
+    write_jsonl(tmp_path / "data/sources/more.jsonl", [conv(3), conv(30), conv(200), conv(201)])
+    specs.append(user_source("more", "data/sources/more.jsonl", weight=0.2))
+    summary = build_manifest(params(specs, num_samples=20), out, root=tmp_path, key=KEY)
+    after = inodes(out)
+    assert {n for n in before if n in after and after[n] == before[n]} == set(before) - {SUMMARY_FILE, FILE_LISTING}
+    assert sorted(set(after) - set(before)) == [hashes_name("more"), shard_name("more", 0)]
+    # conv(3) is `many`'s: dropped from `more`, the later-listed source; more asks 4, holds 3
+    assert summary["sources"]["more"]["train"] == 3 and summary["sources"]["more"]["skipped"] == {"duplicate": 1}
+    assert build_manifest(params(specs, num_samples=20), fresh, root=tmp_path, key=KEY) == summary
+    # `many` grows into conv(30), which `more` kept: `more` is rebuilt as a fresh build would make it
+    grown = build_manifest(params(specs, num_samples=60), out, root=tmp_path, key=KEY)
+    assert grown["sources"]["more"]["train"] == 2 and grown["sources"]["more"]["hashes"]["dropped"] == 2
+    assert build_manifest(params(specs, num_samples=60), fresh, root=tmp_path, key=KEY) == grown
+
+
+def test_a_directory_source_reads_its_files_in_name_order_and_a_later_file_appends(tmp_path):
+    write_jsonl(tmp_path / "data/sources/chats/a.jsonl", [conv(i) for i in range(12)])
+    specs, out = [user_source(path="data/sources/chats")], tmp_path / "m"
+    first = build_manifest(params(specs, num_samples=40), out, root=tmp_path, key=KEY)
+    assert first["sources"]["mine"]["train"] == 12 and train_rows(out)[0]["id"] == "mine/a.jsonl:1"
+    before = inodes(out)
+    write_jsonl(tmp_path / "data/sources/chats/b.jsonl", [conv(i) for i in range(10, 20)])
+    grown = build_manifest(params(specs, num_samples=40), out, root=tmp_path, key=KEY)
+    assert grown["sources"]["mine"]["train"] == 20 and grown["sources"]["mine"]["skipped"] == {"duplicate": 2}
+    assert inodes(out)[shard_name("mine", 0)] == before[shard_name("mine", 0)]
+    assert [r["id"] for r in train_rows(out)][-1] == "mine/b.jsonl:10"
+    write_jsonl(tmp_path / "data/sources/chats/0.jsonl", [conv(99)])  # sorts first: the order read changed
+    with pytest.raises(SourceError, match=r"^data/sources/chats/a.jsonl: changed under .*data.sources\[mine\]"):
+        build_manifest(params(specs, num_samples=40), out, root=tmp_path, key=KEY)
+
+
 def test_a_hashes_file_short_of_the_counts_is_refused_and_rebuilt(tmp_path):
-    # hashes.bin is the dedup set a growth resumes from: one that misses samples (a writer bug, listed as it is)
-    # would let duplicates through, so it is checked against the counts like the shards are
+    # a source's hashes file is the dedup set its growth resumes from: one that misses samples (a writer bug,
+    # listed as it is) would let duplicates through, so it is checked against the counts like the shards are
     specs, out = mixed_sources(tmp_path), tmp_path / "m"
     expected = build_manifest(params(specs, num_samples=20), out, root=tmp_path, key=KEY)
-    hashes = out / HASHES_FILE
+    hashes = out / hashes_name("many")
     os.chmod(hashes, 0o644)
     hashes.write_bytes(hashes.read_bytes()[:-32])
     summary = json.loads((out / SUMMARY_FILE).read_text())
-    summary["hashes"]["sha256"] = hashlib.sha256(hashes.read_bytes()).hexdigest()
+    summary["sources"]["many"]["hashes"]["sha256"] = hashlib.sha256(hashes.read_bytes()).hexdigest()
     write_json_atomic(out / SUMMARY_FILE, summary)
     write_file_listing(out)
     with pytest.raises(
-        SourceError, match=rf"{hashes}: 704 bytes, but {out / SUMMARY_FILE} counts 23 samples of 32 bytes"
+        SourceError, match=rf"{hashes}: 416 bytes, but {out / SUMMARY_FILE} counts 14 samples of 32 bytes"
     ):
         verify_manifest(out)
     assert build_manifest(params(specs, num_samples=20), out, root=tmp_path, key=KEY) == expected
+
+
+# --- through DVC: what adding a source recomputes downstream ------------------------------------
+
+
+@pytest.mark.slow
+def test_adding_a_source_recomputes_only_its_shards_in_every_stage(dvc_project):
+    from tests.conftest import run, set_params
+
+    project = dvc_project
+    set_params(project, features__mode="offline")  # features per shard, as the GPU profiles store them
+
+    def repro() -> tuple[str, dict[str, dict]]:
+        out = run(["dvc", "repro", "features"], project).stdout
+        metrics = {s: json.loads((project / f"metrics/{s}.json").read_text()) for s in ("tokenize", "features")}
+        return out, metrics
+
+    repro()
+    manifest_dir = project / "data/manifest"
+    before = {p.name: p.read_bytes() for p in manifest_dir.glob("train-*.parquet")}
+    write_jsonl(project / "data/sources/extra.jsonl", [conv(i, " extra") for i in range(30)])
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    # listed first: where it is listed changes no other source's shards while it shares no sample with them
+    extra = {"name": "extra", "kind": "jsonl", "path": "data/sources/extra.jsonl", "weight": 0.2, "eval": 0}
+    params["data"]["sources"].insert(0, extra)
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    out, metrics = repro()
+    after = {p.name: p.read_bytes() for p in manifest_dir.glob("train-*.parquet")}
+    assert {n: b for n, b in after.items() if n in before} == before  # every earlier shard keeps its bytes
+    assert sorted(set(after) - set(before)) == ["train-extra-00000.parquet"]  # 12 samples: 0.2 x 60
+    assert f"manifest: kept {len(before)} training shard(s) of the earlier build, wrote 1" in out
+    for stage, done in (("tokenize", "encoded_shards"), ("features", "computed_shards")):
+        assert (metrics[stage][done], metrics[stage]["reused_shards"]) == (1, len(before)), stage

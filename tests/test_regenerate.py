@@ -193,7 +193,7 @@ def test_disabled_tokenize_reads_the_manifests_bytes_and_writes_the_same_tokens(
     chat_jsonl(tmp_path / "chats.jsonl", 40)
     m, out = manifest(tmp_path, 30), tmp_path / "regenerated"
     (out).mkdir()
-    (out / "train-00007.parquet").write_text("left over from a larger run")
+    (out / "train-chats-00007.parquet").write_text("left over from a larger run")
     disabled = dataclasses.replace(REGENERATE, enabled=False)
     regenerate_manifest(disabled, ["cpu"], m, smollm2_tokenizer_dir, out, STAGE_KEY)
     shards = sorted(p.name for p in m.glob("train-*"))
@@ -211,19 +211,19 @@ def test_growing_the_data_answers_only_the_new_shards_and_a_new_key_all(tmp_path
     chat_jsonl(tmp_path / "chats.jsonl", 40)
     out = tmp_path / "regenerated"
     first = regenerate_manifest(REGENERATE, ["cpu"], manifest(tmp_path, 20), talking_target, out, STAGE_KEY)
-    assert first.regenerated_shards == ["train-00000.parquet", "train-00001.parquet"]
+    assert first.regenerated_shards == ["train-chats-00000.parquet", "train-chats-00001.parquet"]
     before = files(out)
     grown = regenerate_manifest(REGENERATE, ["cpu"], manifest(tmp_path, 30), talking_target, out, STAGE_KEY)
-    assert (grown.regenerated_shards, grown.reused_shards) == (["train-00002.parquet"], first.regenerated_shards)
+    assert (grown.regenerated_shards, grown.reused_shards) == (["train-chats-00002.parquet"], first.regenerated_shards)
     after = files(out)
     assert all(after[name] == before[name] for name in first.regenerated_shards)  # same bytes, never rewritten
     regenerate_manifest(REGENERATE, ["cpu"], tmp_path / "manifest", talking_target, tmp_path / "fresh", STAGE_KEY)
     assert {k: v[0] for k, v in files(tmp_path / "fresh").items()} == {k: v[0] for k, v in after.items()}
     # a damaged shard is answered again; another key answers every shard
-    damaged = out / "train-00001.parquet"
+    damaged = out / "train-chats-00001.parquet"
     damaged.write_bytes(damaged.read_bytes()[:-64])
     again = regenerate_manifest(REGENERATE, ["cpu"], tmp_path / "manifest", talking_target, out, STAGE_KEY)
-    assert again.regenerated_shards == ["train-00001.parquet"]
+    assert again.regenerated_shards == ["train-chats-00001.parquet"]
     other = StageKey("regenerate", {"param:params.yaml:regenerate.max_new_tokens": "7"})
     assert (
         len(

@@ -91,7 +91,7 @@ def test_a_server_killed_mid_stage_stops_it_and_the_next_run_reuses_the_finished
     endpoint = Endpoint(server.url, retries=2, backoff_s=0.2)
 
     def kill_after_the_first_shard() -> None:
-        while not (out / "train-00000.parquet").exists():
+        while not (out / "train-chats-00000.parquet").exists():
             time.sleep(0.01)
         server.kill()
 
@@ -103,7 +103,7 @@ def test_a_server_killed_mid_stage_stops_it_and_the_next_run_reuses_the_finished
     message = str(stopped.value)
     assert "\n" not in message and f"{server.url}/completions unreachable after 3 attempts" in message, message
     finished = sorted(p.name for p in out.glob("train-*.parquet"))
-    assert "train-00000.parquet" in finished and len(finished) < 4  # the shard being answered was not written
+    assert "train-chats-00000.parquet" in finished and len(finished) < 4  # the shard being answered was not written
     assert not list(out.glob(".*partial*"))
 
     restarted = dataclasses.replace(server, process=None).start()  # the same server again, on the same port

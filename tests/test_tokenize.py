@@ -196,7 +196,7 @@ def manifest(root: Path, num_samples: int, out: Path | None = None) -> Path:
 
 KEY = StageKey("tokenize", {f"dep:{TARGET}/tokenizer.json": "a" * 64, "param:params.yaml:tokenize.max_length": "512"})
 """A stage key for runs outside a DVC project; `reuse_key` reads the real one from dvc.yaml."""
-SHARDS = [f"train-0000{i}.arrow" for i in range(10)]
+SHARDS = [f"train-chats-0000{i}.arrow" for i in range(10)]
 
 
 @pytest.fixture
@@ -218,7 +218,7 @@ def test_shards_are_the_same_bytes_across_runs_and_core_counts(project, smollm2_
     s = one.summary
     assert s["samples_in"] == 40 == s["samples_out"] + sum(s["skipped"].values())
     assert s["skipped"]["no_assistant_turn"] == 3 and s["supervised_tokens"] > 0
-    batch, _ = read_shard(project / "one" / "train-00000.arrow")
+    batch, _ = read_shard(project / "one" / "train-chats-00000.arrow")
     assert batch.schema.names == ["id", "source", "input_ids", "loss_mask", "truncated"]
 
 
@@ -239,10 +239,10 @@ def test_growing_the_manifest_encodes_only_the_new_shards(project, smollm2_token
     assert fresh.summary == grown.summary
 
     # A damaged shard is encoded again; shrinking removes the shards that no longer exist.
-    damaged = out / "train-00001.arrow"
+    damaged = out / "train-chats-00001.arrow"
     damaged.write_bytes(damaged.read_bytes()[:-100])
     shrunk = tokenize_manifest(PARAMS, manifest(project, 30), smollm2_tokenizer_dir, out, KEY)
-    assert shrunk.encoded_shards == ["train-00001.arrow"]
+    assert shrunk.encoded_shards == ["train-chats-00001.arrow"]
     assert sorted(p.name for p in out.iterdir()) == ["files.json", "summary.json"] + SHARDS[:3]
     assert len(load_tokens(out)) == shrunk.summary["samples_out"]
 
@@ -303,8 +303,8 @@ def test_the_stage_key_reuses_shards_exactly_when_dvc_would_keep_them(project, s
 
 def test_a_manifest_shard_that_does_not_match_its_summary_is_refused(project, smollm2_tokenizer_dir):
     m = manifest(project, 20)
-    (m / "train-00001.parquet").write_bytes(b"not parquet")
-    with pytest.raises(SourceError, match=r"train-00001.parquet: .*`dvc repro -f regenerate`"):
+    (m / "train-chats-00001.parquet").write_bytes(b"not parquet")
+    with pytest.raises(SourceError, match=r"train-chats-00001.parquet: .*`dvc repro -f regenerate`"):
         tokenize_manifest(PARAMS, m, smollm2_tokenizer_dir, project / "tokens", KEY)
 
 
@@ -320,7 +320,7 @@ def test_load_tokens_refuses_a_damaged_incomplete_or_stale_directory_naming_the_
     assert len(data) == run_.summary["samples_out"] and data.supervised_tokens == run_.summary["supervised_tokens"]
     fix = rf"restore it with `dvc checkout {out}` or rebuild it with `dvc repro -f tokenize`"
 
-    shard = out / "train-00001.arrow"
+    shard = out / "train-chats-00001.arrow"
     pristine = shard.read_bytes()
     flipped = bytearray(pristine)
     batch, _ = read_shard(shard)
@@ -352,7 +352,7 @@ def test_a_shard_that_matches_its_listing_but_is_no_tokens_shard_is_a_clear_erro
     # A listing written over a damaged file (hash and file agree): still never a pyarrow traceback.
     out = project / "tokens"
     tokenize_manifest(PARAMS, manifest(project, 20), smollm2_tokenizer_dir, out, KEY)
-    shard = out / "train-00001.arrow"
+    shard = out / "train-chats-00001.arrow"
     pristine = shard.read_bytes()
     fix = rf"`dvc checkout {out}` or rebuild it with `dvc repro -f tokenize`"
     for damaged in (b"ARROW1 not really", pristine[: len(pristine) // 2], pristine.replace(b"input_ids", b"input_idz")):
@@ -367,7 +367,7 @@ def test_dvc_repro_after_growing_the_data_reuses_the_old_shard_files(pipeline_ru
     tokens = project / TOKENS
     before = files(tokens)
     shards, samples = len([n for n in before if n.endswith(".arrow")]), RUN_PROFILE["data__num_samples"]
-    # two more manifest shards; num_proc changes no byte, so it changes no shard's key either
+    # a new manifest shard per source (+20, +12, +8 samples); num_proc changes no byte, nor any shard's key
     set_params(project, data__num_samples=samples + 40, tokenize__num_proc=2)
     out = run(["dvc", "repro", "tokenize"], project)
     assert "Running stage 'tokenize'" in out.stdout
@@ -375,7 +375,7 @@ def test_dvc_repro_after_growing_the_data_reuses_the_old_shard_files(pipeline_ru
     for name in (n for n in before if n.endswith(".arrow")):
         assert after[name] == before[name]
     metrics = json.loads((project / TOKENIZE_METRICS).read_text())
-    assert (metrics["encoded_shards"], metrics["reused_shards"], metrics["encoded_samples"]) == (2, shards, 40)
+    assert (metrics["encoded_shards"], metrics["reused_shards"], metrics["encoded_samples"]) == (3, shards, 40)
     summary = json.loads((tokens / "summary.json").read_text())
     assert summary["samples_in"] == samples + 40 == summary["samples_out"] + sum(summary["skipped"].values())
     assert yaml.safe_load((project / "dvc.lock").read_text())["stages"]["tokenize"]["outs"]

@@ -128,6 +128,6 @@ def test_two_queued_experiments_run_at_once_with_correct_distinct_metrics(dvc_pr
     metrics = experiment_metrics(project)
     for name, n in sizes.items():
         assert metrics[name]["train_samples"] == n
-        assert metrics[name]["shards"] == -(-n // 20)
+        assert metrics[name]["shards"] == sum(-(-round(w * n) // 20) for w in (0.5, 0.3, 0.2))  # shards per source
         assert metrics[name]["records_read"] == n + metrics[name]["eval_samples"] + metrics[name]["records_skipped"]
     assert not (project / MANIFEST).exists(), "a queued experiment wrote into the workspace"

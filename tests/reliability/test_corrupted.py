@@ -236,7 +236,7 @@ def add_skips(summary: dict) -> None:
         (
             "a shard's sha256",
             lambda s: s["shards"][0].update(sha256="0" * 64),
-            r"gives train-00000.parquet the sha256 000000000000\.\.\., but the file's is",
+            r"gives train-sharegpt-00000.parquet the sha256 000000000000\.\.\., but the file's is",
         ),
         (
             "a shard's row count",
@@ -281,24 +281,24 @@ def test_a_summary_that_is_no_summary_is_refused(manifest, name, contents, match
 
 
 def test_a_summary_listing_files_that_are_not_there_is_refused(manifest):
-    (manifest / "train-00001.parquet").unlink()
+    (manifest / "train-sharegpt-00001.parquet").unlink()
     refused_manifest(
         relisted(manifest),
-        rf"{manifest / SUMMARY_FILE}: lists \['train-00001.parquet'\] "
+        rf"{manifest / SUMMARY_FILE}: lists \['train-sharegpt-00001.parquet'\] "
         r"but the directory holds \[\]",
     )
-    shutil.copy(manifest / "train-00000.parquet", manifest / "train-00001.parquet")
-    shutil.copy(manifest / "train-00000.parquet", manifest / "train-99999.parquet")
+    shutil.copy(manifest / "train-sharegpt-00000.parquet", manifest / "train-sharegpt-00001.parquet")
+    shutil.copy(manifest / "train-sharegpt-00000.parquet", manifest / "train-sharegpt-99999.parquet")
     refused_manifest(
         relisted(manifest),
         rf"{manifest / SUMMARY_FILE}: lists \[\] "
-        r"but the directory holds \['train-99999.parquet'\]",
+        r"but the directory holds \['train-sharegpt-99999.parquet'\]",
     )
 
 
 def test_a_shard_that_matches_its_hash_but_is_not_parquet_is_a_clear_error(manifest):
     # A listing written over a damaged file (hash and file agree) still never reaches pyarrow's traceback.
-    path = manifest / "train-00000.parquet"
+    path = manifest / "train-sharegpt-00000.parquet"
     path.write_bytes(b"PAR1 not really a parquet file")
     relisted(manifest)
     with pytest.raises(SourceError, match=rf"{path}: not a readable parquet shard .*{FIX}"):

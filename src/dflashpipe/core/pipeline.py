@@ -264,9 +264,10 @@ class Reuse:
 
 REUSE = {
     "manifest": Reuse(
-        without_params=("data.num_samples",),
-        why="num_samples only says where the fixed training stream is cut: the eval split and every shard "
-        "of the same rows stay valid, so growing the data keeps them and resumes the stream",
+        ("data/sources",),
+        ("data.num_samples", "data.sources"),
+        "each source is its own stream, keyed by its own spec (summary.json) and checked against the bytes of "
+        "its files it read; num_samples only says where each stream is cut, so growing keeps and resumes them",
     ),
     "regenerate": Reuse(
         ("data/manifest",),

@@ -1,39 +1,35 @@
-"""The dataset build: sources -> deduplicated, weighted, sharded training manifest + eval split.
+"""The dataset build: sources -> deduplicated, sharded training manifest + eval split, one stream per source.
 
-Growth is append-only by construction. The training stream is a fixed sequence:
-each source's records in their own stable order, interleaved by stride scheduling
-on the weights, duplicates (by content hash) dropped as they are met. Sample i of
-the stream depends only on the sources, never on `num_samples`, so the manifest
-for N=1100 begins with the manifest for N=800, shard for shard, byte for byte
-(every shard but a partial last one). The eval split is drawn first, from the
-head of each source, so it never changes when the training set grows and never
-overlaps it.
+Growth is append-only by construction, per source. Each source is its own stream: its records in their
+stable order, duplicates (by content hash) dropped as they are met, its first `eval` samples its part of
+the eval split, then round(weight x data.num_samples) training samples (fewer where the source holds
+fewer) in shards named after it (`train-<source>-NNNNN.parquet`). A sample also held by an earlier-listed
+source (its eval or training samples) is dropped from the later one, so adding a source at the end never
+changes an earlier one. Training order is not the manifest's business: train shuffles sequences per epoch.
 
-So growing the data costs what is added. `data/manifest/` is a DVC `persist` output, and
-summary.json records the key it was built under: the stage key (every dep and param dvc.yaml
-lists for `manifest`) less `data.num_samples`, which only says where the stream is cut. An
-earlier manifest under the same key that passes `verify_manifest` holds exactly the stream's
-first samples: its eval split and every shard that would get the same rows are hard-linked
-into the new directory (same inode, bytes and mtime; nothing rewritten), and when the data
-grew, the stream resumes where the old one stopped, from the state it recorded: per source, records
-read, kept, skipped (with examples) and where its reader stopped (summary.json), and every content
-hash met, in order (hashes.bin: the dedup set and the content hash's input, in one read). A jsonl
-source seeks past the records already consumed; other readers pass over them, never hashing,
-deduplicating or writing them again. Both files are checked against files.json with the rest
-before anything is kept, so a damaged or edited earlier build is rebuilt, never resumed. The new
-directory is still built beside the old one and renamed into place whole, so a killed run leaves the
-old output or the new one, and no stale file survives.
+So growing the data costs what is added. `data/manifest/` is a DVC `persist` output; summary.json records
+per source the key it was built under (the stage key less the data sources and data.num_samples,
+pipeline.REUSE, with the source's own spec less its weight), where its reader stopped, and the bytes of
+its files it has read (their sha256). An earlier build that passes `verify_manifest` gives each source
+with the same key its shards back (hard-linked: same inode, bytes and mtime), and a source that grew (a
+larger count, or records appended to its files: a jsonl file, or a directory of them read in name order)
+resumes where it stopped, from the state it recorded (counts, `resume_at`, and its hashes file: the
+hashes it kept, then those it dropped as an earlier source's). A source is rebuilt when an earlier
+source now holds one of its samples or no longer holds one it dropped. A source file whose recorded
+bytes changed (an edit, not an append) is refused before any work: redoing a source can cost days of
+regeneration downstream, so accepting it is the user's step (rename the source). The new directory is
+built beside the old one and renamed into place whole, so a killed run leaves the old output or the new.
 
-This is the incremental shards protocol (dflashpipe.core.incremental) as far as a stream allows: the key is the
-stage key's digest, recorded once (a shard has no input shard of its own to key it by), and the run
-record says which shards were kept and which written.
+This is the incremental shards protocol (dflashpipe.core.incremental) as far as a stream allows: the key
+is recorded per source (a shard has no input shard of its own to key it by), and the run record says
+which shards were kept and which written.
 """
 
 from __future__ import annotations
 
 import binascii
 import hashlib
-import heapq
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +38,13 @@ import numpy as np
 import orjson
 from tqdm import tqdm
 
-from dflashpipe.core.artifacts import atomic_directory, link_or_copy, write_file_listing, write_json_atomic
+from dflashpipe.core.artifacts import (
+    atomic_directory,
+    canonical_json,
+    link_or_copy,
+    write_file_listing,
+    write_json_atomic,
+)
 from dflashpipe.core.errors import SourceError
 from dflashpipe.core.incremental import ShardRun, reusable_record, stage_digest
 from dflashpipe.core.params import DataParams, SourceSpec
@@ -50,15 +52,15 @@ from dflashpipe.core.pipeline import StageKey
 from dflashpipe.data.shards import (
     DIGEST_SIZE,
     EVAL_FILE,
-    HASHES_FILE,
     SUMMARY_FILE,
     ShardWriter,
     conversation_hash,
+    hashes_name,
     read_manifest_shard,
     shard_name,
     verify_manifest,
 )
-from dflashpipe.data.sources import Conversation, Record, read_source
+from dflashpipe.data.sources import Conversation, Record, read_source, source_files
 
 EXAMPLES_PER_REASON = 3
 
@@ -88,28 +90,36 @@ class Sample:
     """The sha256 of the conversation (conversation_hash), in hex."""
 
 
-class SeenHashes:
-    """Every content hash met so far: a set, to drop duplicates, and in the order met (the eval split's,
-    then the training samples': every sample that passes is used) the bytes of HASHES_FILE, from which a
-    growth restores both in one read."""
+def digests(ordered: bytes) -> list[bytes]:
+    # void items come out as whole bytes objects (an "S" dtype would strip trailing zero bytes), faster
+    # than slicing in Python
+    return np.frombuffer(ordered, f"V{DIGEST_SIZE}").tolist()
 
-    def __init__(self, ordered: bytes = b"") -> None:
-        self.ordered = bytearray(ordered)
-        # void items come out as whole bytes objects (an "S" dtype would strip trailing zero bytes), faster
-        # than slicing `ordered` in Python
-        self.known = set(np.frombuffer(ordered, f"V{DIGEST_SIZE}").tolist())
+
+class SeenHashes:
+    """One source's content hashes: those it kept (eval then training samples, in order) and those it
+    dropped because an earlier source `held` them; its hashes file is the two, in one read."""
+
+    def __init__(self, held: set[bytes], kept: bytes = b"", dropped: bytes = b"") -> None:
+        self.held = held
+        self.kept, self.dropped = bytearray(kept), bytearray(dropped)
+        self.known = set(digests(kept))
 
     def add(self, digest: bytes) -> bool:
         """Whether `digest` is new (it is seen from now on)."""
         if digest in self.known:
             return False
+        if digest in self.held:
+            self.dropped += digest
+            return False
         self.known.add(digest)
-        self.ordered += digest
+        self.kept += digest
         return True
 
-    def content_hash(self, eval_samples: int) -> str:
-        """The sha256 of the training samples' hex hashes, in order."""
-        return hashlib.sha256(binascii.hexlify(memoryview(self.ordered)[DIGEST_SIZE * eval_samples :])).hexdigest()
+    def still_holds(self) -> bool:
+        """Whether what was decided against `held` holds now: nothing kept is an earlier source's, and
+        everything dropped as one still is (then a fresh build makes the same decisions)."""
+        return self.held.isdisjoint(self.known) and set(digests(bytes(self.dropped))) <= self.held
 
 
 class SampleStream:
@@ -118,7 +128,7 @@ class SampleStream:
     def __init__(self, spec: SourceSpec, records: Iterator[Record], seen: SeenHashes, on_bad: str) -> None:
         self.spec, self.records, self.seen, self.on_bad = spec, records, seen, on_bad
         self.stats = SourceStats()
-        self.resume_at: tuple[int, int] | None = None
+        self.resume_at: tuple[int, ...] | None = None
         """The last record's `resume_at`: where a growth's reader can start again."""
 
     def next(self) -> Sample | None:
@@ -141,35 +151,10 @@ class SampleStream:
         return None
 
 
-class WeightedMix:
-    """Stride scheduling over the sources' weights: the source whose next sample is most due,
-    (taken + 1) / weight, goes next; ties go to the source listed first. An exhausted source
-    drops out and the rest keep their relative shares. Pure arithmetic on the weights, so
-    the order never depends on how many samples are asked for, and `taken` alone is its state
-    (an exhausted source is found exhausted again when next due, without a sample)."""
-
-    def __init__(self, weights: list[float], taken: list[int] | None = None) -> None:
-        self.weights = weights
-        self.taken = list(taken or [0] * len(weights))
-        self.heap = [((t + 1) / w, i) for i, (w, t) in enumerate(zip(weights, self.taken, strict=True)) if w > 0]
-        heapq.heapify(self.heap)
-
-    def due(self) -> int | None:
-        return self.heap[0][1] if self.heap else None
-
-    def took(self) -> None:
-        i = self.heap[0][1]
-        self.taken[i] += 1
-        heapq.heapreplace(self.heap, ((self.taken[i] + 1) / self.weights[i], i))
-
-    def exhausted(self) -> None:
-        heapq.heappop(self.heap)
-
-
 @dataclass(frozen=True)
 class EarlierBuild:
     """The manifest already in a directory, read back for the reuse check (a `dflashpipe.core.incremental.StoredShard`
-    of the whole build: its key is recorded once, in summary.json)."""
+    of the whole build: its stage key is recorded once, in summary.json; each source's beside it)."""
 
     directory: Path
     record: dict
@@ -188,8 +173,8 @@ class EarlierBuild:
 
 
 def previous_manifest(out: Path, digest: str | None) -> dict | None:
-    """The summary of the manifest already in `out` if it was built under the key `digest` and is intact;
-    else None."""
+    """The summary of the manifest already in `out` if it was built under the stage key `digest` and is
+    intact; else None."""
 
     def read(summary: Path) -> EarlierBuild:
         return EarlierBuild(summary.parent, orjson.loads(summary.read_bytes()))
@@ -197,18 +182,76 @@ def previous_manifest(out: Path, digest: str | None) -> dict | None:
     return reusable_record(out / SUMMARY_FILE, digest, read)
 
 
-@dataclass
-class TrainShards:
-    """The training shards written so far, and the one being filled."""
+def source_key(digest: str | None, spec: SourceSpec) -> str | None:
+    """What a source's shards are built under: the stage key and its own spec, less the weight (which only
+    says where its stream is cut, as data.num_samples does)."""
+    if digest is None:
+        return None
+    spec_fields = {"name": spec.name, "kind": spec.kind, "eval": spec.eval, "path": spec.path}
+    return hashlib.sha256(canonical_json({"stage": digest, "source": spec_fields})).hexdigest()
 
+
+def train_count(spec: SourceSpec, num_samples: int) -> int:
+    """The training samples a source is asked for: its weight is its fraction of data.num_samples."""
+    return round(spec.weight * num_samples)
+
+
+def file_prefixes(spec: SourceSpec, root: Path, resume_at: tuple[int, ...] | None) -> list[dict]:
+    """The bytes of the source's files that its build read, as {file, bytes, sha256}: whole files, but for
+    a jsonl source only up to where its reader stopped (what comes after may still be appended)."""
+    files = source_files(spec, root)
+    if spec.kind == "jsonl":
+        index, offset = resume_at[:2] if resume_at else (0, 0)
+        files, ends = files[: index + 1], [None] * index + [offset]
+    else:
+        ends = [None] * len(files)
+    out = []
+    for path, end in zip(files, ends[: len(files)], strict=True):
+        with open(path, "rb") as fh:
+            data = fh.read() if end is None else fh.read(end)
+        out.append({"file": _label(path, root), "bytes": len(data), "sha256": _sha256(data)})
+    return out
+
+
+def _label(path: Path, root: Path) -> str:
+    return Path(os.path.relpath(path, root)).as_posix()  # a source outside the project too, where allowed
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def refuse_edited(spec: SourceSpec, root: Path, recorded: list[dict]) -> None:
+    """Stop, naming the file and the source, if a file the recorded shards were read from changed under
+    them (not only grew), or a file was inserted before them in the reading order."""
+    now = [_label(p, root) for p in source_files(spec, root)]
+    for i, entry in enumerate(recorded):
+        path = root / entry["file"]
+        same = i < len(now) and now[i] == entry["file"]
+        if same:
+            with open(path, "rb") as fh:
+                data = fh.read(entry["bytes"])
+            same = len(data) == entry["bytes"] and _sha256(data) == entry["sha256"]
+        if not same:
+            raise SourceError(
+                f"{entry['file']}: changed under the recorded shards of data.sources[{spec.name}] (its first "
+                f"{entry['bytes']} bytes, or the files read before it, are not what they were built from; only "
+                f"appending grows a source): to accept the edit, rename the source, which rebuilds only it"
+            )
+
+
+@dataclass
+class SourceShards:
+    """One source's training shards written so far, and the one being filled."""
+
+    name: str
     out: Path
-    previous: dict | None
-    """An earlier manifest under the same key (see previous_manifest): its shards of the same rows are kept."""
+    previous: list[dict]
+    """Its shards in an earlier build under the same key: those of the same rows are kept."""
     entries: list[dict] = field(default_factory=list)
     writer: ShardWriter = field(default_factory=ShardWriter)
     characters: int = 0
     run: ShardRun = field(default_factory=ShardRun)
-    """Which shards were kept from the earlier build (reused) and which written."""
 
     def keep(self, entry: dict, tmp: Path) -> None:
         """The earlier build's shard `entry`, linked as it is (same inode, bytes and mtime)."""
@@ -218,143 +261,188 @@ class TrainShards:
 
     def flush(self, tmp: Path) -> None:
         index, samples = len(self.entries), len(self.writer)
-        old = (self.previous or {"shards": []})["shards"]
-        path = tmp / shard_name(index)
+        path = tmp / shard_name(self.name, index)
+        old = self.previous
         if index < len(old) and old[index]["samples"] == samples:  # the same key: the same rows
             self.keep(old[index], tmp)
         else:
-            self.entries.append(self.writer.write(path))
+            self.entries.append({**self.writer.write(path), "source": self.name})
             self.run.written.append(path.name)
         self.characters += self.writer.characters
         self.writer = ShardWriter()
 
 
-def resume(
-    previous: dict, out: Path, tmp: Path, streams: list[SampleStream], root: Path
-) -> tuple[dict, int, TrainShards]:
-    """Pick the stream up where `previous` (a smaller or equal manifest under this key) stopped.
+@dataclass
+class BuiltSource:
+    """What one source gave the build: its record for summary.json, its eval rows, its training samples'
+    hashes (in order) and its shards' run."""
 
-    Its eval split and full shards are kept as they are; a partial last shard is read back into the
-    writer, to be filled up. Each source starts again after the records the old build read, with its
-    counts restored (the dedup set came from its hashes.bin). Returns the eval split's entry and
-    characters, and the training shards so far."""
-    link_or_copy(out / EVAL_FILE, tmp / EVAL_FILE)
-    shards = TrainShards(out, previous)
-    old = previous["shards"]
-    last_partial = bool(old) and old[-1]["samples"] < previous["shard_size"]
-    for entry in old[:-1] if last_partial else old:
-        shards.keep(entry, tmp)
-    if last_partial:
-        for row in read_manifest_shard(out, old[-1]).to_pylist():
-            shards.writer.add(row["id"], row["source"], row["conversation"], row["hash"])
-    shards.characters = previous["characters"]["train"] - shards.writer.characters
-    for stream in streams:
-        done = previous["sources"][stream.spec.name]
+    record: dict
+    shards: list[dict]
+    eval_rows: list[dict]
+    train_hashes: bytes
+    run: ShardRun
+
+
+def build_source(
+    spec: SourceSpec,
+    params: DataParams,
+    dirs: tuple[Path, Path, Path],
+    key: str | None,
+    done: dict | None,
+    done_eval: list[dict],
+    done_shards: list[dict],
+    held: set[bytes],
+) -> BuiltSource:
+    """Build one source's eval rows and training shards into `tmp` (dirs: tmp, out, root). `done` is its
+    record in an earlier build in `out` under the same stage key (or None) and `done_eval` its eval rows
+    there; `held` every hash an earlier-listed source kept (this one's are added)."""
+    tmp, out, root = dirs
+    count = train_count(spec, params.num_samples)
+    seen = SeenHashes(held)
+    if done is not None and key is not None and done.get("key") == key:
+        refuse_edited(spec, root, done["files"])
+        stored = (out / done["hashes"]["file"]).read_bytes()
+        kept_bytes = DIGEST_SIZE * done["hashes"]["samples"]
+        earlier = SeenHashes(held, stored[:kept_bytes], stored[kept_bytes:])
+        if earlier.still_holds():
+            seen = earlier
+        else:
+            done = None
+    else:
+        done = None
+    grow = done is not None and done["train"] <= count
+    if done is not None and not grow:
+        seen = SeenHashes(held)
+    stream = SampleStream(spec, iter(()), seen, params.on_bad_record)
+    shards = SourceShards(spec.name, out, done_shards if done else [])
+    eval_rows: list[dict] = []
+    if grow:
         stream.stats = SourceStats(
             done["read"], done["train"], done["eval"], dict(done["skipped"]), dict(done["skipped_examples"])
         )
         stream.resume_at = tuple(done["resume_at"]) if done["resume_at"] else None
-        stream.records = read_source(stream.spec, root, done["read"], stream.resume_at)
-    return previous["eval"], previous["characters"]["eval"], shards
+        stream.records = read_source(spec, root, done["read"], stream.resume_at)
+        old = done_shards
+        last_partial = bool(old) and old[-1]["samples"] < params.shard_size
+        for entry in old[:-1] if last_partial else old:
+            shards.keep(entry, tmp)
+        if last_partial:
+            for row in read_manifest_shard(out, old[-1]).to_pylist():
+                shards.writer.add(row["id"], row["source"], row["conversation"], row["hash"])
+        shards.characters = done["characters"]["train"] - shards.writer.characters
+        eval_rows = done_eval
+    else:
+        stream.records = read_source(spec, root)
+        for _ in range(spec.eval):
+            sample = stream.next()
+            if sample is None:
+                raise SourceError(
+                    f"source {spec.name!r} has only {stream.stats.eval} usable records for "
+                    f"data.sources[{spec.name}].eval = {spec.eval}: lower it"
+                )
+            eval_rows.append(
+                {"id": sample.id, "source": spec.name, "conversation": sample.conversation, "hash": sample.hash}
+            )
+            stream.stats.eval += 1
+    with tqdm(total=count, initial=stream.stats.train, desc=spec.name, unit="sample", mininterval=1.0) as bar:
+        while stream.stats.train < count and (sample := stream.next()) is not None:
+            shards.writer.add(sample.id, spec.name, sample.conversation, sample.hash)
+            stream.stats.train += 1
+            bar.update(1)
+            if len(shards.writer) == params.shard_size:
+                shards.flush(tmp)
+        if len(shards.writer):
+            shards.flush(tmp)
+    if stream.stats.train < count:
+        print(
+            f"manifest: source {spec.name!r} holds {stream.stats.train} of the {count} training samples its weight asks"
+        )
+    hashes = tmp / hashes_name(spec.name)
+    hashes.write_bytes(seen.kept + seen.dropped)
+    if done is not None:
+        keep_if_same(hashes, out)
+    record = {
+        "kind": spec.kind,
+        "key": key,
+        "read": stream.stats.read,
+        "train": stream.stats.train,
+        "eval": stream.stats.eval,
+        "skipped": dict(sorted(stream.stats.skipped.items())),
+        "skipped_examples": dict(sorted(stream.stats.examples.items())),
+        "resume_at": stream.resume_at,
+        "files": file_prefixes(spec, root, stream.resume_at),
+        "characters": {"train": shards.characters},
+        "hashes": {
+            "file": hashes.name,
+            "samples": len(seen.kept) // DIGEST_SIZE,
+            "dropped": len(seen.dropped) // DIGEST_SIZE,
+            "sha256": _sha256(hashes.read_bytes()),
+        },
+    }
+    held.update(seen.known)
+    return BuiltSource(
+        record, shards.entries, eval_rows, bytes(seen.kept[DIGEST_SIZE * stream.stats.eval :]), shards.run
+    )
+
+
+def keep_if_same(path: Path, out: Path) -> bool:
+    """Link the earlier build's file of the same name (built under the same key) in place of `path` if it
+    holds the same bytes, so what did not change keeps its inode; whether it was."""
+    earlier = out / path.name
+    if not earlier.is_file() or earlier.stat().st_size != path.stat().st_size:
+        return False
+    if earlier.read_bytes() != path.read_bytes():
+        return False
+    path.unlink()
+    link_or_copy(earlier, path)
+    return True
 
 
 def build_manifest(params: DataParams, out: Path | str, root: Path | str = ".", key: StageKey | None = None) -> dict:
-    """Write the training shards, the eval split and summary.json into `out`; return the summary.
+    """Write each source's training shards, the eval split and summary.json into `out`; return the summary.
 
-    `key` is the stage key less data.num_samples (see stages/manifest.py): with it, what an earlier
-    manifest in `out` built under the same key already holds is kept, not rebuilt; without it, nothing
-    is reused and nothing written says what made it."""
+    `key` is the stage key less the sources and data.num_samples (see stages/manifest.py): with it, what
+    an earlier manifest in `out` holds of each source built under the same key is kept, not rebuilt;
+    without it, nothing is reused and nothing written says what made it."""
     root, out = Path(root), Path(out)
     digest = stage_digest(key)
     previous = previous_manifest(out, digest)
-    grow = previous is not None and previous["num_samples"] <= params.num_samples
-    # verify_manifest checked hashes.bin against files.json and its size against the sample counts
-    seen = SeenHashes((out / previous["hashes"]["file"]).read_bytes() if grow else b"")
-    streams = [SampleStream(spec, read_source(spec, root), seen, params.on_bad_record) for spec in params.sources]
+    earlier = previous["sources"] if previous else {}
+    earlier_eval = read_manifest_shard(out, previous["eval"]).to_pylist() if previous else []
+    held: set[bytes] = set()
+    built: dict[str, BuiltSource] = {}
     with atomic_directory(out) as tmp:
-        if grow:
-            eval_entry, eval_characters, shards = resume(previous, out, tmp, streams, root)
-        else:
-            eval_entry, eval_characters = draw_eval(streams, tmp, previous, out)
-            shards = TrainShards(out, previous)
-        produced = sum(e["samples"] for e in shards.entries) + len(shards.writer)
-        mix = WeightedMix([s.spec.weight for s in streams], [s.stats.train for s in streams])
-        with tqdm(total=params.num_samples, initial=produced, desc="manifest", unit="sample", mininterval=1.0) as bar:
-            while produced < params.num_samples:
-                due = mix.due()
-                if due is None:
-                    raise SourceError(
-                        f"the sources hold only {produced} unique usable training samples after the eval split, "
-                        f"but data.num_samples = {params.num_samples}: lower it or add sources "
-                        f"(read per source: {{{', '.join(f'{s.spec.name}: {s.stats.read}' for s in streams)}}})"
-                    )
-                stream = streams[due]
-                sample = stream.next()
-                if sample is None:
-                    mix.exhausted()
-                    continue
-                mix.took()
-                shards.writer.add(sample.id, stream.spec.name, sample.conversation, sample.hash)
-                stream.stats.train += 1
-                produced += 1
-                bar.update(1)
-                if len(shards.writer) == params.shard_size:
-                    shards.flush(tmp)
-            if len(shards.writer):
-                shards.flush(tmp)
-        (tmp / HASHES_FILE).write_bytes(seen.ordered)
-        hashes = {
-            "file": HASHES_FILE,
-            "samples": len(seen.ordered) // DIGEST_SIZE,
-            "sha256": hashlib.sha256(seen.ordered).hexdigest(),
-        }
-
+        for spec in params.sources:
+            done_eval = [row for row in earlier_eval if row["source"] == spec.name]
+            done_shards = [e for e in previous["shards"] if e["source"] == spec.name] if previous else []
+            key = source_key(digest, spec)
+            done = earlier.get(spec.name)
+            built[spec.name] = build_source(spec, params, (tmp, out, root), key, done, done_eval, done_shards, held)
+        eval_writer = ShardWriter()
+        for row in (row for source in built.values() for row in source.eval_rows):
+            eval_writer.add(row["id"], row["source"], row["conversation"], row["hash"])
+        eval_entry = eval_writer.write(tmp / EVAL_FILE)
+        if previous is not None:
+            keep_if_same(tmp / EVAL_FILE, out)
         summary = {
-            "num_samples": params.num_samples,
+            "num_samples": sum(s.record["train"] for s in built.values()),
             "shard_size": params.shard_size,
-            "shards": shards.entries,
+            "shards": [entry for s in built.values() for entry in s.shards],
             "eval": eval_entry,
-            "hashes": hashes,
-            "characters": {"train": shards.characters, "eval": eval_characters},
-            "content_hash": seen.content_hash(eval_entry["samples"]),
-            "reuse_key": digest,
-            "sources": {
-                s.spec.name: {
-                    "kind": s.spec.kind,
-                    "read": s.stats.read,
-                    "train": s.stats.train,
-                    "eval": s.stats.eval,
-                    "skipped": dict(sorted(s.stats.skipped.items())),
-                    "skipped_examples": dict(sorted(s.stats.examples.items())),
-                    "resume_at": s.resume_at,
-                }
-                for s in streams
+            "characters": {
+                "train": sum(s.record["characters"]["train"] for s in built.values()),
+                "eval": eval_writer.characters,
             },
+            "content_hash": _sha256(binascii.hexlify(b"".join(s.train_hashes for s in built.values()))),
+            "reuse_key": digest,
+            "sources": {name: s.record for name, s in built.items()},
         }
         write_json_atomic(tmp / SUMMARY_FILE, summary)
         # last: every reader checks the directory against it first. `previous` passed verify_manifest
         # (files.json against every file) in this run, so the files kept from it are not read again.
         write_file_listing(tmp, verified=out if previous is not None else None)
-    run = shards.run
-    print(f"manifest: kept {len(run.reused)} training shard(s) of the earlier build, wrote {len(run.written)}")
+    reused = sum(len(s.run.reused) for s in built.values())
+    written = sum(len(s.run.written) for s in built.values())
+    print(f"manifest: kept {reused} training shard(s) of the earlier build, wrote {written}")
     return summary
-
-
-def draw_eval(streams: list[SampleStream], tmp: Path, previous: dict | None, out: Path) -> tuple[dict, int]:
-    """The eval split, from the head of each source (kept from `previous`, a manifest under the same key,
-    if there is one: the same samples); its entry and characters."""
-    eval_writer = ShardWriter()
-    for stream in streams:
-        for _ in range(stream.spec.eval):
-            sample = stream.next()
-            if sample is None:
-                raise SourceError(
-                    f"source {stream.spec.name!r} has only {stream.stats.eval} usable records for "
-                    f"data.sources[{stream.spec.name}].eval = {stream.spec.eval}: lower it"
-                )
-            eval_writer.add(sample.id, stream.spec.name, sample.conversation, sample.hash)
-            stream.stats.eval += 1
-    if previous is not None:
-        link_or_copy(out / EVAL_FILE, tmp / EVAL_FILE)
-        return previous["eval"], eval_writer.characters
-    return eval_writer.write(tmp / EVAL_FILE), eval_writer.characters

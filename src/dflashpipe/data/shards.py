@@ -1,12 +1,13 @@
 """The manifest's files: their schema, the writer of a shard, and the reader that checks them.
 
-`data/manifest/` holds `train-NNNNN.parquet` shards, `eval.parquet`, `hashes.bin` (the content hash of
-every sample, 32 bytes each, the eval split's then the training samples' in stream order: the state the
-next growth resumes from, in one read), `summary.json` (per source: read / train / eval / skipped by
-reason, where its reader stopped; per file: samples and sha256) and `files.json`, the sha256 of every
-other file. A reader (tokenize, evaluate) checks what it reads against files.json first, so a damaged
-or hand-edited manifest is refused naming the file and the fix. This module is all that a reader of
-the manifest imports: the sources the build reads are not its concern.
+`data/manifest/` holds each source's `train-<source>-NNNNN.parquet` shards and `hashes-<source>.bin` (the
+content hash of every sample it kept, 32 bytes each, eval then training, then of those it dropped as an
+earlier source's: the state its next growth resumes from, in one read), `eval.parquet`, `summary.json`
+(per source: its key, read / train / eval / skipped by reason, where its reader stopped, the bytes of its
+files it read; per file: samples and sha256) and `files.json`, the sha256 of every other file. A reader
+(tokenize, evaluate) checks what it reads against files.json first, so a damaged or hand-edited manifest
+is refused naming the file and the fix. This module is all that a reader of the manifest imports: the
+sources the build reads are not its concern.
 """
 
 from __future__ import annotations
@@ -34,14 +35,18 @@ SCHEMA = pa.schema(
     ]
 )
 EVAL_FILE = "eval.parquet"
-HASHES_FILE = "hashes.bin"
 DIGEST_SIZE = 32
-"""Bytes of one sample's entry in HASHES_FILE: its sha256 (the `hash` column's hex, as bytes)."""
+"""Bytes of one sample's entry in a hashes file: its sha256 (the `hash` column's hex, as bytes)."""
 SUMMARY_FILE = "summary.json"
 
 
-def shard_name(index: int) -> str:
-    return f"train-{index:05d}.parquet"
+def shard_name(source: str, index: int) -> str:
+    """A source's training shard `index`: named after the source, so each stage after keys it alone."""
+    return f"train-{source}-{index:05d}.parquet"
+
+
+def hashes_name(source: str) -> str:
+    return f"hashes-{source}.bin"
 
 
 def conversation_hash(conversation: Conversation) -> str:
@@ -153,21 +158,22 @@ def verify_manifest(manifest_dir: Path | str) -> dict:
         raise SourceError(f"{summary_path}: not a manifest summary (a JSON {type(summary).__name__}): {fix}")
     if not isinstance(summary.get("shards"), list):
         raise SourceError(f"{summary_path}: not a manifest summary (no list of shards): {fix}")
-    entries = [
-        _check_entry(e, summary_path, fix) for e in [summary.get("eval"), summary.get("hashes"), *summary["shards"]]
-    ]
     try:
         sources = summary["sources"]
+        hashes = [s["hashes"] for s in sources.values()]
+        entries = [_check_entry(e, summary_path, fix) for e in [summary["eval"], *hashes, *summary["shards"]]]
         for name, s in sources.items():
             if s["read"] != s["train"] + s["eval"] + sum(s["skipped"].values()):
                 raise ValueError(f"source {name!r}: read {s['read']} != train + eval + skipped")
+            if s["train"] != sum(e["samples"] for e in summary["shards"] if e["source"] == name):
+                raise ValueError(f"source {name!r}: its shards do not hold its {s['train']} training samples")
+            if not isinstance(s["hashes"]["dropped"], int) or s["hashes"]["samples"] != s["eval"] + s["train"]:
+                raise ValueError(f"{s['hashes']['file']} does not hold one hash per eval and training sample")
         shard_samples = sum(e["samples"] for e in summary["shards"])
         if not shard_samples == summary["num_samples"] == sum(s["train"] for s in sources.values()):
             raise ValueError(f"shards hold {shard_samples} samples, num_samples is {summary['num_samples']}")
         if summary["eval"]["samples"] != sum(s["eval"] for s in sources.values()):
             raise ValueError("the eval split's size differs from the per-source eval counts")
-        if summary["hashes"]["samples"] != summary["eval"]["samples"] + summary["num_samples"]:
-            raise ValueError(f"{summary['hashes']['file']} does not hold one hash per eval and training sample")
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
         raise SourceError(f"{summary_path}: counts do not add up or are missing ({exc}): {fix}") from None
     listed = {e["file"] for e in entries} | {SUMMARY_FILE, FILE_LISTING}
@@ -185,12 +191,13 @@ def verify_manifest(manifest_dir: Path | str) -> dict:
                 f"{summary_path}: gives {entry['file']} the sha256 {entry['sha256'][:12]}..., but the "
                 f"file's is {checked[entry['file']]['sha256'][:12]}...: {fix}"
             )
-    hashes = summary["hashes"]
-    if checked[hashes["file"]]["size"] != DIGEST_SIZE * hashes["samples"]:
-        raise SourceError(
-            f"{manifest_dir / hashes['file']}: {checked[hashes['file']]['size']} bytes, but {summary_path} counts "
-            f"{hashes['samples']} samples of {DIGEST_SIZE} bytes: {fix}"
-        )
+    for entry in hashes:
+        counted = entry["samples"] + entry["dropped"]
+        if checked[entry["file"]]["size"] != DIGEST_SIZE * counted:
+            raise SourceError(
+                f"{manifest_dir / entry['file']}: {checked[entry['file']]['size']} bytes, but {summary_path} counts "
+                f"{counted} samples of {DIGEST_SIZE} bytes: {fix}"
+            )
     return summary
 
 

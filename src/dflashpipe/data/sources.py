@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from dflashpipe.core.errors import SourceError
-from dflashpipe.core.params import SourceSpec
+from dflashpipe.core.params import USER_SOURCE_KINDS, SourceSpec
 from dflashpipe.core.pipeline import project_path
 
 ROLES = {
@@ -53,9 +53,10 @@ class Record:
     bad: str | None = None
     """Why it is not usable (malformed_json, invalid_utf8, no_turns, unknown_role, ...)."""
     detail: str = ""
-    resume_at: tuple[int, int] | None = None
-    """Where reading can start again just past this record, for readers that can seek there (jsonl: the
-    byte offset and line number after its line); None where the records before it must be passed over."""
+    resume_at: tuple[int, int, int] | None = None
+    """Where reading can start again just past this record, for readers that can seek there (jsonl: its
+    file's index in the source, the byte offset and line number after its line); None where the records
+    before it must be passed over."""
 
 
 class BadRecord(Exception):
@@ -90,34 +91,50 @@ def to_conversation(value: Any) -> Conversation:
     return conversation
 
 
-def _record(locator: str, native_id: str, value: Any, resume_at: tuple[int, int] | None = None) -> Record:
+def _record(locator: str, native_id: str, value: Any, resume_at: tuple[int, int, int] | None = None) -> Record:
     try:
         return Record(locator, native_id, to_conversation(value), resume_at=resume_at)
     except BadRecord as bad:
         return Record(locator, native_id, bad=bad.reason, detail=bad.detail, resume_at=resume_at)
 
 
-def read_jsonl(path: Path, label: str, start: tuple[int, int] = (0, 0)) -> Iterator[Record]:
-    """One record per non-blank line, from `start` (a record's `resume_at`: byte offset, line number) on."""
-    offset, lineno = start
-    with open(path, "rb") as fh:
-        fh.seek(offset)
-        for raw in fh:
-            offset, lineno = offset + len(raw), lineno + 1
-            try:
-                value = orjson.loads(raw)  # validates UTF-8 too; the common case costs one call
-            except orjson.JSONDecodeError as exc:
-                if not raw.strip():
-                    continue
+def jsonl_files(path: Path) -> list[Path]:
+    """A jsonl source's files: the file, or a directory's `*.jsonl` in name order (a file added after the
+    last one only appends to the source)."""
+    return sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+
+
+def read_jsonl(path: Path, label: str, start: tuple[int, int, int] = (0, 0, 0)) -> Iterator[Record]:
+    """One record per non-blank line of the file (or of each file of the directory in turn), from `start`
+    (a record's `resume_at`: file index, byte offset, line number) on. A directory's records are numbered
+    by file and line."""
+    files = jsonl_files(path)
+    for index in range(start[0], len(files)):
+        where, prefix = (
+            (label, "") if files[index] == path else (f"{label}/{files[index].name}", f"{files[index].name}:")
+        )
+        offset, lineno = start[1:] if index == start[0] else (0, 0)
+        with open(files[index], "rb") as fh:
+            fh.seek(offset)
+            for raw in fh:
+                offset, lineno = offset + len(raw), lineno + 1
+                resume_at = (index, offset, lineno)
                 try:
-                    raw.decode("utf-8")
-                except UnicodeDecodeError as bad:
-                    reason, detail = "invalid_utf8", str(bad)
-                else:
-                    reason, detail = "malformed_json", str(exc)
-                yield Record(f"{label}:{lineno}", str(lineno), bad=reason, detail=detail, resume_at=(offset, lineno))
-                continue
-            yield _record(f"{label}:{lineno}", str(lineno), value, (offset, lineno))
+                    value = orjson.loads(raw)  # validates UTF-8 too; the common case costs one call
+                except orjson.JSONDecodeError as exc:
+                    if not raw.strip():
+                        continue
+                    try:
+                        raw.decode("utf-8")
+                    except UnicodeDecodeError as bad:
+                        reason, detail = "invalid_utf8", str(bad)
+                    else:
+                        reason, detail = "malformed_json", str(exc)
+                    yield Record(
+                        f"{where}:{lineno}", f"{prefix}{lineno}", bad=reason, detail=detail, resume_at=resume_at
+                    )
+                    continue
+                yield _record(f"{where}:{lineno}", f"{prefix}{lineno}", value, resume_at)
 
 
 def _decode_text(path: Path, label: str) -> str:
@@ -270,15 +287,32 @@ def humaneval_to_messages(task: dict) -> dict:
     }
 
 
+def source_path(spec: SourceSpec, root: Path) -> Path:
+    """A user source's file or directory, which must exist."""
+    path = project_path(root, spec.path, f"data.sources[{spec.name}].path")
+    if not path.exists():
+        raise SourceError(f"params.yaml: data.sources[{spec.name}].path = {spec.path!r}: {path} does not exist")
+    return path
+
+
+def source_files(spec: SourceSpec, root: Path) -> list[Path]:
+    """The files of a user source, in the order they are read (none for a built-in source)."""
+    if spec.kind not in USER_SOURCE_KINDS:
+        return []
+    path = source_path(spec, root)
+    if spec.kind == "jsonl":
+        return jsonl_files(path)
+    return sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+
+
 def read_source(
-    spec: SourceSpec, root: Path, skip: int = 0, resume_at: tuple[int, int] | None = None
+    spec: SourceSpec, root: Path, skip: int = 0, resume_at: tuple[int, int, int] | None = None
 ) -> Iterator[Record]:
     """The records of one source, in their stable order, past the first `skip`; `resume_at` (the last
     skipped record's) lets a jsonl seek there instead of reading them."""
     if skip:
         if spec.kind == "jsonl" and resume_at is not None:
-            path = project_path(root, spec.path, f"data.sources[{spec.name}].path")
-            return read_jsonl(path, spec.path, resume_at)
+            return read_jsonl(source_path(spec, root), spec.path, resume_at)
         return itertools.islice(read_source(spec, root), skip, None)
     if spec.kind == "sharegpt":
         return read_sharegpt()
@@ -288,9 +322,7 @@ def read_source(
         return read_python_code()
     if spec.kind == "humaneval":
         return _humaneval_records()
-    path = project_path(root, spec.path, f"data.sources[{spec.name}].path")
-    if not path.exists():
-        raise SourceError(f"params.yaml: data.sources[{spec.name}].path = {spec.path!r}: {path} does not exist")
+    path = source_path(spec, root)
     label = spec.path
     if spec.kind == "hf_disk":
         return read_hf_disk(path, label)

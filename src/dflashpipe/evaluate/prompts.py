@@ -1,7 +1,7 @@
 """Eval prompts: a sample's conversation up to its last assistant turn, as the target sees it.
 
-Held-out prompts come from the eval split; training prompts from the first training shard, the one file
-of the training stream that growing data.num_samples never rewrites once it is full (data.shard_size
+Held-out prompts come from the eval split; training prompts from the first training shard (summary.json's
+first: the first source's), a file that growing the data never rewrites once it is full (data.shard_size
 samples), so both sets stay fixed while the data grows and a tau gap between them is the drafter's."""
 
 from __future__ import annotations
@@ -16,12 +16,21 @@ from dflashpipe.target.chat import ChatTokenizer
 HELD_OUT, TRAIN = "held_out", "train"
 
 
-def split_file(split: str) -> str:
-    """The manifest file each prompt set is read from (both are evaluate's deps in dvc.yaml). data.shards is
-    imported here, not at the top: decoding alone (the GPU check's machine) runs without pyarrow."""
-    from dflashpipe.data.shards import EVAL_FILE, shard_name
+def split_file(manifest_dir: Path, split: str) -> str:
+    """The manifest file each prompt set is read from (it and summary.json are evaluate's deps in dvc.yaml).
+    data.shards is imported here, not at the top: decoding alone (the GPU check's machine) runs without pyarrow."""
+    import json
 
-    return {HELD_OUT: EVAL_FILE, TRAIN: shard_name(0)}[split]
+    from dflashpipe.data.shards import EVAL_FILE, SUMMARY_FILE
+
+    if split == HELD_OUT:
+        return EVAL_FILE
+    try:
+        return json.loads((manifest_dir / SUMMARY_FILE).read_text())["shards"][0]["file"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise SourceError(
+            f"{manifest_dir / SUMMARY_FILE}: names no training shard ({exc!r}): run `dvc repro manifest`"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -41,17 +50,18 @@ def read_eval_split(manifest_dir: Path | str, split: str = HELD_OUT) -> list[dic
     import pyarrow.parquet as pq
 
     from dflashpipe.core.artifacts import verify_file_listing
-    from dflashpipe.data.shards import SCHEMA
+    from dflashpipe.data.shards import SCHEMA, SUMMARY_FILE
 
     manifest_dir = Path(manifest_dir)
-    path = manifest_dir / split_file(split)
+    name = split_file(manifest_dir, split)
+    path = manifest_dir / name
     # Only the files evaluate reads are checked against the manifest's files.json: evaluate depends on
     # those (dvc.yaml), and a damaged later training shard is tokenize's to refuse, not evaluate's.
     verify_file_listing(
         manifest_dir,
         f"restore it with `dvc checkout {manifest_dir}` or rebuild it with `dvc repro -f manifest`",
         SourceError,
-        only=[split_file(split)],
+        only=[SUMMARY_FILE, name],
     )
     try:
         table = pq.read_table(path)

@@ -129,7 +129,7 @@ def compute_features(
     refuse_distillation(model)
     data = load_tokens(tokens_dir)
     token_entries = json.loads((tokens_dir / SUMMARY_FILE).read_text())["shards"]
-    names = [shard_name(i) for i in range(len(token_entries))]
+    names = [shard_name(e["file"]) for e in token_entries]
     output = ShardedOutput.open(
         out_dir,
         {n: InputShard(e["file"], e["sha256"]) for n, e in zip(names, token_entries, strict=True)},

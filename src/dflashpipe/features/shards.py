@@ -87,8 +87,9 @@ def refuse_distillation(model: ModelParams) -> None:
         )
 
 
-def shard_name(index: int) -> str:
-    return f"train-{index:05d}.safetensors"
+def shard_name(input_file: str) -> str:
+    """The shard made from the input shard `input_file`: its name, so a source's shards keep theirs."""
+    return f"{Path(input_file).stem}.safetensors"
 
 
 def kept_lengths(lengths: np.ndarray, seq_len: int) -> np.ndarray:

@@ -169,7 +169,7 @@ def tokenize_manifest(
     manifest_dir, out_dir = Path(manifest_dir), Path(out_dir)
     chat = load_chat_tokenizer(target_dir, template_kwargs)
     shards = read_conversation_shards(manifest_dir)
-    names = {s.index: shard_name(s.index) for s in shards}
+    names = {s.index: shard_name(s.path.name) for s in shards}
     output: ShardedOutput[TokenStats] = ShardedOutput.open(
         out_dir,
         {names[s.index]: InputShard(s.path.name, s.sha256) for s in shards},

@@ -55,8 +55,9 @@ SUMMARY_FILE = "summary.json"
 """Both the manifest's and this stage's."""
 
 
-def shard_name(index: int) -> str:
-    return f"train-{index:05d}.arrow"
+def shard_name(input_file: str) -> str:
+    """The shard made from the input shard `input_file`: its name, so a source's shards keep theirs."""
+    return f"{Path(input_file).stem}.arrow"
 
 
 def rows_table(rows: EncodedRows) -> pa.Table:

@@ -67,11 +67,14 @@ class SourceSpec:
     kind: Literal["sharegpt", "chitchat", "python_code", "humaneval", "jsonl", "json", "parquet", "hf_disk"]
     """Where the records come from and how they are shaped."""
     weight: float
-    """Share of the training stream (relative to the other sources); 0 keeps it out of training."""
+    """This source's training samples as a fraction of data.num_samples: round(weight x num_samples), or all it
+    has if fewer. Weights need not sum to 1: adding a source adds its samples and leaves the others' as they
+    are (the default's sum to 1, so about num_samples in all). 0 keeps it out of training."""
     eval: int
     """How many of its first unique records form its part of the eval split."""
     path: str | None = None
-    """For jsonl/json/parquet/hf_disk: the file or directory, relative to the project."""
+    """For jsonl/json/parquet/hf_disk: the file or directory, relative to the project (jsonl: a directory's
+    `*.jsonl` in name order, so a file added after the last one appends)."""
 
     def __post_init__(self) -> None:
         key = f"data.sources[{self.name}]"
@@ -95,13 +98,14 @@ class DataParams:
     """The dataset build: which sources, how many samples, how they are sharded."""
 
     num_samples: int = field(metadata=CPU_SIZED)
-    """Training samples in the manifest. Growing it appends shards and changes none."""
+    """Training samples in the manifest, shared out by the sources' weights. Growing it appends to each source's
+    shards and changes none."""
     shard_size: int = field(metadata=CPU_SIZED)
     """Samples per training shard; only the last shard may be partial."""
     on_bad_record: Literal["error", "skip"]
     """`error` stops at the first bad record (naming file and line); `skip` counts it by reason."""
     sources: tuple[SourceSpec, ...] = field(metadata=CPU_SIZED)
-    """The sources, in the order used to break ties in the weighted mix."""
+    """The sources; a later-listed one drops what an earlier one holds, so one added last changes none."""
 
     def __post_init__(self) -> None:
         if not (1 <= self.num_samples <= 100_000_000):
