@@ -84,12 +84,14 @@ def test_a_profile_whose_target_config_is_nowhere_is_refused_naming_it(tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("profile", GPU_PROFILES, ids=lambda p: p.stem)
-def test_each_gpu_profile_runs_its_whole_dag_on_the_cpu(profile, tmp_path):
+def test_each_gpu_profile_runs_its_whole_dag_on_the_cpu(profile, tmp_path, vllm_python):
     done = rehearse(profile, ROOT, target_config="qwen3-8b", keep=tmp_path / "scratch", progress=lambda line: None)
     stages = Pipeline.read(done.project).names
     assert set(done.stage_seconds) == set(stages)
-    topology = yaml.safe_load(profile.read_text())["topology"]
+    stated = yaml.safe_load(profile.read_text())
     train = done.metrics["train"]
-    assert train["topology"]["drafter_replicas"] == len(topology["drafter_devices"]), train["topology"]
-    card = json.loads((done.project / "data" / "drafter" / "dflash_config.json").read_text())
-    assert card["target_layer_ids"] == [1, 9, 17, 25, 33]
+    assert train["replicas"] == len(stated["topology"]["drafter_devices"])
+    assert train["run_length"]["epochs"] == stated["train"]["epochs"] and train["steps"] >= 1
+    served = json.loads((done.project / "data" / "drafter" / "config.json").read_text())["dflash_config"]
+    assert served["target_layer_ids"] == [1, 9, 17, 25, 33] and served["block_size"] == stated["model"]["block_size"]
+    assert done.metrics["serve"]["served"] == "passed", done.metrics["serve"]

@@ -66,13 +66,15 @@ class Scaled:
 
 
 SCALED: dict[str, Scaled] = {
-    "data.num_samples": Scaled(lambda v: min(v, 40), "the data recipe at rehearsal size"),
-    "data.shard_size": Scaled(lambda v: min(v, 16), "several shards, so the per-shard stages run as at scale"),
-    "regenerate.max_new_tokens": Scaled(lambda v: min(v, 48), "the random stand-in never stops: a reply is this"),
+    "data.num_samples": Scaled(lambda v: min(v, 24), "the data recipe at rehearsal size"),
+    "data.shard_size": Scaled(lambda v: min(v, 8), "several shards, so the per-shard stages run as at scale"),
+    "regenerate.max_new_tokens": Scaled(
+        lambda v: min(v, 32), "the random stand-in never stops: every reply is this long"
+    ),
     "model.num_anchors": Scaled(
         lambda v: min(v, 32),
-        "a CPU attends through a dense mask of anchors x block x (seq_len + anchors x block) scores a head and layer "
-        "(~22 GB over 6 replicas at 512 x 16 and 3072); the sequence length, block and layers are the profile's",
+        "the CPU's dense attention mask holds anchors x block x (seq_len + anchors x block) scores a head and layer: "
+        "~22 GB over gpu8's 6 replicas at its shapes; sequence length, block and layers stay the profile's",
     ),
     "evaluate.num_prompts": Scaled(lambda v: min(v, 1), "one prompt per source and split"),
     "evaluate.max_new_tokens": Scaled(lambda v: min(v, 24), "a short decode per prompt"),
@@ -80,6 +82,8 @@ SCALED: dict[str, Scaled] = {
     "train.heldout_sequences": Scaled(lambda v: min(v, 2), "the rehearsal's data holds few sequences"),
     "proof.samples": Scaled(lambda v: min(v, 1), "the random stand-in memorises nothing: the proof only runs"),
     "proof.steps": Scaled(lambda v: min(v, 3), "the random stand-in memorises nothing: the proof only runs"),
+    "proof.num_anchors": Scaled(lambda v: min(v, 32), "as model.num_anchors"),
+    "proof.max_new_tokens": Scaled(lambda v: min(v, 32), "as regenerate.max_new_tokens"),
 }
 """Every size a rehearsal changes, and nothing else: the keys of the sizes a CPU cannot run at the profile's."""
 
