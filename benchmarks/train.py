@@ -91,6 +91,7 @@ def build_artifact(data: Path, variant: str, out: Path) -> None:
         out,
         reuse_key("warmup", ROOT),
         p["compute"].target_dtype,
+        devices=p["topology"].drafter_devices,
         threads=budget,
     )
 

@@ -207,3 +207,17 @@ def test_the_key_another_stage_records_does_not_open_the_artifact(warmup_project
     artifact = stand_in_artifact(tmp_path / "compile", {BUILT_FOR: StageKey("train", key.inputs).to_json()})
     with pytest.raises(CompileArtifactError, match="other inputs \\(stage 'train'.s key, not 'warmup'.s\\)"):
         load_artifact(artifact, tmp_path / "work", key)
+
+
+def test_warmup_runs_where_the_replicas_run_once_per_device_and_eager_on_the_cpu(train_inputs, tmp_path, capsys):
+    # compile.enabled auto is false where every replica is on the CPU: nothing is compiled, train runs eagerly
+    from dflashpipe.compile.warmup import build_warmup_artifact
+    from dflashpipe.core.params import CompileParams
+    from tests.tiny import tiny_model_params
+
+    eager = CompileParams(enabled="auto", micro_batch=2, guard="error").on(("cpu", "cpu"))
+    report = build_warmup_artifact(
+        tiny_model_params(), eager, train_inputs / "target", tmp_path / "compile", None, "auto", devices=("cpu", "cpu")
+    )
+    assert report["devices"] == ["cpu"] and report["graphs"] == []
+    assert "compile.enabled is false on cpu: nothing to compile" in capsys.readouterr().out

@@ -126,6 +126,9 @@ def test_dry_run_figures(dry):
     (train,) = sections(report, "train")
     assert train["tokens_per_s"] > 0 and train["step"]["positions_per_s"] > 0
     assert train["metrics"]["replicas_identical"] and train["metrics"]["compile"]["compiles_in_worker_threads"] == 0
+    replicas = train["metrics"]["compile"]["replicas"]
+    assert sorted(replicas) == ["0", "1"] and all(r["device"] == "cpu" for r in replicas.values())
+    assert all(r["compiles_in_thread"] == 0 and r["recompiles_in_thread"] == 0 for r in replicas.values())
     assert train["mfu"] is None  # no peak FLOP/s for a CPU
     (decode,) = sections(report, "decode")
     assert decode["target_float32"]["lossless"] and decode["target_float32"]["tau"] >= 1
@@ -142,3 +145,19 @@ def test_an_exhausted_budget_skips_every_section_and_still_writes_the_json(absen
     proc, report = run_check(absent_env, tmp_path / "gpu_check.json", "--dry", "--budget-s", "0", timeout=120)
     assert proc.returncode == 1 and report["passed"] is False and report["env"] is None
     assert [s["status"] for s in report["sections"]] == ["skipped"] * len(gpu_check.plan(dry=True))
+
+
+def test_the_train_section_puts_the_replicas_away_from_the_default_device_when_it_can():
+    assert gpu_check.train_devices(0) == ("cpu", "cpu")
+    assert gpu_check.train_devices(1) == ("cuda:0", "cuda:0")
+    assert gpu_check.train_devices(8) == ("cuda:0", "cuda:7")  # the replicas warm up where they run, not on cuda:0
+
+
+def test_the_train_section_fails_when_a_replica_compiled_in_its_thread():
+    clean = {"compiles_in_thread": 0, "recompiles_in_thread": 0}
+    compile = {"compiles_in_worker_threads": 0, "new_graphs_in_workers": 0, "replicas": {"0": clean, "1": clean}}
+    assert gpu_check.no_compiles_after_warmup(compile)
+    assert not gpu_check.no_compiles_after_warmup(
+        {**compile, "replicas": {"0": clean, "1": {**clean, "recompiles_in_thread": 1}}}
+    )
+    assert not gpu_check.no_compiles_after_warmup({**compile, "replicas": {}})  # no record is no proof

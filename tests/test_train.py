@@ -279,6 +279,12 @@ def test_compiled_training_compiles_nothing_in_worker_threads(workdir, pipeline_
     assert metrics["compile"]["source"] == "artifact"
     assert metrics["compile"]["compiles_in_worker_threads"] == 0
     assert metrics["compile"]["new_graphs_in_workers"] == 0
+    replicas = metrics["compile"]["replicas"]
+    assert sorted(replicas) == ["0", "1", "2"]
+    assert all(r["compiles_in_thread"] == 0 and r["recompiles_in_thread"] == 0 for r in replicas.values())
+    # warmup compiled for the device the replicas run on: the first one's kernels are read, not compiled
+    warm_start = replicas["0"]["warm_start"]
+    assert warm_start["fxgraph_cache_hit"] >= 1 and warm_start["fxgraph_cache_miss"] == 0, warm_start
 
 
 def test_distilled_training_compiles_in_the_main_thread_only_and_keeps_replicas_identical(workdir):
@@ -289,6 +295,21 @@ def test_distilled_training_compiles_in_the_main_thread_only_and_keeps_replicas_
     assert metrics["steps"] == 2 and metrics["replicas_identical"] is True
     assert metrics["compile"]["compiles_in_worker_threads"] == 0
     assert metrics["compile"]["new_graphs_in_workers"] == 0
+    # each replica's own record: its device, and no graph compiled (nor recompiled) in its thread
+    expected = {"compiles_in_thread": 0, "recompiles_in_thread": 0, "device": "cpu"}
+    replicas = metrics["compile"]["replicas"]
+    assert sorted(replicas) == ["0", "1"] and all(r.items() >= expected.items() for r in replicas.values())
+
+
+def test_a_warmup_for_other_shapes_than_the_replicas_run_shows_in_their_record(workdir):
+    # The main thread warms each replica's step at micro_batch 1; the workers run 2: what a warmup compiled for
+    # another micro_batch (or device) would leave. Under guard: warn each replica's record shows its thread's
+    # compile; under guard: error the worker refuses it (tests/test_compile.py, a worker that hits a new shape).
+    cfg = {**config("warmed_other", drafters=2, compiled=True, max_steps=1), "warmup_micro_batch": 1}
+    cfg["compile"]["guard"] = "warn"
+    replicas = train(workdir, cfg)["compile"]["replicas"]
+    assert sorted(replicas) == ["0", "1"]
+    assert all(r["compiles_in_thread"] >= 1 and r["recompiles_in_thread"] >= 1 for r in replicas.values()), replicas
 
 
 def test_bad_topology_is_refused_before_anything_loads():

@@ -1,10 +1,11 @@
-"""Untrusted files: weights load from safetensors only, a crafted pickle never runs, params cannot
+"""Untrusted files: weights load from safetensors only, a crafted pickle never runs, a data path cannot
 point a stage outside the project unless the person running it opts in, and no code path unpickles,
 evals or execs what it reads."""
 
 from __future__ import annotations
 
 import ast
+import json
 import os
 import pickle
 import shutil
@@ -43,7 +44,7 @@ def test_a_pickle_checkpoint_as_the_target_is_refused_and_never_unpickled(tmp_pa
     crafted_model_dir(tiny_target_dir, tmp_path, "pytorch_model.bin")
     with pytest.raises(
         SourceError,
-        match=r"models/evil: the target ships no safetensors weights "
+        match=r"models/evil ships no safetensors weights "
         r"\(pytorch_model.bin\); pickle checkpoints are refused "
         r".*convert it .*safe_serialization=True",
     ):
@@ -93,17 +94,17 @@ def test_a_source_path_outside_the_project_is_refused_unless_allowed(outside, ho
 
 
 @pytest.mark.parametrize("how", ["dotdot", "absolute"])
-def test_a_target_outside_the_project_is_refused_unless_allowed(outside, tiny_target_dir, how, monkeypatch):
+def test_a_target_outside_the_project_needs_no_escape_hatch(outside, tiny_target_dir, how, monkeypatch):
+    """A model directory is only read, never copied, and its files are fingerprinted wherever it lies
+    (docs/usage.md): unlike a data path, it needs no DFLASHPIPE_ALLOW_OUTSIDE_PROJECT."""
     project, elsewhere = outside
     monkeypatch.delenv(ALLOW_OUTSIDE_PROJECT, raising=False)
     model = elsewhere / "model"
     shutil.copytree(tiny_target_dir, model)
     source = {"dotdot": "../elsewhere/model", "absolute": str(model)}[how]
-    with pytest.raises(SourceError, match=rf"target.source = '{source}' resolves to {model}, outside the project"):
-        materialise_target(TargetParams(source=source, dtype="float32"), project / "t", root=project)
-    monkeypatch.setenv(ALLOW_OUTSIDE_PROJECT, "1")
     summary = materialise_target(TargetParams(source=source, dtype="float32"), project / "t", root=project)
     assert summary["num_hidden_layers"] == TARGET_SHAPE["num_hidden_layers"] == 6
+    assert json.loads((project / "t-weights.json").read_text())["directory"] == str(model)
 
 
 def test_the_stage_refuses_an_escaping_path_with_one_line(dvc_project, tmp_path, monkeypatch):

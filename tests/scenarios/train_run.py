@@ -10,7 +10,9 @@ the same config resumes its own checkpoint, another does not. CONFIG_JSON may al
   to stand for an edited dvc.yaml dep;
 - "compile_key_root": a DVC project whose warmup built WORKDIR/compile; the artifact is used only
   if it was built for that project's warmup key as it is now (absent: no key, compile cold);
-- "features_dir": the features stage's output, read when the config's "features" mode is offline.
+- "features_dir": the features stage's output, read when the config's "features" mode is offline;
+- "warmup_micro_batch": the main thread warms each replica's step at this micro_batch instead of the run's,
+  as a warmup compiled for other shapes would leave it (a worker then meets a shape nothing compiled).
 """
 
 from __future__ import annotations
@@ -33,10 +35,15 @@ from dflashpipe.core.pipeline import StageKey, reuse_key  # noqa: E402
 from dflashpipe.train.loop import TrainInputs  # noqa: E402
 from dflashpipe.train.stage import TrainPaths, train_drafter  # noqa: E402
 
-OPTIONS = ("key_inputs", "compile_key_root", "features_dir")
+OPTIONS = ("key_inputs", "compile_key_root", "features_dir", "warmup_micro_batch")
 
 
 def main(workdir: Path, config: dict) -> None:
+    if "warmup_micro_batch" in config:
+        import dflashpipe.train.loop as loop
+
+        warm, rows = loop.run_step_once, config["warmup_micro_batch"]
+        loop.run_step_once = lambda step_fn, drafter, model, _rows, device: warm(step_fn, drafter, model, rows, device)
     inputs = TrainInputs(
         model=build(ModelParams, config["model"], "model"),
         compile=build(CompileParams, config["compile"], "compile"),

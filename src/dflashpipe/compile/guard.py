@@ -39,10 +39,12 @@ class CompileGuardError(DflashpipeError):
 
 
 class CompileCounter:
-    """Counts dynamo compiles by the thread that ran them (dynamo compiles in the calling thread)."""
+    """Counts dynamo compiles by the thread that ran them (dynamo compiles in the calling thread), and of those
+    the recompiles: a frame compiled again because a guard of its earlier graph failed (a new shape, device...)."""
 
     def __init__(self) -> None:
         self.by_thread: Counter[str] = Counter()
+        self.recompiles_by_thread: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._installed = False
 
@@ -53,13 +55,24 @@ class CompileCounter:
             torch._dynamo.callback_handler.register_start_callback(self._on_start)
             self._installed = True
 
-    def _on_start(self, _args: Any) -> None:
+    def _on_start(self, args: Any) -> None:
+        from torch._guards import CompileId
+
+        compile_id = CompileId.from_string(getattr(args, "compile_id", None))
+        recompile = bool(compile_id and compile_id.frame_compile_id)  # the frame's first compile is 0
         with self._lock:
-            self.by_thread[threading.current_thread().name] += 1
+            name = threading.current_thread().name
+            self.by_thread[name] += 1
+            self.recompiles_by_thread[name] += recompile
 
     def outside_main(self) -> int:
         with self._lock:
             return sum(n for name, n in self.by_thread.items() if name != "MainThread")
+
+    def of_thread(self, name: str) -> dict[str, int]:
+        """What the thread `name` compiled so far: the difference of two of these is what it compiled between."""
+        with self._lock:
+            return {"compiles": self.by_thread[name], "recompiles": self.recompiles_by_thread[name]}
 
 
 COUNTER = CompileCounter()
@@ -75,6 +88,13 @@ def dynamo_counters() -> dict[str, int]:
         "frames_ok": int(counters["frames"]["ok"]),
         "compiles_outside_main_thread": COUNTER.outside_main(),
     }
+
+
+def inductor_cache_counters() -> dict[str, int]:
+    """Inductor's FX graph cache this process: a hit is a graph whose kernels were read, not compiled."""
+    from torch._dynamo.utils import counters
+
+    return {name: int(counters["inductor"][name]) for name in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
 
 
 class CompileGuard:

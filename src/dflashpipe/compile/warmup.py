@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -77,7 +78,7 @@ def run_step_once(
             "anchors": list(inputs.anchors.shape),
         },
         "dtype": str(inputs.features.dtype).removeprefix("torch."),
-        "device": device.type,
+        "device": str(device),
         "backend": resolve_backend(drafter.attention, device),
         "seconds": round(seconds, 3),
     }
@@ -90,66 +91,73 @@ def build_warmup_artifact(
     out: Path | str,
     key: StageKey | None,
     target_dtype: str,
-    device: str | None = None,
+    devices: Sequence[str] = (),
     threads: ThreadBudget | None = None,
 ) -> dict:
-    """Compile the training step in this (main) thread only, cold, and write data/compile/.
+    """Compile the training step in this (main) thread only, cold, once for each of `devices`, and write
+    data/compile/.
 
-    `target_dtype`: compute.target_dtype; the drafter borrows the target's embedding, norm and head in it,
-    so it decides the compiled graph's dtypes. `threads`: train's budget (threads.training_budget); the step
-    is compiled at its drafter count, the count train's drafter threads run it at (None: this thread's count).
+    `devices`: topology.drafter_devices, where train's drafter replicas run the step (empty: CUDA when there is
+    one, else the CPU). Compiled kernels are bound to their device (dynamo guards on it; inductor's cache keys
+    hold it), so warmup compiles where the replicas run, not on the default device: on an 8-GPU node that is a
+    target GPU. The target is loaded once, on the first of them; each other device gets a copy of the head the
+    drafter borrows (what train gives its replicas). `target_dtype`: compute.target_dtype; the drafter borrows
+    the target's embedding, norm and head in it, so it decides the compiled graph's dtypes. `threads`: train's
+    budget (threads.training_budget); the step is compiled at its drafter count, the count train's drafter
+    threads run it at (None: this thread's count). With compile.enabled false (`auto` on the CPU) nothing is
+    compiled: the artifact records no graph, and train's replicas run eagerly.
 
     `key` is warmup's stage key, taken before anything is built: the artifact records it, and
     train and evaluate load the artifact only under the same key (None: an artifact they refuse).
     Single-threaded by construction: nothing here starts a thread, so no two compiles
     can race, and the cache it leaves is exactly what one process compiled.
     """
-    from torch._dynamo.utils import counters
     from transformers import AutoTokenizer
 
     from dflashpipe.compile.artifact import BUILT_FOR, INTRA_OP_THREADS, built_for, point_inductor_at, write_artifact
-    from dflashpipe.compile.guard import dynamo_counters
+    from dflashpipe.compile.guard import dynamo_counters, inductor_cache_counters
     from dflashpipe.core.artifacts import atomic_directory
 
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    targets = [torch.device(d) for d in dict.fromkeys(devices)] or [
+        torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ]
     if threads is not None:
-        threads.apply("drafter", device)
+        threads.apply("drafter", targets[0])
     with atomic_directory(out) as tmp:
         # Compile into a sibling of the partial output: a killed run leaves both behind, and the next
         # run's atomic_directory removes them (a system temp directory would leak on every kill).
         cache = point_inductor_at(tmp.with_name(tmp.name + "-inductor"))
         try:
-            target = Target.load(target_dir, device, target_dtype)
-            drafter = DFlashDrafter.for_target(
-                target.model,
-                AutoTokenizer.from_pretrained(target_dir),
-                model,
-                generator=torch.Generator().manual_seed(0),
-            ).to(device)
+            target = Target.load(target_dir, targets[0], target_dtype)
+            tokenizer = AutoTokenizer.from_pretrained(target_dir)
             graphs = []
-            if compile.enabled:
+            for device in targets if compile.enabled else []:
+                drafter = DFlashDrafter.for_target(
+                    target.model, tokenizer, model, generator=torch.Generator().manual_seed(0)
+                )
+                drafter.target = drafter.target.on(device)
+                drafter = drafter.to(device)
                 print(
                     f"warmup: compiling the training step ({compile.micro_batch} x {model.seq_len}) on "
-                    f"{device.type}, in this thread only",
+                    f"{device}, in this thread only",
                     flush=True,
                 )
                 graphs.append(run_step_once(compiled_step(drafter), drafter, model, compile.micro_batch, device))
+            if not compile.enabled:
+                print(f"warmup: compile.enabled is false on {', '.join(map(str, targets))}: nothing to compile")
             report = {
                 "graphs": graphs,
-                "counters": {
-                    **dynamo_counters(),
-                    "fxgraph_cache_miss": int(counters["inductor"]["fxgraph_cache_miss"]),
-                    "fxgraph_cache_hit": int(counters["inductor"]["fxgraph_cache_hit"]),
-                },
+                "devices": [str(d) for d in targets],
+                "counters": {**dynamo_counters(), **inductor_cache_counters()},
                 # The key's inputs include the fingerprint's kernel facts (torch build, GPUs, compile
                 # variables), so they are on record here too, without a second list of them.
                 BUILT_FOR: built_for(key),
                 # the kernels are bound to it (dynamo guards on it; inductor's cache key holds it)
                 INTRA_OP_THREADS: torch.get_num_threads(),
                 "threads": threads.to_json() if threads is not None else None,
-                "cache": "inductor cache directory" + (" + mega-cache" if device.type == "cuda" else ""),
+                "cache": "inductor cache directory" + (" + mega-cache" if targets[0].type == "cuda" else ""),
             }
-            write_artifact(tmp, cache, report, with_mega_cache=device.type == "cuda")
+            write_artifact(tmp, cache, report, with_mega_cache=targets[0].type == "cuda")
         finally:
             shutil.rmtree(cache, ignore_errors=True)
     return report

@@ -508,6 +508,23 @@ def fact_change(was: Any, now: Any, width: int = 60, gone: str = "absent") -> st
     return f"{short(was, 'absent')} -> {short(now, gone)}"
 
 
+def target_source_files(project: Path | str) -> dict[str, list[int]]:
+    """Each file of params.yaml's local `target.source` (a model directory's top level, or the .gguf), as
+    [size, mtime_ns]: a stat each, so the target stage, which hashes them, reruns when one is written, wherever
+    the user keeps them. Empty for a source shipped in a package, or none yet (the target stage says why)."""
+    import yaml
+
+    try:
+        source = yaml.safe_load((Path(project) / "params.yaml").read_text(encoding="utf-8"))["target"]["source"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return {}
+    if not isinstance(source, str) or source.startswith("pypi:"):
+        return {}
+    path = Path(project).resolve() / source
+    files = sorted(f for f in path.iterdir() if not f.name.startswith(".")) if path.is_dir() else [path]
+    return {f.name: [st.st_size, st.st_mtime_ns] for f in files if f.is_file() and (st := f.stat())}
+
+
 def observe(
     hash_state: Path | None = None,
     loaded_state: Path | None = None,
@@ -555,4 +572,5 @@ def observe(
     # the project's serving environment (bin/setup --serve): its engine's versions, or all null, so that setting it
     # up reruns the served check that recorded "not run"
     facts["serving"] = serving_environment(project)
+    facts["target_source"] = {"files": target_source_files(project)}
     return Observation(facts, integrity, probed)

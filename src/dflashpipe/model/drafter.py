@@ -16,6 +16,7 @@ Two ways in:
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +63,12 @@ class TargetHead:
         for module in (head.embed_tokens, head.final_norm, head.lm_head):
             module.requires_grad_(False)
         return head
+
+    def on(self, device: torch.device) -> TargetHead:
+        """This head on `device`: itself where its weights are, else a copy there (the target stays where it is)."""
+        if self.embed_tokens.weight.device == torch.device(device):
+            return self
+        return TargetHead(*(copy.deepcopy(m).to(device) for m in (self.embed_tokens, self.final_norm, self.lm_head)))
 
 
 @dataclass(frozen=True)

@@ -198,8 +198,10 @@ def prepared_data(run: ProofRun, target_dir: Path, work: Path, root: Path) -> Pa
     for the stages that make it), so a changed target, setting or stage never finds the old data, nor resumes an
     arm trained on it."""
     from dflashpipe.core.artifacts import canonical_json, file_sha256
+    from dflashpipe.target.weights import weights_sha256
 
-    files = {name: file_sha256(target_dir / name) for name in ("config.json", "model.safetensors", "tokenizer.json")}
+    files = {name: file_sha256(target_dir / name) for name in ("config.json", "tokenizer.json")}
+    files |= weights_sha256(target_dir)
     stages = code_key(root, "manifest", "regenerate", "tokenize")
     inputs = {
         "samples": run.samples,

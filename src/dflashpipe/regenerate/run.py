@@ -51,6 +51,7 @@ from dflashpipe.data.shards import ShardWriter, conversation_hash, read_manifest
 from dflashpipe.regenerate.endpoint import Completion, Endpoint, ServedModel
 from dflashpipe.regenerate.shards import stored_shard, with_reply_ids, write_shard
 from dflashpipe.target.chat import ChatTokenizer, load_chat_tokenizer
+from dflashpipe.target.weights import weights_sha256
 
 SKIPPED_TURNS = ("no_prompt", "prompt_too_long", "empty_reply")
 REPLY_KIND = "decode"
@@ -371,10 +372,9 @@ def regenerate_metrics(run: RegenerateRun) -> dict:
 
 
 def _target_sha256(target_dir: Path) -> str:
-    h = hashlib.sha256()
-    for f in sorted(target_dir.iterdir()):
-        if f.is_file() and (f.name == "config.json" or f.suffix == ".safetensors"):
-            h.update(f.name.encode() + b"\0" + file_sha256(f).encode())
+    h = hashlib.sha256(b"config.json\0" + file_sha256(target_dir / "config.json").encode())
+    for name, digest in sorted(weights_sha256(target_dir).items()):
+        h.update(name.encode() + b"\0" + digest.encode())
     return h.hexdigest()
 
 

@@ -40,6 +40,7 @@ from dflashpipe.serve.engine import Engine, EngineError, EngineRequest, run_engi
 from dflashpipe.serve.replay import EngineStep, replay
 from dflashpipe.serve.served_files import write_served_files
 from dflashpipe.target.adapter import Target
+from dflashpipe.target.weights import model_directory
 
 PASSED, FAILED, NOT_RUN = "passed", "failed", "not_run"
 
@@ -212,7 +213,7 @@ def served_check(
             served.mkdir()
             write_served_files(drafter_dir, target_dir, served)
         request = EngineRequest(
-            Path(target_dir).resolve(),
+            model_directory(target_dir),
             served.resolve(),
             dtype,
             k,

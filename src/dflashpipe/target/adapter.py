@@ -20,6 +20,7 @@ import torch
 from dflashpipe.core.errors import SourceError
 from dflashpipe.core.kernels import rows_first
 from dflashpipe.target.dtype import compute_dtype
+from dflashpipe.target.weights import model_directory
 
 
 def cache_keyword(module: Any) -> str:
@@ -36,7 +37,7 @@ def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
 
 
 def load_materialised_target(target_dir: Path | str, device: Any, dtype: torch.dtype):
-    """The frozen Hugging Face model from data/target/ (safetensors only), computing in `dtype`."""
+    """The frozen Hugging Face model of data/target/ (safetensors only, wherever they are), computing in `dtype`."""
     from transformers import AutoModelForCausalLM
 
     target_dir = Path(target_dir)
@@ -44,7 +45,8 @@ def load_materialised_target(target_dir: Path | str, device: Any, dtype: torch.d
         raise SourceError(
             f"{target_dir}: no materialised target: run `dvc repro target` (or `dvc checkout {target_dir}`)"
         )
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, use_safetensors=True).to(device)
+    model = AutoModelForCausalLM.from_pretrained(model_directory(target_dir), dtype=dtype, use_safetensors=True)
+    model = model.to(device)
     return model.eval().requires_grad_(False)
 
 

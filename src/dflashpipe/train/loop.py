@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dflashpipe.compile.guard import CompileGuard
+from dflashpipe.compile.guard import COUNTER, CompileGuard, inductor_cache_counters
 from dflashpipe.compile.warmup import autocast, compiled_step, run_step_once
 from dflashpipe.core.params import ModelParams, TrainParams
 from dflashpipe.core.threads import ThreadBudget
@@ -116,7 +116,7 @@ class Trainer:
             g = torch.Generator().manual_seed(p.train.seed)
             target = self.targets[0]
             drafter = DFlashDrafter.for_target(target.model, tokenizer, p.model, generator=g)
-            drafter.target = head_on(target, device)
+            drafter.target = TargetHead.of(target.model).on(device)
             drafter = drafter.to(device)
             step_fn = compiled_step(drafter) if p.compile.enabled else drafter
             trainable = [t for t in drafter.parameters() if t.requires_grad]
@@ -161,11 +161,30 @@ class Trainer:
         return HeldOut(chunks, len(ids))
 
     def warm_up_compiled(self) -> float:
-        """Run every replica's compiled step once, forward and backward, in the main thread."""
+        """Run every replica's compiled step once, forward and backward, in the main thread; each replica keeps
+        what inductor's cache gave it (hits: kernels warmup compiled for its device and shapes)."""
         began = time.perf_counter()
         for r in self.replicas:
+            cache = inductor_cache_counters()
             run_step_once(r.step_fn, r.drafter, self.inputs.model, self.inputs.compile.micro_batch, r.device)
+            r.warm_start = {name: n - cache[name] for name, n in inductor_cache_counters().items()}
         return time.perf_counter() - began
+
+    def compiled_by_replicas(self) -> list[dict[str, int]]:
+        """What each replica's thread has compiled so far (graphs, recompiles): taken around `run`."""
+        return [COUNTER.of_thread(drafter_thread(r)) for r in range(len(self.replicas))]
+
+    def replica_compiles(self, before: list[dict[str, int]]) -> dict[str, dict]:
+        """Per replica (by global index): its device, what inductor's cache gave it in the main thread's warm-up,
+        and the graphs its own thread compiled since `before` (compiled_by_replicas): 0 when warmup compiled it."""
+        return {
+            str(self.global_replica(r)): {
+                "device": str(rep.device),
+                "warm_start": rep.warm_start,
+                **{f"{name}_in_thread": n - was[name] for name, n in now.items()},
+            }
+            for r, (rep, was, now) in enumerate(zip(self.replicas, before, self.compiled_by_replicas(), strict=True))
+        }
 
     # -- the run --------------------------------------------------------------------------------
 
@@ -180,7 +199,9 @@ class Trainer:
         )
         held_out = self.held_out()
         workers = {f"target-{t}": functools.partial(self.target_worker, run, t) for t in range(len(self.targets))}
-        workers |= {f"drafter-{r}": functools.partial(self.drafter_worker, run, r) for r in range(len(self.replicas))}
+        workers |= {
+            drafter_thread(r): functools.partial(self.drafter_worker, run, r) for r in range(len(self.replicas))
+        }
         with run.threads(workers):
             for step in range(run.first_step, max_steps):
                 results = [mailbox.get(step) for mailbox in run.results]
@@ -322,6 +343,8 @@ class Replica:
     optimizer: torch.optim.Optimizer
     device: torch.device
     busy_s: float = 0.0
+    warm_start: dict[str, int] = field(default_factory=dict)
+    """Inductor's cache hits and misses when the main thread first ran its step (Trainer.warm_up_compiled)."""
 
 
 @dataclass(frozen=True)
@@ -383,17 +406,14 @@ def step_inputs(
     )
 
 
+def drafter_thread(r: int) -> str:
+    """The name of replica r's thread, by which the compile counter tells its compiles apart."""
+    return f"drafter-{r}"
+
+
 def anchor_generator(seed: int, step: int, replica: int) -> torch.Generator:
     """Anchors are resampled every step, per sequence, from (seed, step, global replica) alone."""
     return torch.Generator().manual_seed((seed * 1_000_003 + step) * 4099 + replica)
-
-
-def head_on(target: Target, device: torch.device) -> TargetHead:
-    """The target's embedding, final norm and LM head on `device` (shared when it is the target's device)."""
-    head = TargetHead.of(target.model)
-    if target.device == device:
-        return head
-    return TargetHead(*(copy.deepcopy(m).to(device) for m in (head.embed_tokens, head.final_norm, head.lm_head)))
 
 
 def lr_at(step: int, p: TrainParams) -> float:

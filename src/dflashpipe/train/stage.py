@@ -86,7 +86,7 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
     guard = CompileGuard(strict=inputs.compile.guard == "error")
     if inputs.compile.enabled:
         guard.arm()
-    before = dynamo_counters()
+    before, by_replica = dynamo_counters(), trainer.compiled_by_replicas()
 
     # built once the Trainer has restored: it writes the TrainState that the Trainer then holds
     checkpoints = CheckpointPolicy(
@@ -117,6 +117,7 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
         replicas_identical=not mismatches,
         busy=window.busy,
     )
+    metrics["compile"]["replicas"] = trainer.replica_compiles(by_replica)
     metrics["threads"] = trainer.threads.to_json()
     metrics["run_length"] = length.to_json()
     if mismatches:  # before any output: a drafter from diverged replicas is no result
