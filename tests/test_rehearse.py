@@ -43,7 +43,7 @@ def flatten(params: dict) -> dict[str, object]:
 
 @pytest.mark.parametrize("profile", GPU_PROFILES, ids=lambda p: p.stem)
 def test_a_rehearsal_runs_the_profile_as_stated_but_for_the_departures_it_prints(profile):
-    params, departures = rehearsal_params(profile, ROOT, Path("models/standin"))
+    params, departures = rehearsal_params(profile, ROOT, Path("/elsewhere/standin"))
     stated = yaml.safe_load((ROOT / "params.yaml").read_text())
     for dotted, value in profile_overrides(profile, ROOT).items():
         section, key = dotted.split(".", 1)

@@ -4,7 +4,8 @@ A profile is only known to work once it has run: a key that names nothing, a tem
 not read, a layer id past the target's depth, a shape no kernel takes, six drafter replicas fed by two target
 workers. The rehearsal runs every stage of the profile (`dvc repro`, stage by stage, timed) in a scratch project
 beside this one, on stand-ins (standin.py): a small random target of the profile's architecture with its
-depth, its head and its layer spacing; text for the user sources the machine does not have.
+depth, its head and its layer spacing, kept outside the scratch project as a user keeps theirs; text for the
+user sources the machine does not have.
 
 What it keeps and what it changes is decided here, once, and printed: every key of the profile is run as the
 profile states it, except the departures below, each named with its value and why. The devices: every
@@ -211,9 +212,10 @@ def rehearse(
     workdir = Path(keep).resolve() if keep else Path(tempfile.mkdtemp(prefix="dflashpipe-rehearse-"))
     if keep and workdir.exists() and any(workdir.iterdir()):
         raise RehearsalError(f"{workdir}: --keep names a directory that is not empty")
-    project, target_dir = workdir / "project", workdir / "project" / "models" / "standin"
+    # the stand-in lies outside the project, where a user keeps a 16 GB target: read in place, never copied
+    project, target_dir = workdir / "project", workdir / "standin-target"
     try:
-        params, departures = rehearsal_params(profile, root, target_dir.relative_to(project))
+        params, departures = rehearsal_params(profile, root, target_dir)
         published, where = published_config(target_config, _read_yaml(root / profile)["target"]["source"], root)
         progress(f"rehearse {profile}: the stand-in of {where}, in {project}")
         departures += copy_pipeline(root, project, params["data"]["sources"])
