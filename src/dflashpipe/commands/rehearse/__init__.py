@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -32,16 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from dflashpipe.commands.plan.inputs import TARGET_CONFIGS
 from dflashpipe.commands.rehearse.standin import write_standin_source, write_standin_target
 from dflashpipe.commands.rerun.tree import dvc
 from dflashpipe.core.errors import DflashpipeError
 from dflashpipe.core.params.loading import PARAMS_FILE, _read_yaml
-from dflashpipe.core.params.profile import profile_overrides
+from dflashpipe.core.params.profile import experiment_words, profile_overrides
 from dflashpipe.core.params.sections import USER_SOURCE_KINDS
-from dflashpipe.core.pipeline import Pipeline, upstream_first
 from dflashpipe.core.serving_env import PYTHON_ENV, serving_python
 
 PIPELINE_FILES = ("dvc.yaml", ".dvcignore", "stages", "src/dflashpipe", "data/sources/README.md")
@@ -125,40 +123,36 @@ def published_config(option: str | None, source: str, root: Path) -> tuple[dict[
         raise RehearsalError(f"{path}: not valid JSON ({exc})") from None
 
 
-def rehearsal_params(profile: Path, root: Path, target_dir: Path) -> tuple[dict[str, Any], list[Departure]]:
-    """params.yaml with the profile laid over it (checked as `dflashpipe profile` checks it), then the rehearsal's
-    departures: the stand-in target, CPU replicas for the profile's devices, the sizes of SCALED."""
+def rehearsal_overrides(profile: Path, root: Path, target_dir: Path) -> tuple[dict[str, Any], list[Departure]]:
+    """The profile's overrides (checked as `dflashpipe profile` checks them) with the rehearsal's departures laid
+    over them: the stand-in target, CPU replicas for the profile's devices, the sizes of SCALED."""
     overrides = profile_overrides(profile, root)
     params = _read_yaml(root / PARAMS_FILE)
-    for dotted, value in overrides.items():
-        section, key = dotted.split(".", 1)
-        params[section][key] = value
-    departures = [Departure("target.source", params["target"]["source"], str(target_dir), "the stand-in target")]
-    topology = params["topology"]
-    for key in ("target_devices", "drafter_devices"):
-        cpus = ["cpu" for _ in topology[key]]
-        if topology[key] != cpus:
-            departures.append(Departure(f"topology.{key}", topology[key], cpus, "one CPU replica per device"))
-            topology[key] = cpus
-    if not topology["allow_shared_devices"]:
+    stated = {f"{section}.{key}": value for section, keys in params.items() for key, value in keys.items()}
+    stated.update(overrides)
+    departures = [Departure("target.source", stated["target.source"], str(target_dir), "the stand-in target")]
+    for key in ("topology.target_devices", "topology.drafter_devices"):
+        cpus = ["cpu" for _ in stated[key]]
+        if stated[key] != cpus:
+            departures.append(Departure(key, stated[key], cpus, "one CPU replica per device"))
+    if not stated["topology.allow_shared_devices"]:
         departures.append(Departure("topology.allow_shared_devices", False, True, "every replica is on the CPU"))
-        topology["allow_shared_devices"] = True
-    params["target"]["source"] = str(target_dir)
     for dotted, scaled in SCALED.items():
-        section, key = dotted.split(".", 1)
-        value = params[section][key]
-        smaller = scaled.rule(value)
-        if key == "max_steps" and not value:
+        value = stated[dotted]
+        if dotted == "train.max_steps" and not value:
             continue  # the run's length is stated in epochs, which the rehearsal keeps
-        if smaller != value:
-            departures.append(Departure(dotted, value, smaller, scaled.why))
-            params[section][key] = smaller
-    for source in params["data"]["sources"]:
+        if scaled.rule(value) != value:
+            departures.append(Departure(dotted, value, scaled.rule(value), scaled.why))
+    overrides.update({d.key: d.rehearsal for d in departures})
+    sources = [dict(source) for source in stated["data.sources"]]
+    for source in sources:
         if source["eval"] > 4:
             key = f"data.sources[{source['name']}].eval"
             departures.append(Departure(key, source["eval"], 4, "a few held-out conversations per source"))
             source["eval"] = 4
-    return params, departures
+    if sources != stated["data.sources"]:
+        overrides["data.sources"] = sources
+    return overrides, departures
 
 
 def copy_pipeline(root: Path, project: Path, sources: list[dict[str, Any]]) -> list[Departure]:
@@ -197,6 +191,57 @@ def run_dvc(project: Path, *args: str) -> str:
     return proc.stdout
 
 
+def scratch_project(root: Path, project: Path, sources: list[dict[str, Any]]) -> list[Departure]:
+    """The pipeline's files and this project's params.yaml in a git + DVC repo at `project`; the departures
+    its user sources needed."""
+    import subprocess
+
+    departures = copy_pipeline(root, project, sources)
+    shutil.copy2(root / PARAMS_FILE, project / PARAMS_FILE)
+    who = ["-c", "user.email=rehearse@dflashpipe", "-c", "user.name=rehearse"]
+    for words in (["git", "init", "-q"], ["git", *who, "add", "-A"], ["git", *who, "commit", "-qm", "rehearsal"]):
+        subprocess.run(words, cwd=project, check=True, capture_output=True)
+    run_dvc(project, "init", "-q")
+    run_dvc(project, "config", "core.analytics", "false")
+    return departures
+
+
+def run_experiment(root: Path, project: Path, words: list[str], progress: Callable[[str], None]) -> dict[str, float]:
+    """`dvc exp run ...` in `project`, streamed; each stage's seconds, from DVC's "Running stage" lines. Its stages
+    serve with `root`'s serving environment, where one is set up."""
+    import subprocess
+
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    serve_python = serving_python(root)
+    if serve_python is not None and not env.get(PYTHON_ENV):
+        env[PYTHON_ENV] = str(serve_python)  # the serving environment set up beside this project
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *words],
+        cwd=project,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seconds: dict[str, float] = {}
+    stage, began, tail = None, time.perf_counter(), []
+    for line in proc.stdout:
+        tail = [*tail[-14:], line.rstrip()]
+        if line.startswith("Running stage '"):
+            now = time.perf_counter()
+            if stage:
+                seconds[stage] = now - began
+                progress(f"  {stage:<12} {seconds[stage]:7.1f} s")
+            stage, began = line.split("'")[1], now
+    if proc.wait() != 0:
+        raise RehearsalError(f"`{' '.join(words)}` failed in the rehearsal ({project}):\n" + "\n".join(tail))
+    if stage:
+        seconds[stage] = time.perf_counter() - began
+        progress(f"  {stage:<12} {seconds[stage]:7.1f} s")
+    return seconds
+
+
 def rehearse(
     profile: Path | str,
     root: Path | str = ".",
@@ -204,10 +249,8 @@ def rehearse(
     keep: Path | str | None = None,
     progress: Callable[[str], None] = print,
 ) -> Rehearsal:
-    """Run `profile`'s whole DAG on this CPU in a scratch project; what ran, how long each stage took, and the
-    departures from the profile, each with why."""
-    import subprocess
-
+    """Run `profile`'s whole DAG on this CPU in a scratch project, as the experiment `dflashpipe profile` prints
+    (`dvc exp run -n NAME -S ...`) with the departures as further `-S`; each stage's seconds, the departures."""
     root, profile = Path(root).resolve(), Path(profile)
     workdir = Path(keep).resolve() if keep else Path(tempfile.mkdtemp(prefix="dflashpipe-rehearse-"))
     if keep and workdir.exists() and any(workdir.iterdir()):
@@ -215,35 +258,19 @@ def rehearse(
     # the stand-in lies outside the project, where a user keeps a 16 GB target: read in place, never copied
     project, target_dir = workdir / "project", workdir / "standin-target"
     try:
-        params, departures = rehearsal_params(profile, root, target_dir)
+        overrides, departures = rehearsal_overrides(profile, root, target_dir)
         published, where = published_config(target_config, _read_yaml(root / profile)["target"]["source"], root)
         progress(f"rehearse {profile}: the stand-in of {where}, in {project}")
-        departures += copy_pipeline(root, project, params["data"]["sources"])
-        write_standin_target(
-            published, TOKENIZER, target_dir, params["target"]["dtype"], params["tokenize"]["max_length"], root
-        )
-        (project / PARAMS_FILE).write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
-        for words in (
-            ["git", "init", "-q"],
-            ["git", "-c", "user.email=rehearse@dflashpipe", "-c", "user.name=rehearse", "add", "-A"],
-            ["git", "-c", "user.email=rehearse@dflashpipe", "-c", "user.name=rehearse", "commit", "-qm", "rehearsal"],
-        ):
-            subprocess.run(words, cwd=project, check=True, capture_output=True)
-        run_dvc(project, "init", "-q")
-        run_dvc(project, "config", "core.analytics", "false")
+        base = _read_yaml(root / PARAMS_FILE)
+        departures += scratch_project(root, project, overrides.get("data.sources", base["data"]["sources"]))
+        dtype = overrides.get("target.dtype", base["target"]["dtype"])
+        length = overrides.get("tokenize.max_length", base["tokenize"]["max_length"])
+        write_standin_target(published, TOKENIZER, target_dir, dtype, length, root)
         for line in departure_lines(departures):
             progress(line)
-        serve_python = serving_python(root)
-        if serve_python is not None and not os.environ.get(PYTHON_ENV):
-            os.environ[PYTHON_ENV] = str(serve_python)
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        words = experiment_words(overrides, profile.stem)
         rehearsal = Rehearsal(str(profile), project, departures)
-        pipeline = Pipeline.read(project)
-        for stage in upstream_first(pipeline.names, pipeline.upstream()):
-            began = time.perf_counter()
-            run_dvc(project, "repro", "--single-item", stage)
-            rehearsal.stage_seconds[stage] = time.perf_counter() - began
-            progress(f"  {stage:<12} {rehearsal.stage_seconds[stage]:7.1f} s")
+        rehearsal.stage_seconds = run_experiment(root, project, words, progress)
         rehearsal.metrics = headline_metrics(project)
         return rehearsal
     finally:
