@@ -307,5 +307,15 @@ def _short(value: Any) -> str:
 
 
 def main_lines(rehearsal: Rehearsal) -> list[str]:
+    """The verdict: every stage ran, how long, and what train and the served check recorded."""
     total = sum(rehearsal.stage_seconds.values())
-    return [f"rehearsed {rehearsal.profile}: {len(rehearsal.stage_seconds)} stages in {total:.0f} s on this CPU"]
+    train, serve = rehearsal.metrics["train"], rehearsal.metrics["serve"]
+    run = train.get("run_length", {})
+    lines = [f"rehearsed {rehearsal.profile}: {len(rehearsal.stage_seconds)} stages in {total:.0f} s on this CPU"]
+    if train:
+        lines.append(
+            f"  train: {train.get('steps')} steps on {train.get('replicas')} drafter replicas "
+            f"({run.get('from', 'train.max_steps')}); a random stand-in's tau means nothing"
+        )
+    lines.append(f"  served check: {serve.get('served', 'not recorded')}")
+    return lines
