@@ -23,7 +23,7 @@ from dflashpipe.evaluate.evaluation import EvaluateInputs, evaluate_drafter  # n
 
 def evaluate(p) -> None:
     evaluate_drafter(
-        EvaluateInputs(evaluate=p.evaluate, compute=p.compute),
+        EvaluateInputs(evaluate=p.evaluate, compute=p.compute, template_kwargs=p.target.chat_template_kwargs),
         DRAFTER,
         TARGET,
         MANIFEST,

@@ -14,7 +14,7 @@ from dflashpipe.proof.stage import run_proof  # noqa: E402
 
 
 def proof(p) -> None:
-    run_proof(p.proof, p.model, p.compute, TARGET, PROOF_METRICS)
+    run_proof(p.proof, p.model, p.compute, TARGET, PROOF_METRICS, template_kwargs=p.target.chat_template_kwargs)
 
 
 if __name__ == "__main__":

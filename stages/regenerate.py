@@ -26,6 +26,7 @@ def regenerate(params) -> None:
         REGENERATED,
         key=key,
         target_dtype=params.compute.target_dtype,
+        template_kwargs=params.target.chat_template_kwargs,
     )
     write_json_atomic(REGENERATE_METRICS, regenerate_metrics(run))
 

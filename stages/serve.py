@@ -21,7 +21,9 @@ def serve(p) -> None:
     except (OSError, ValueError) as exc:
         raise SourceError(f"{EVAL_METRICS}: not readable ({exc}): run `dvc repro evaluate`") from None
     served_check(
-        ServeInputs(serve=p.serve, evaluate=p.evaluate, compute=p.compute),
+        ServeInputs(
+            serve=p.serve, evaluate=p.evaluate, compute=p.compute, template_kwargs=p.target.chat_template_kwargs
+        ),
         DRAFTER,
         TARGET,
         MANIFEST,

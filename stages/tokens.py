@@ -19,7 +19,14 @@ def tokenize(params) -> None:
     # The key is what dvc.yaml lists for the stage, less two things (pipeline.REUSE, with the reasons):
     # data/regenerated, because each shard is also keyed by its own input shard's sha256, so growing the
     # data reuses the old shards; and tokenize.num_proc, which never changes a byte of a shard.
-    run = tokenize_manifest(params.tokenize, REGENERATED, TARGET, TOKENS, key=reuse_key("tokenize"))
+    run = tokenize_manifest(
+        params.tokenize,
+        REGENERATED,
+        TARGET,
+        TOKENS,
+        key=reuse_key("tokenize"),
+        template_kwargs=params.target.chat_template_kwargs,
+    )
     write_json_atomic(TOKENIZE_METRICS, tokenize_metrics(run))
 
 

@@ -44,8 +44,10 @@ def test_a_declared_key_the_stage_does_not_read_is_refused(project):
 
 def test_a_read_key_that_dvc_yaml_does_not_declare_is_refused(project):
     edit(project / "dvc.yaml", lambda d: d["stages"]["manifest"]["params"].remove("data.shard_size"))
-    with pytest.raises(ParamsError, match=r"misses \['data.shard_size'\].*goes unseen"):
-        load_stage_params("manifest", project)
+    params = load_stage_params("manifest", project)
+    assert params.data.num_samples > 0
+    with pytest.raises(ParamsError, match=r"misses data.shard_size.*goes unseen"):
+        _ = params.data.shard_size
 
 
 def test_a_stage_cannot_read_a_section_it_does_not_declare(project):
@@ -53,6 +55,21 @@ def test_a_stage_cannot_read_a_section_it_does_not_declare(project):
     assert params.target.dtype in ("bfloat16", "float16", "float32")
     with pytest.raises(ParamsError, match="reads params section 'data'.*does not declare"):
         _ = params.data
+
+
+@pytest.mark.parametrize("stage", ["regenerate", "tokenize", "evaluate", "serve", "proof"])
+def test_the_stages_that_render_read_the_template_kwargs_and_no_other_target_key(project, stage):
+    edit(project / "params.yaml", lambda d: d["target"].update(chat_template_kwargs={"enable_thinking": False}))
+    params = load_stage_params(stage, project)
+    assert params.target.chat_template_kwargs == {"enable_thinking": False}
+    with pytest.raises(ParamsError, match=rf"stages.{stage}.params misses target.source"):
+        _ = params.target.source
+
+
+def test_the_target_stage_does_not_read_the_template_kwargs(project):
+    params = load_stage_params("target", project)
+    with pytest.raises(ParamsError, match=r"stages.target.params misses target.chat_template_kwargs"):
+        _ = params.target.chat_template_kwargs
 
 
 @pytest.mark.parametrize(
@@ -68,6 +85,10 @@ def test_a_stage_cannot_read_a_section_it_does_not_declare(project):
             r"data.on_bad_record = 'ignore': allowed values are \['error', 'skip'\]",
         ),
         (lambda d: d["data"].update(sources=[]), r"data.sources is empty"),
+        (
+            lambda d: d["target"].update(chat_template_kwargs=[1]),
+            r"target.chat_template_kwargs = \[1\]: expected a mapping with string keys",
+        ),
         (lambda d: d["data"]["sources"][0].update(weight=-1), r"data.sources\[sharegpt\].weight = -1.0"),
         (
             lambda d: d["data"]["sources"][0].update(kind="csv"),

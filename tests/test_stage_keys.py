@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashpipe.core.pipeline import DVC_FILE, PARAMS_FILE, REUSE, reuse_key, stage_spec
+from dflashpipe.core.pipeline import DVC_FILE, PARAMS_FILE, REUSE, Pipeline, reuse_key, stage_key, stage_spec
 from tests.conftest import copy_from_root, write_stand_ins
 
 CODE = ["dvc.yaml", "params.yaml", ".dvcignore", "stages", "src/dflashpipe", "data/env/fingerprint.json"]
@@ -171,3 +171,23 @@ def test_an_edit_of_training_code_retrains_instead_of_resuming(pipeline_run, tmp
     assert "not resuming" in out and "src/dflashpipe/train/data.py" in out
     assert file_sha256(weights) != before
     assert run(["dvc", "status", "train"], project).stdout.strip().endswith("up to date.")
+
+
+def test_the_chat_template_kwargs_move_exactly_the_stages_that_render_chats(project):
+    """target.chat_template_kwargs reaches every rendering, so it moves the keys of the stages that render (and their
+    reuse keys) and no other: not the target stage, whose weights the template's arguments never reach."""
+    names = Pipeline.read(project).names
+
+    def keys() -> tuple[dict, dict]:
+        return {n: stage_key(n, project).digest for n in names}, {n: reuse_key(n, project).digest for n in REUSE}
+
+    original = (project / PARAMS_FILE).read_bytes()
+    stages, reuses = keys()
+    edit_param(project, PARAMS_FILE, "target.chat_template_kwargs")
+    try:
+        edited, edited_reuses = keys()
+    finally:
+        (project / PARAMS_FILE).write_bytes(original)
+    rendering = ["evaluate", "proof", "regenerate", "serve", "tokenize"]
+    assert sorted(n for n in names if stages[n] != edited[n]) == rendering
+    assert sorted(n for n in REUSE if reuses[n] != edited_reuses[n]) == ["regenerate", "tokenize"]

@@ -7,7 +7,7 @@ reruns bench (kernels, shapes) stay apart."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,6 +38,8 @@ from dflashpipe.target.dtype import compute_dtype
 class EvaluateInputs:
     evaluate: EvaluateParams
     compute: ComputeParams
+    template_kwargs: dict = field(default_factory=dict)
+    """target.chat_template_kwargs: the prompts are rendered as regenerate and tokenize render them."""
 
 
 def decode_prompts(
@@ -149,6 +151,7 @@ def evaluate_drafter(
     from dflashpipe.target.chat import load_chat_tokenizer
 
     p = inputs.evaluate
+    chat = load_chat_tokenizer(target_dir, inputs.template_kwargs)
     drafter_dir, metrics_dir = Path(drafter_dir), Path(metrics_dir)
     verify_drafter(drafter_dir)
     train = read_train_metrics(Path(train_metrics))
@@ -160,7 +163,6 @@ def evaluate_drafter(
     target = Target.load(target_dir, device, inputs.compute.target_dtype, decoding=True, kind="decode")
     fastest_dtype = compute_dtype(device, "auto", "decode")
     fastest = None if fastest_dtype == target.dtype else Target.load(target_dir, device, "auto", True, "decode")
-    chat = load_chat_tokenizer(target_dir)
     # sdpa for decoding: every step has a new context length, which a compiled flex kernel would recompile for.
     # Drafts in the target's dtype, as engines serve it: bf16 on CUDA; on the CPU the bf16 weights in float32.
     drafter = DFlashDrafter.from_pretrained(

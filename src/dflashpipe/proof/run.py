@@ -52,13 +52,18 @@ class ProofRun:
     num_anchors: int = 256
     lr: float = 2e-3
     seed: int = 0
+    template_kwargs: dict = field(default_factory=dict)
+    """target.chat_template_kwargs: the proof renders its chats as the pipeline does."""
 
     @classmethod
-    def of(cls, proof: ProofParams, model: ModelParams, compute: ComputeParams) -> ProofRun:
+    def of(
+        cls, proof: ProofParams, model: ModelParams, compute: ComputeParams, template_kwargs: dict | None = None
+    ) -> ProofRun:
         """The run params.yaml's `proof` section describes, on the drafter `model` describes."""
         return cls(
             model=model,
             compute=compute,
+            template_kwargs=dict(template_kwargs or {}),
             samples=proof.samples,
             max_new_tokens=proof.max_new_tokens,
             seq_len=proof.seq_len,
@@ -142,12 +147,18 @@ def prepare(run: ProofRun, target_dir: Path, work: Path) -> None:
         batch_size=16,
     )
     regenerate_manifest(
-        regenerate, ["cpu"], work / "manifest", target_dir, work / "regenerated", target_dtype=run.compute.target_dtype
+        regenerate,
+        ["cpu"],
+        work / "manifest",
+        target_dir,
+        work / "regenerated",
+        target_dtype=run.compute.target_dtype,
+        template_kwargs=run.template_kwargs,
     )
     tokenize = TokenizeParams(
         max_length=2048, truncation="turn", assistant_turns="all", min_supervised_tokens=2, num_proc=1
     )
-    tokenize_manifest(tokenize, work / "regenerated", target_dir, work / "tokens")
+    tokenize_manifest(tokenize, work / "regenerated", target_dir, work / "tokens", template_kwargs=run.template_kwargs)
 
 
 class ProofDataError(DflashpipeError):
@@ -208,6 +219,7 @@ def prepared_data(run: ProofRun, target_dir: Path, work: Path, root: Path) -> Pa
         "max_new_tokens": run.max_new_tokens,
         "seq_len": run.seq_len,
         "target_dtype": run.compute.target_dtype,
+        "template_kwargs": run.template_kwargs,
         **files,
         **stages,
     }
@@ -264,7 +276,7 @@ def decode(run: ProofRun, target_dir: Path, drafter_dir: Path, prompts_dir: Path
 
     # as evaluate decodes: the decode kind's dtype, with the decoding form of the linear layers
     target = Target.load(target_dir, "cpu", run.compute.target_dtype, decoding=True, kind="decode")
-    chat = load_chat_tokenizer(target_dir)
+    chat = load_chat_tokenizer(target_dir, run.template_kwargs)
     stop = frozenset(target.stop_token_ids(chat.tokenizer))
     head = TargetHead.of(target.model)
     drafter = rows_first(DFlashDrafter.from_pretrained(drafter_dir, head, dtype=target.dtype, attention="sdpa").eval())

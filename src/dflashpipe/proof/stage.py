@@ -24,9 +24,13 @@ def run_proof(
     target_dir: Path | str,
     metrics_path: Path | str,
     root: Path | str = ".",
+    template_kwargs: dict | None = None,
 ) -> dict:
+    from dflashpipe.target.chat import load_chat_tokenizer
+
     root = Path(root)
-    run = ProofRun.of(params, model, compute)
+    load_chat_tokenizer(target_dir, template_kwargs)  # a kwarg the template does not read: refused before any work
+    run = ProofRun.of(params, model, compute, template_kwargs)
     # a scratch directory of DVC's own: removed before a run and after a passing one, kept after a failure to look at
     work = root / ".dvc" / "tmp" / "proof"
     shutil.rmtree(work, ignore_errors=True)

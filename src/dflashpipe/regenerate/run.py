@@ -409,13 +409,16 @@ def regenerate_manifest(
     key: StageKey | None = None,
     endpoint: Endpoint | None = None,
     target_dtype: str = "auto",
+    template_kwargs: dict | None = None,
 ) -> RegenerateRun:
     """Bring `out_dir` to one shard per manifest training shard, then summary.json, then files.json.
 
     `key`: the stage's reuse key (stages/regenerate.py); None reuses nothing. `endpoint`: overrides the
-    one params name (tests pass a short backoff). `target_dtype`: compute.target_dtype, for replies made here."""
+    one params name (tests pass a short backoff). `target_dtype`: compute.target_dtype, for replies made here.
+    `template_kwargs`: target.chat_template_kwargs; an endpoint gets them in the prompts' token ids, rendered here."""
     began = time.perf_counter()
     manifest_dir, target_dir, out_dir = Path(manifest_dir), Path(target_dir), Path(out_dir)
+    chat = load_chat_tokenizer(target_dir, template_kwargs) if params.enabled else None
     entries = verify_manifest(manifest_dir)["shards"]
     # an output shard bears its manifest shard's name: growing the manifest appends shards here too
     inputs = {e["file"]: InputShard(e["file"], e["sha256"]) for e in entries}
@@ -438,7 +441,6 @@ def regenerate_manifest(
         shards = [{**e, "input": inputs[e["file"]].to_json()} for e in entries]
         return _finish(output, {"enabled": False, "shards": shards}, 0, began, [])
 
-    chat = load_chat_tokenizer(target_dir)
     from dflashpipe.target.dtype import compute_dtype  # torch, only where replies are made here
 
     settings: dict = {
@@ -447,6 +449,7 @@ def regenerate_manifest(
         "max_prompt_tokens": params.max_prompt_tokens,
         "batch_size": params.batch_size,
         "chat_template_sha256": hashlib.sha256(chat.template.encode()).hexdigest(),
+        "chat_template_kwargs": chat.chosen_kwargs,
         "target_sha256": _target_sha256(target_dir),
         # the numerics the replies were made in (in process: this machine's decode dtype; an endpoint's are its own)
         "dtype": str(compute_dtype(devices[0], target_dtype, REPLY_KIND)).removeprefix("torch.")

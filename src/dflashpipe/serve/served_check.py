@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -55,6 +55,8 @@ class ServeInputs:
     evaluate: EvaluateParams
     """Which prompts, how many new tokens, how many proposals a step verifies: evaluate's, so the two compare."""
     compute: ComputeParams
+    template_kwargs: dict = field(default_factory=dict)
+    """target.chat_template_kwargs: evaluate's prompts are rendered with them, and vLLM is sent their token ids."""
 
 
 def not_run(reason: str) -> dict:
@@ -184,6 +186,7 @@ def served_check(
     serving environment's interpreter for this check, unless given one (the tests share an `EngineWorker`)."""
     from dflashpipe.target.chat import load_chat_tokenizer
 
+    chat = load_chat_tokenizer(target_dir, inputs.template_kwargs)
     python = serving_python(root)
     if python is None:
         reason = f"no serving environment ({SERVE_VENV}/ or ${PYTHON_ENV}): set one up with `{SETUP}`"
@@ -193,7 +196,6 @@ def served_check(
     drafter_dir, p = Path(drafter_dir), inputs.evaluate
     fix = f"restore it with `dvc checkout {drafter_dir}` or retrain with `dvc repro -f train`"
     verify_file_listing(drafter_dir, fix, SourceError)
-    chat = load_chat_tokenizer(target_dir)
     prompts = [
         prompt
         for split in (HELD_OUT, TRAIN)

@@ -13,17 +13,24 @@ token the template writes after the reply). A template that rewrites contents (s
 starts where `messages[:i]` + generation prompt ends. Because positions come from the
 template and not from searching the text, a user turn that contains the literal
 `<|im_start|>assistant` is never supervised.
+
+Every rendering passes target.chat_template_kwargs (Qwen3's `enable_thinking`, say) to the template, so the
+prompts regenerate answers, the text tokenize trains on and the prompts evaluate and serve decode are one
+rendering. A kwarg the template does not read is refused when the tokenizer is loaded, before any work.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflashpipe.core.errors import SourceError
+from dflashpipe.core.errors import ParamsError, SourceError
 
+KWARGS_KEY = "target.chat_template_kwargs"
+RENDER_SETS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+"""The variables transformers' render_jinja_template passes itself (the special tokens besides): no kwarg sets them."""
 SENTINEL = "\ue000{}\ue001"
 """Private-use characters around a message index: no template writes them itself."""
 
@@ -40,8 +47,11 @@ class ChatTokenizer:
     """The transformers tokenizer, for decoding and for `apply_chat_template` comparisons."""
     template: str
     template_kwargs: dict[str, Any]
+    """The special tokens, then target.chat_template_kwargs: every variable a rendering passes."""
     special: re.Pattern
     """Matches any special added token: the candidates for a reply's end-of-turn token."""
+    chosen_kwargs: dict[str, Any] = field(default_factory=dict)
+    """target.chat_template_kwargs alone, as a record names them."""
 
     def __post_init__(self) -> None:
         self.backend = self.tokenizer.backend_tokenizer
@@ -61,7 +71,8 @@ class ChatTokenizer:
         return rendered[0]
 
 
-def load_chat_tokenizer(target_dir: Path | str) -> ChatTokenizer:
+def load_chat_tokenizer(target_dir: Path | str, template_kwargs: dict[str, Any] | None = None) -> ChatTokenizer:
+    """The target's tokenizer and template, rendering with `template_kwargs` (target.chat_template_kwargs)."""
     target_dir = Path(target_dir)
     tokenizer_json = target_dir / "tokenizer.json"
     if not tokenizer_json.is_file():
@@ -87,13 +98,41 @@ def load_chat_tokenizer(target_dir: Path | str) -> ChatTokenizer:
             f"{where} not found and {target_dir / 'tokenizer_config.json'} has no chat_template: samples are "
             f"rendered with the target's own template, so use an instruct/chat target"
         )
+    passed = dict(tokenizer.special_tokens_map)
+    chosen = dict(template_kwargs or {})
+    reads, inputs = (names - RENDER_SETS - set(passed) for names in template_variables(template))
+    unread = sorted(set(chosen) - reads)
+    if unread:
+        where = target_dir / "chat_template.jinja"
+        where = where if where.is_file() else target_dir / "tokenizer_config.json"
+        raise ParamsError(
+            f"params.yaml: {KWARGS_KEY} names {unread}, which the chat template in {where} does not read "
+            f"(it reads {sorted(inputs) or 'nothing besides the chat'}): remove them"
+        )
     specials = sorted((t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len, reverse=True)
     return ChatTokenizer(
         tokenizer,
         template,
-        dict(tokenizer.special_tokens_map),
+        passed | chosen,
         re.compile("|".join(map(re.escape, specials)) or "(?!)"),
+        chosen,
     )
+
+
+def template_variables(template: str) -> tuple[set[str], set[str]]:
+    """What `template` may read from outside, as transformers parses it (its environment: the `generation` tag, the
+    globals such as `raise_exception`): jinja2.meta's undeclared names, which also hold names the template sets
+    only inside a branch; and of those, the ones to show a user: never set by the template, or tested with `is
+    defined` (an input it gives a default, as Llama 3's `date_string`)."""
+    from jinja2 import meta, nodes
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    environment = _compile_jinja_template(template).environment
+    tree = environment.parse(template)
+    reads = meta.find_undeclared_variables(tree) - set(environment.globals)
+    sets = {n.name for n in tree.find_all(nodes.Name) if n.ctx == "store"}
+    tested = {t.node.name for t in tree.find_all(nodes.Test) if t.name == "defined" and isinstance(t.node, nodes.Name)}
+    return reads, reads - (sets - tested)
 
 
 class ReplyLocator:

@@ -157,16 +157,17 @@ def tokenize_manifest(
     target_dir: Path | str,
     out_dir: Path | str,
     key: StageKey | None = None,
+    template_kwargs: dict | None = None,
 ) -> TokenizeRun:
     """Bring `out_dir` to one tokens shard per manifest shard, then summary.json, then files.json.
 
     `key` is what decides every shard besides its own input: the stage's key from dvc.yaml (see
     stages/tokens.py). A shard whose stored key (this key and its input shard's sha256) matches is
     reused untouched; the returned run says which. With `key` None nothing is reused: every shard
-    is encoded again."""
+    is encoded again. `template_kwargs`: target.chat_template_kwargs, for every rendering."""
     began = time.perf_counter()
     manifest_dir, out_dir = Path(manifest_dir), Path(out_dir)
-    chat = load_chat_tokenizer(target_dir)
+    chat = load_chat_tokenizer(target_dir, template_kwargs)
     shards = read_conversation_shards(manifest_dir)
     names = {s.index: shard_name(s.index) for s in shards}
     output: ShardedOutput[TokenStats] = ShardedOutput.open(

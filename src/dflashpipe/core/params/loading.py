@@ -1,8 +1,8 @@
 """Loading params.yaml into the typed sections, and checking a stage's reads against dvc.yaml.
 
 Invariant: every value a stage reads passed through `build` (types, unknown and missing keys) and its
-section's `__post_init__` (ranges), and a stage reads only the sections its dvc.yaml entry declares, whose
-declared keys are exactly the section's fields. Every failure is one ParamsError naming the file and key.
+section's `__post_init__` (ranges), and a stage reads only the keys its dvc.yaml entry declares (a section of
+which it declares some keys is a `Declared` view). Every failure is one ParamsError naming the file and key.
 """
 
 from __future__ import annotations
@@ -42,6 +42,26 @@ class StageParams:
                 f"stage {self.stage!r} reads params section {name!r}, but dvc.yaml does not declare it "
                 f"for that stage: add its keys under stages.{self.stage}.params"
             ) from None
+
+
+class Declared:
+    """A section of which the stage declares some keys (the target stage reads target.source, the stages that render
+    chats target.chat_template_kwargs): reading any other key is refused, as reading an undeclared section is."""
+
+    __slots__ = ("_stage", "_section", "_values", "_keys")
+
+    def __init__(self, stage: str, section: str, values: Any, keys: set[str]) -> None:
+        self._stage, self._section, self._values, self._keys = stage, section, values, frozenset(keys)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name not in {f.name for f in dataclasses.fields(self._values)}:
+            raise AttributeError(name)
+        if name not in self._keys:
+            raise ParamsError(
+                f"dvc.yaml: stages.{self._stage}.params misses {self._section}.{name}, which the stage reads: "
+                f"add it (or a change to it goes unseen)"
+            )
+        return getattr(self._values, name)
 
 
 def load_params(root: Path | str = ".") -> dict[str, Any]:
@@ -88,18 +108,14 @@ def load_stage_params(stage: str, root: Path | str = ".") -> StageParams:
         by_section.setdefault(section, set()).add(rest)
     for section, keys in by_section.items():
         fields = {f.name for f in dataclasses.fields(SECTIONS[section])}
-        extra, unread = sorted(keys - fields), sorted(fields - keys)
+        extra = sorted(keys - fields)
         if extra:
             raise ParamsError(
                 f"dvc.yaml: stages.{stage}.params declares {[f'{section}.{k}' for k in extra]}, "
                 f"which the stage does not read: remove them (they make it rerun for nothing)"
             )
-        if unread:
-            raise ParamsError(
-                f"dvc.yaml: stages.{stage}.params misses {[f'{section}.{k}' for k in unread]}, "
-                f"which the stage reads: add them (or a change to them goes unseen)"
-            )
-    sections = {s: params[s] for s in by_section}
+    whole = {s for s, keys in by_section.items() if keys == {f.name for f in dataclasses.fields(SECTIONS[s])}}
+    sections = {s: params[s] if s in whole else Declared(stage, s, params[s], keys) for s, keys in by_section.items()}
     if "compile" in sections:  # `auto` is decided where the drafter runs, once, here
         topology = sections.get("topology")
         if topology is None and sections["compile"].enabled == "auto":
@@ -145,6 +161,12 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
             except ParamsError:
                 continue
         return _convert(arms[-1], value, key)
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ParamsError(f"params.yaml: {key} = {value!r}: expected a mapping with string keys")
+        return {k: _convert(args[1], v, f"{key}.{k}") for k, v in value.items()}
+    if hint is Any:  # passed on as YAML gave it (a template variable may be any value)
+        return value
     if origin is tuple:
         if not isinstance(value, list):
             raise ParamsError(f"params.yaml: {key} = {value!r}: expected a list")

@@ -73,7 +73,9 @@ def experiment_words(overrides: dict[str, Any], name: str | None, queue: bool = 
     """`dvc exp run [--queue] [-n NAME] -S key=value ...` as a command's words."""
     words = ["dvc", "exp", "run", *(["--queue"] if queue else []), *(["-n", name] if name else [])]
     for key, value in overrides.items():
-        words += ["-S", f"{key}={_flow(value)}"]
+        # a mapping (target.chat_template_kwargs) into params.yaml's: Hydra refuses keys a plain override would add
+        # to it ("not in struct"); `++` adds or overrides them
+        words += ["-S", f"{'++' if isinstance(value, dict) else ''}{key}={_flow(value)}"]
     return words
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from dflashpipe.core.errors import ParamsError
 
@@ -32,6 +32,10 @@ class TargetParams:
     or a path relative to the project: a Hugging Face model directory or a .gguf file."""
     dtype: Literal["bfloat16", "float16", "float32"]
     """Dtype of the materialised weights in data/target/."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Variables the target's chat template reads besides the conversation, passed wherever a chat is rendered
+    (regenerate, tokenize, evaluate, serve, proof), e.g. Qwen3's `enable_thinking: false`. A name the template
+    does not read is refused. The target stage does not read it: the weights do not depend on it."""
 
     def __post_init__(self) -> None:
         if not self.source.strip():
