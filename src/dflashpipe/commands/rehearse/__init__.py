@@ -198,11 +198,12 @@ def scratch_project(root: Path, project: Path, sources: list[dict[str, Any]]) ->
 
     departures = copy_pipeline(root, project, sources)
     shutil.copy2(root / PARAMS_FILE, project / PARAMS_FILE)
-    who = ["-c", "user.email=rehearse@dflashpipe", "-c", "user.name=rehearse"]
-    for words in (["git", "init", "-q"], ["git", *who, "add", "-A"], ["git", *who, "commit", "-qm", "rehearsal"]):
-        subprocess.run(words, cwd=project, check=True, capture_output=True)
+    subprocess.run(["git", "init", "-q"], cwd=project, check=True, capture_output=True)
     run_dvc(project, "init", "-q")
     run_dvc(project, "config", "core.analytics", "false")
+    who = ["-c", "user.email=rehearse@dflashpipe", "-c", "user.name=rehearse"]
+    for words in (["git", *who, "add", "-A"], ["git", *who, "commit", "-qm", "rehearsal"]):
+        subprocess.run(words, cwd=project, check=True, capture_output=True)
     return departures
 
 
