@@ -394,6 +394,27 @@ def test_a_drafter_for_a_real_target_and_tokenizer_from_params_yaml(tiny_target_
     assert resolve_mask_token_id(tokenizer, len(tokenizer), "ignored") == tokenizer.mask_token_id
 
 
+def test_a_mask_token_added_in_a_spare_row_is_recorded_and_served_by_name(tiny_target_dir, tmp_path):
+    """Qwen3's case (SpecForge adds <|MASK|> in a spare row): the target's saved tokenizer never names the id, so
+    the drafter's config records the string, and the served config spells it from there."""
+    from dataclasses import replace
+
+    from transformers import AutoTokenizer
+
+    from dflashpipe.serve.served_files import mask_token
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    target = tiny_target(vocab=len(tokenizer) + 8)
+    params = replace(load_params(ROOT)["model"], mask_token="<|MASK|>")
+    drafter = DFlashDrafter.for_target(target, tokenizer, params, torch.Generator().manual_seed(0))
+    assert drafter.config.mask_token_id == len(tokenizer) - 1 and drafter.config.mask_token == "<|MASK|>"
+    saved = drafter.config.to_checkpoint_dict("float32")
+    assert DFlashConfig.from_checkpoint_dict(saved) == drafter.config
+    assert mask_token(tiny_target_dir, drafter.config.mask_token_id, saved["dflash_config"]["mask_token"]) == "<|MASK|>"
+    with pytest.raises(SourceError, match="no token with id .* another target"):
+        mask_token(tiny_target_dir, drafter.config.mask_token_id)
+
+
 def test_a_target_whose_final_norm_is_not_rmsnorm_is_refused():
     target = tiny_target()
     target.model.norm = torch.nn.LayerNorm(32)

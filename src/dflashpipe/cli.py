@@ -88,6 +88,21 @@ def plan(
 
 
 @app.command()
+def rehearse(
+    profile: str = typer.Argument(..., help="A GPU profile (profiles/) to run on this CPU, every stage of it."),
+    target_config: str = typer.Option(None, help="The target's config.json (or a shipped one: qwen3-8b)."),
+    keep: str = typer.Option(None, help="Keep the scratch project in this (new or empty) directory."),
+) -> None:
+    """Run a GPU profile's whole DAG on this CPU, on a small stand-in of its target, before a GPU is paid for;
+    every departure from the profile is printed with why."""
+    from dflashpipe.commands.rehearse import main_lines
+    from dflashpipe.commands.rehearse import rehearse as run
+
+    for line in main_lines(run(profile, ".", target_config, keep)):
+        typer.echo(line)
+
+
+@app.command()
 def explain(
     a: str = typer.Argument("HEAD", help="The earlier state: a git revision, a DVC experiment, or 'workspace'."),
     b: str = typer.Argument(explaining.WORKSPACE, help="The later state (default: the workspace)."),

@@ -45,6 +45,9 @@ class DFlashConfig:
     target_layer_ids: tuple[int, ...]
     block_size: int
     mask_token_id: int
+    mask_token: str | None = None
+    """The mask token's string where training added it to the target's tokenizer (a spare embedding row, which
+    the target's saved tokenizer does not name); None where the tokenizer has it, and spells it."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -61,7 +64,9 @@ class DFlashConfig:
         return len(self.target_layer_ids) * self.hidden_size
 
     @classmethod
-    def for_target(cls, target_config: Any, params: ModelParams, mask_token_id: int) -> DFlashConfig:
+    def for_target(
+        cls, target_config: Any, params: ModelParams, mask_token_id: int, mask_token: str | None = None
+    ) -> DFlashConfig:
         """Size a drafter for a Hugging Face target config: attention and MLP shapes follow the target."""
         text = text_config(target_config)
         num_layers = text.num_hidden_layers
@@ -83,6 +88,7 @@ class DFlashConfig:
             target_layer_ids=tuple(ids),
             block_size=params.block_size,
             mask_token_id=mask_token_id,
+            mask_token=mask_token,
         )
 
     def to_checkpoint_dict(self, dtype: str) -> dict[str, Any]:
@@ -115,6 +121,7 @@ class DFlashConfig:
                 "mask_token_id": self.mask_token_id,
                 "target_layer_ids": list(self.target_layer_ids),
                 "block_size": self.block_size,
+                **({"mask_token": self.mask_token} if self.mask_token is not None else {}),
             },
         )
         return qwen3
@@ -143,6 +150,7 @@ class DFlashConfig:
                 target_layer_ids=tuple(dflash["target_layer_ids"]),
                 block_size=int(dflash.get("block_size", d.get("block_size", 16))),
                 mask_token_id=int(dflash["mask_token_id"] if "mask_token_id" in dflash else d["mask_token_id"]),
+                mask_token=dflash.get("mask_token"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise SourceError(f"{where}: not a DFlash drafter config ({type(exc).__name__}: {exc})") from None

@@ -417,8 +417,10 @@ class DFlashDrafter(nn.Module):
     ) -> DFlashDrafter:
         """A freshly initialised drafter sized for a Hugging Face target, configured by params.yaml's model."""
         embed = target_model.get_input_embeddings()
+        known = len(tokenizer)
         mask_token_id = resolve_mask_token_id(tokenizer, embed.num_embeddings, params.mask_token)
-        config = DFlashConfig.for_target(target_model.config, params, mask_token_id)
+        added = params.mask_token if mask_token_id >= known else None  # a spare row, named by no saved tokenizer
+        config = DFlashConfig.for_target(target_model.config, params, mask_token_id, added)
         drafter = cls(
             config,
             TargetHead.of(target_model),
