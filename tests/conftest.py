@@ -34,6 +34,8 @@ share_the_cores_among_xdist_workers()
 # repository." in test_verify, after test_explain_machine): imported here, they hold the session's capture.
 
 SLOWEST_FIRST = (
+    "tests/test_rehearse_profiles.py",  # gpu8-story's and specforge's whole DAG on a stand-in, ~5 min each
+    "tests/test_rehearse.py",  # the usage docs' screen: gpu8's whole DAG, then vLLM serving its drafter
     "tests/test_explain.py",  # 199 s with the 83 s of building pipeline_run, which its first test asks for
     "tests/test_overfit.py",  # the real target's 40-step proof and the tiny arms: the other worker's start
     "tests/test_gpu_check.py",  # 93 s, none of it on pipeline_run
