@@ -177,9 +177,16 @@ def random_target(name: str, dry: bool, device, dtype):
     return model.to(dtype).eval().requires_grad_(False)
 
 
-def mask_tokenizer(target) -> SimpleNamespace:
-    """What the drafter needs of a tokenizer (no tokenizer files travel): a mask token, the last id."""
-    return SimpleNamespace(mask_token_id=target.config.vocab_size - 1, mask_token="<mask>")
+class MaskTokenizer(SimpleNamespace):
+    """What the drafter needs of a tokenizer (no tokenizer files travel): a mask token, the last id, and a length
+    (the drafter records a mask token's string only when it was added past the tokenizer)."""
+
+    def __len__(self) -> int:
+        return self.mask_token_id + 1
+
+
+def mask_tokenizer(target) -> MaskTokenizer:
+    return MaskTokenizer(mask_token_id=target.config.vocab_size - 1, mask_token="<mask>")
 
 
 def model_params(dry: bool, **changes):

@@ -54,7 +54,12 @@ def test_no_data_tokens_or_train_input_reaches_bench_in_dvc_yaml():
     # evaluate decodes eagerly: no compile artifact or compile params any more, only bench's figure
     evaluate = stages["evaluate"]
     assert "data/compile" not in evaluate["deps"] and "metrics/bench.json" in evaluate["deps"]
-    assert not [k for k in evaluate["params"] if isinstance(k, str) and k.split(".")[0] not in ("evaluate", "compute")]
+    # and the chat template's arguments its prompts are rendered with
+    assert not [
+        k
+        for k in evaluate["params"]
+        if isinstance(k, str) and k.split(".")[0] not in ("evaluate", "compute") and k != "target.chat_template_kwargs"
+    ]
 
 
 def check_figure(record: dict, key: str) -> Spread:

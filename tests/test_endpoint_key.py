@@ -194,7 +194,7 @@ def canaries_asked(server: KeyedServer) -> int:
 
 
 def test_shards_record_the_served_model_and_are_answered_again_when_it_changes(
-    served_server, tmp_path, smollm2_tokenizer_dir, capsys
+    served_server, tmp_path, tiny_target_dir, capsys
 ):
     chat_jsonl(tmp_path / "chats.jsonl", 20)
     m, out = manifest(tmp_path, 20), tmp_path / "regenerated"
@@ -202,7 +202,7 @@ def test_shards_record_the_served_model_and_are_answered_again_when_it_changes(
 
     def regenerate():
         run = regenerate_manifest(
-            params, ["cpu"], m, smollm2_tokenizer_dir, out, STAGE_KEY, Endpoint(served_server.url, retries=0)
+            params, ["cpu"], m, tiny_target_dir, out, STAGE_KEY, Endpoint(served_server.url, retries=0)
         )
         write_json_atomic(tmp_path / "metrics.json", regenerate_metrics(run))
         return run

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -149,8 +150,9 @@ def mapped_files(array: np.ndarray) -> set[str]:
 @pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads Linux's /proc/self/maps")
 def test_load_tokens_maps_the_shards_instead_of_copying_them(tokens_dir):
     data = load_tokens(tokens_dir)
+    files = [entry["file"] for entry in json.loads((tokens_dir / "summary.json").read_text())["shards"]]
     for index, shard in enumerate(data.shards):
-        path = str((tokens_dir / f"train-{index:05d}.arrow").resolve())
+        path = str((tokens_dir / files[index]).resolve())
         for array in (shard.ids, shard.loss_mask):
             assert mapped_files(array) == {path}
         ids, mask = data.sequence(int(data.starts[index]))

@@ -117,6 +117,8 @@ def wrong_types(hint: Any) -> list[Any]:
         return ["no-such-choice", 5, [], {"a": 1}, True, *none]
     if origin is tuple:
         return ["x", 5, {"a": 1}, *none]
+    if origin is dict:  # a mapping of names (target.chat_template_kwargs)
+        return ["x", 5, [1], True, {5: "a"}, *none]
     if hint is bool:
         return ["true", 1, 0, [], *none]
     if hint is int:

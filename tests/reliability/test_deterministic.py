@@ -6,6 +6,9 @@ byte-identical, file for file; the others are identical except for what `compara
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import yaml
 
 from dflashpipe.core.pipeline import (
@@ -31,10 +34,20 @@ from tests.conftest import run
 from tests.reliability.harness import comparable_outputs, lock_outs, tree_bytes
 
 BYTES, TIMED, KERNELS = "byte-identical", "identical but for measured times", "same kernels, other bytes"
+PLACE = "the same weight files (names, sizes), at this clone's place and times"
+FACTS = "the same machine facts, and target files of the same names and sizes (each clone's own times)"
+
+
+def without_times(fingerprint: dict) -> dict:
+    files = fingerprint["target_source"]["files"]
+    return {**fingerprint, "target_source": {"files": {name: stat[0] for name, stat in files.items()}}}
+
+
+TARGET_WEIGHTS = Path("data/target-weights.json")
 EVAL = METRICS / "eval"
 OUTPUTS = {
-    "fingerprint": {FINGERPRINT: BYTES},  # on one machine: it observes the machine
-    "target": {TARGET: BYTES},
+    "fingerprint": {FINGERPRINT: FACTS},  # on one machine: it observes the machine, and each clone's target files
+    "target": {TARGET: BYTES, TARGET_WEIGHTS: PLACE},  # the tiny target is read in place: each clone's own files
     "manifest": {MANIFEST: BYTES, MANIFEST_METRICS: BYTES},
     "regenerate": {REGENERATED: BYTES, REGENERATE_METRICS: TIMED},
     "tokenize": {TOKENS: BYTES, TOKENIZE_METRICS: TIMED},
@@ -86,6 +99,15 @@ def test_two_clean_clones_write_the_same_outputs(pipeline_run, tmp_path):
             assert files_a, f"{path} is empty"
             if kind == BYTES:
                 assert files_a == files_b, f"{path} differs between two clean runs"
+            elif kind == FACTS:
+                facts_a, facts_b = (without_times(json.loads((clone / path).read_text())) for clone in (a, b))
+                assert facts_a == facts_b, f"{path} differs between two clean runs beyond the target files' times"
+            elif kind == PLACE:
+                sizes_a, sizes_b = (
+                    {name: f["size"] for name, f in json.loads((clone / path).read_text())["files"].items()}
+                    for clone in (a, b)
+                )
+                assert sizes_a == sizes_b and sizes_a, f"{path}: other weight files in two clean runs"
             else:
                 assert comparable_outputs(files_a) == comparable_outputs(files_b), (
                     f"{path} differs between two clean runs beyond measured times and kernel bytes"

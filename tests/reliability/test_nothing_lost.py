@@ -109,6 +109,10 @@ GOOD_IDS = {
 }
 
 
+SHARD_SAMPLES = [min(3, s["train"] - i) for s in EXPECTED.values() for i in range(0, s["train"], 3)]
+"""Each source's training samples in shards of 3 of its own, in the sources' order."""
+
+
 def write_sources(root) -> tuple[DataParams, int]:
     sources = root / "data/sources"
     sources.mkdir(parents=True)
@@ -138,7 +142,7 @@ def test_every_record_is_trained_on_held_out_or_skipped_by_reason(tmp_path):
     assert manifest_metrics(summary) | {"train_characters": 0} == {
         "train_samples": 8,
         "eval_samples": 3,
-        "shards": 3,
+        "shards": len(SHARD_SAMPLES),
         "train_characters": 0,
         "records_read": records_in,
         "records_skipped": records_in - 8 - 3,
@@ -149,7 +153,7 @@ def test_every_record_is_trained_on_held_out_or_skipped_by_reason(tmp_path):
     tables = [read_manifest_shard(tmp_path / "manifest", e) for e in [summary["eval"], *summary["shards"]]]
     ids = [i for t in tables for i in t.column("id").to_pylist()]
     assert sorted(ids) == sorted(GOOD_IDS)
-    assert [e["samples"] for e in summary["shards"]] == [3, 3, 2]
+    assert [e["samples"] for e in summary["shards"]] == SHARD_SAMPLES
 
     # Each skip reason names where its first records are: file and line, record index or row.
     examples = summary["sources"]["jsonl"]["skipped_examples"]
