@@ -239,7 +239,7 @@ def test_dvc_repro_regenerates_then_reuses_the_old_shards_when_the_data_grows(pi
     project = copy_project(pipeline_run, tmp_path / "project")
     shutil.rmtree(project / "models/tiny")  # the pipeline's tiny target says only "\n\n...": all empty replies
     shutil.copytree(talking_target, project / "models/tiny")
-    run(["dvc", "repro", "-f", "-s", "target"], project)  # its source directory is a param, not a dep
+    run(["dvc", "repro", "-f", "target"], project)  # the fingerprint stats the new files; target reads them
     set_params(project, regenerate__enabled=True, regenerate__max_new_tokens=3, regenerate__batch_size=32)
     assert "Running stage 'regenerate'" in run(["dvc", "repro", "tokenize"], project).stdout
     before = files(project / REGENERATED)
