@@ -186,14 +186,9 @@ def dvc_project(tmp_path, tiny_target_dir) -> Path:
 
 def copy_from_root(project: Path, rels) -> Path:
     """Copy these files and directories of this repository (bytecode left out) into `project`."""
-    for rel in rels:
-        src, dst = ROOT / rel, project / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_dir():
-            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(src, dst)
-    return project
+    from dflashpipe.commands.rehearse import copy_files
+
+    return copy_files(ROOT, project, rels)
 
 
 def write_stand_ins(project: Path) -> Path:

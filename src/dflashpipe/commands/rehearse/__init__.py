@@ -155,16 +155,22 @@ def rehearsal_overrides(profile: Path, root: Path, target_dir: Path) -> tuple[di
     return overrides, departures
 
 
-def copy_pipeline(root: Path, project: Path, sources: list[dict[str, Any]]) -> list[Departure]:
-    """The pipeline's files into `project`, and each user source's file: the user's own where it exists here,
-    else a stand-in of shipped text (a departure)."""
-    for rel in PIPELINE_FILES:
+def copy_files(root: Path, project: Path, rels) -> Path:
+    """These files and directories of `root` (bytecode left out) into `project`, at the same relative paths."""
+    for rel in rels:
         src, dst = root / rel, project / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         if src.is_dir():
             shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(src, dst)
+    return project
+
+
+def copy_pipeline(root: Path, project: Path, sources: list[dict[str, Any]]) -> list[Departure]:
+    """The pipeline's files into `project`, and each user source's file: the user's own where it exists here,
+    else a stand-in of shipped text (a departure)."""
+    copy_files(root, project, PIPELINE_FILES)
     departures = []
     for i, source in enumerate(s for s in sources if s["kind"] in USER_SOURCE_KINDS):
         mine, there = root / source["path"], project / source["path"]
