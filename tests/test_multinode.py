@@ -1,14 +1,21 @@
-"""Multi-node training as docs/pipeline.md launches it, on one machine: two `torchrun` agents (`--nnodes 2`) meet
-through c10d rendezvous on 127.0.0.1 and train one replica each over gloo; the drafter is bit for bit the one a
-single process trains with both replicas. Each run also records which side bound it (metrics `balance`)."""
+"""Multi-node training on one machine: two `torchrun` agents (`--nnodes 2`) meet on 127.0.0.1 and train one
+replica each over gloo; the drafter is bit for bit the one a single process trains with both replicas. First
+the agents alone (c10d rendezvous; each run also records which side bound it, metrics `balance`), then as
+docs/pipeline.md launches them: `dvc repro train` on the head, and the command it prints on the other node."""
 
 from __future__ import annotations
 
 import json
+import shlex
 import socket
 import subprocess
 import sys
 
+import yaml
+from safetensors.torch import load_file
+
+from dflashpipe.train.nodes import RENDEZVOUS_ENV, TIMEOUT_ENV
+from tests.conftest import run, set_params, user_env
 from tests.test_train import SCRIPT, assert_same_weights, config, train, weights
 
 
@@ -50,7 +57,7 @@ def test_two_torchrun_nodes_train_the_drafter_of_one_node_with_both_replicas(tra
     workdir = train_inputs
     short = {"max_steps": 3, "checkpoint_every": 0}  # equal after three steps, as after six (test_train)
     single = train(workdir, config("one-node", drafters=2, **short))
-    nodes = two_nodes(workdir, config("two-nodes", drafters=1, **short))
+    nodes = two_nodes(workdir, config("two-nodes", drafters=1, nodes=2, **short))
     for node in nodes:
         assert node.returncode == 0, node.stdout[-2000:] + node.stderr[-4000:]
     metrics = [
@@ -71,3 +78,44 @@ def test_two_torchrun_nodes_train_the_drafter_of_one_node_with_both_replicas(tra
         n.stdout.count(f"train: bound by the {m['balance']['bound_by']} side") == 1
         for n, m in zip(nodes, metrics, strict=True)
     )
+
+
+def test_two_nodes_through_dvc_repro_train_the_drafter_of_one_node_and_record_one_run(dvc_project):
+    project = dvc_project
+    drafter = project / "data" / "drafter" / "model.safetensors"
+    run(["dvc", "repro", "train"], project)  # one node, two replicas: the drafter to equal, and explain's baseline
+    one_node = load_file(drafter)
+    run(["git", "add", "-A"], project)
+    run(["git", "commit", "-qm", "one node"], project)
+
+    set_params(project, topology__nodes=2, topology__drafter_devices=["cpu"])  # two nodes of one replica
+    env = user_env({RENDEZVOUS_ENV: f"127.0.0.1:{free_port()}", TIMEOUT_ENV: "3"})
+    alone = subprocess.run(["dvc", "repro", "train"], cwd=project, env=env, capture_output=True, text=True)
+    assert alone.returncode != 0
+    assert "dflashpipe train: error: 1 of 2 nodes joined at 127.0.0.1:" in alone.stderr, alone.stderr[-3000:]
+    assert not drafter.exists()
+
+    env[TIMEOUT_ENV] = "120"
+    head = subprocess.Popen(
+        ["dvc", "repro", "train"], cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    printed = []
+    for line in head.stdout:
+        printed.append(line)
+        if line.startswith("train: node 1: "):
+            break
+    other = subprocess.run(  # the other node: the printed command, run as printed, in the same (shared) directory
+        shlex.split(line.removeprefix("train: node 1: ")), cwd=project, env=env, capture_output=True, text=True
+    )
+    printed += head.stdout.readlines()
+    assert head.wait() == 0 and other.returncode == 0, "".join(printed)[-4000:] + other.stderr[-3000:]
+    print("".join(printed))
+    assert_same_weights(one_node, load_file(drafter))
+    lock = yaml.safe_load((project / "dvc.lock").read_text())["stages"]["train"]
+    assert lock["params"]["params.yaml"]["topology.nodes"] == 2
+    metrics = json.loads((project / "metrics" / "train" / "metrics.json").read_text())
+    assert metrics["replicas"] == 2
+    assert "train: step" not in other.stdout  # rank 0, on the head, reports and writes
+
+    explained = run(["dflashpipe", "explain"], project).stdout
+    print(explained)
