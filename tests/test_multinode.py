@@ -11,10 +11,11 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import yaml
 from safetensors.torch import load_file
 
-from dflashpipe.train.nodes import RENDEZVOUS_ENV, TIMEOUT_ENV
+from dflashpipe.train.nodes import RENDEZVOUS_ENV, TIMEOUT_ENV, Rendezvous, RendezvousError
 from tests.conftest import run, set_params, user_env
 from tests.test_train import SCRIPT, assert_same_weights, config, train, weights
 
@@ -25,8 +26,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_nodes(workdir, cfg) -> list[subprocess.CompletedProcess]:
-    """Two agents, as two machines would start them: same command, same rendezvous endpoint and id."""
+def two_nodes(workdir, cfg, other_cfg=None) -> list[subprocess.CompletedProcess]:
+    """Two agents, as two machines would start them: same command (the second's config `other_cfg`, if given),
+    same rendezvous endpoint and id."""
     command = [
         sys.executable,
         "-m",
@@ -45,7 +47,8 @@ def two_nodes(workdir, cfg) -> list[subprocess.CompletedProcess]:
         str(workdir),
         json.dumps(cfg),
     ]
-    agents = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    commands = [command, command[:-1] + [json.dumps(other_cfg or cfg)]]
+    agents = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in commands]
     done = []
     for agent in agents:
         out, err = agent.communicate(timeout=600)
@@ -80,11 +83,31 @@ def test_two_torchrun_nodes_train_the_drafter_of_one_node_with_both_replicas(tra
     )
 
 
+def test_a_node_with_other_inputs_stops_every_node_before_a_step(train_inputs):
+    cfg = config("other-inputs", drafters=1, nodes=2, max_steps=1, checkpoint_every=0)
+    edited = {**cfg, "key_inputs": {"dep:tokens/shard-0.arrow": "edited"}}  # as a stale copy of the data would
+    for node in two_nodes(train_inputs, cfg, edited):
+        assert node.returncode != 0 and "train: step" not in node.stdout
+        assert "node 1's train inputs differ from node 0's (tokens/shard-0.arrow changed)" in node.stderr, node.stderr
+    assert not (train_inputs / "other-inputs" / "drafter").exists()
+
+
+@pytest.mark.parametrize(
+    "variable, value",
+    [(RENDEZVOUS_ENV, "head:port"), (RENDEZVOUS_ENV, ":29500"), (TIMEOUT_ENV, "0"), (TIMEOUT_ENV, "1m")],
+)
+def test_a_bad_rendezvous_setting_is_refused_naming_the_variable(monkeypatch, variable, value):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(RendezvousError, match=f"^{variable}="):
+        Rendezvous.from_env()
+
+
 def test_two_nodes_through_dvc_repro_train_the_drafter_of_one_node_and_record_one_run(dvc_project):
     project = dvc_project
     drafter = project / "data" / "drafter" / "model.safetensors"
     run(["dvc", "repro", "train"], project)  # one node, two replicas: the drafter to equal, and explain's baseline
     one_node = load_file(drafter)
+    one_node_metrics = json.loads((project / "metrics" / "train" / "metrics.json").read_text())
     run(["git", "add", "-A"], project)
     run(["git", "commit", "-qm", "one node"], project)
 
@@ -104,18 +127,20 @@ def test_two_nodes_through_dvc_repro_train_the_drafter_of_one_node_and_record_on
         printed.append(line)
         if line.startswith("train: node 1: "):
             break
+    assert printed and printed[-1].startswith("train: node 1: "), "".join(printed)
     other = subprocess.run(  # the other node: the printed command, run as printed, in the same (shared) directory
         shlex.split(line.removeprefix("train: node 1: ")), cwd=project, env=env, capture_output=True, text=True
     )
     printed += head.stdout.readlines()
     assert head.wait() == 0 and other.returncode == 0, "".join(printed)[-4000:] + other.stderr[-3000:]
-    print("".join(printed))
     assert_same_weights(one_node, load_file(drafter))
     lock = yaml.safe_load((project / "dvc.lock").read_text())["stages"]["train"]
     assert lock["params"]["params.yaml"]["topology.nodes"] == 2
     metrics = json.loads((project / "metrics" / "train" / "metrics.json").read_text())
-    assert metrics["replicas"] == 2
+    assert metrics["replicas"] == 2  # and what it recorded is the run's, not the head's share
+    for key in ("final_loss", "supervised_tokens", "truncated_sequences", "padding_fraction"):
+        assert metrics[key] == one_node_metrics[key], key
     assert "train: step" not in other.stdout  # rank 0, on the head, reports and writes
 
-    explained = run(["dflashpipe", "explain"], project).stdout
-    print(explained)
+    explained = run(["dflashpipe", "explain"], project).stdout  # against the one-node run, committed
+    assert "param topology.nodes: 1 -> 2" in explained and "the same: final loss" in explained, explained

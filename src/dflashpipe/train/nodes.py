@@ -30,7 +30,9 @@ import torch
 
 from dflashpipe.core.errors import DflashpipeError, ParamsError
 from dflashpipe.core.pipeline import StageKey
+from dflashpipe.model import DraftLoss
 from dflashpipe.train.topology import Topology
+from dflashpipe.train.workers import StepResult
 
 RENDEZVOUS_ENV = "DFLASHPIPE_RENDEZVOUS"
 TIMEOUT_ENV = "DFLASHPIPE_RENDEZVOUS_TIMEOUT"
@@ -153,3 +155,29 @@ def all_gathered(text: str, group) -> list[str]:
     texts = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
     dist.all_gather(texts, torch.nn.functional.pad(mine, (0, longest - mine.numel())), group=group)
     return [t[: int(s)].numpy().tobytes().decode() for t, s in zip(texts, sizes, strict=True)]
+
+
+def every_replica(results: list[StepResult], device: torch.device) -> list[StepResult]:
+    """Every replica's result of a step, by global replica (this process's alone outside torchrun), gathered on
+    `device` (the backend's): a step's record is then the run's, the very numbers that one process holding all
+    the replicas records, not the head's share of them."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return results
+    terms = results[0].loss_terms
+    sizes = [t.numel() for t in terms] + [1, 1]  # the loss terms, truncated, padding_fraction
+
+    def flat(res: StepResult) -> torch.Tensor:
+        parts = [*res.loss_terms, torch.tensor([res.truncated, res.padding_fraction], dtype=torch.float64)]
+        return torch.cat([t.detach().to(device, torch.float64).reshape(-1) for t in parts])
+
+    mine = torch.stack([flat(res) for res in results])
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    gathered = []
+    for row in (row.cpu() for rows in every for row in rows):
+        *loss, truncated, padding = row.split(sizes)
+        loss_terms = DraftLoss(*(part.to(t.dtype).reshape(t.shape) for part, t in zip(loss, terms, strict=True)))
+        gathered.append(StepResult(loss_terms, int(truncated.item()), padding.item()))
+    return gathered
