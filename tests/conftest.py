@@ -42,12 +42,12 @@ SLOWEST_FIRST = (
     "tests/test_served_regenerate.py",  # vLLM's server, started twice; no pipeline_run
     "tests/test_serve.py",  # two vLLM processes (three checks, then dvc repro's); its last test copies pipeline_run
     "tests/reliability/test_killed.py",  # 156 s
+    "tests/test_multinode.py",  # two nodes alone and through `dvc repro` of a fresh project: 215 s at a load of 8
     "tests/test_train.py",  # 104 s
     "tests/test_sharing.py",  # ~60 s quiet (126 + 101 s at a load of 7 on 2 cores, 2026-12-05): on pipeline_run
     "tests/reliability/test_deterministic.py",  # 72 s
     "tests/test_compile.py",  # 62 s
     "tests/test_explain_machine.py",  # 51 s
-    "tests/test_multinode.py",  # ~20 s quiet (51 s at a load of 7): two train runs, one of them two torchrun agents
     "tests/test_regenerate.py",  # 45 s
     "tests/test_target.py",  # 43 s
     "tests/reliability/test_concurrent.py",  # 38 s
