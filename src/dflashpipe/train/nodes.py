@@ -59,7 +59,7 @@ class Rendezvous:
         """`DFLASHPIPE_RENDEZVOUS` (HOST or HOST:PORT; default this machine's name, port 29500) and
         `DFLASHPIPE_RENDEZVOUS_TIMEOUT` (seconds; default 600)."""
         raw = os.environ.get(RENDEZVOUS_ENV, "").strip() or socket.getfqdn()
-        host, colon, port = raw.rpartition(":") if ":" in raw else (raw, "", str(DEFAULT_PORT))
+        host, _, port = raw.rpartition(":") if ":" in raw else (raw, "", str(DEFAULT_PORT))
         timeout = os.environ.get(TIMEOUT_ENV, "").strip() or str(DEFAULT_TIMEOUT_S)
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise RendezvousError(f"{RENDEZVOUS_ENV}={raw!r}: expected HOST or HOST:PORT (a port 1-65535)")
