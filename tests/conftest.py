@@ -42,7 +42,7 @@ SLOWEST_FIRST = (
     "tests/test_served_regenerate.py",  # vLLM's server, started twice; no pipeline_run
     "tests/test_serve.py",  # two vLLM processes (three checks, then dvc repro's); its last test copies pipeline_run
     "tests/reliability/test_killed.py",  # 156 s
-    "tests/test_multinode.py",  # two nodes alone and through `dvc repro` of a fresh project: 215 s at a load of 8
+    "tests/test_multinode.py",  # two nodes alone and through `dvc repro` of a fresh project: 182 s at a load of 5
     "tests/test_train.py",  # 104 s
     "tests/test_sharing.py",  # ~60 s quiet (126 + 101 s at a load of 7 on 2 cores, 2026-12-05): on pipeline_run
     "tests/reliability/test_deterministic.py",  # 72 s
