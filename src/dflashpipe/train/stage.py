@@ -29,6 +29,7 @@ from dflashpipe.train.checkpoint import CheckpointPolicy, checkpoint_key, load_c
 from dflashpipe.train.data import run_length
 from dflashpipe.train.loop import Trainer
 from dflashpipe.train.metrics import train_metrics, write_plots
+from dflashpipe.train.nodes import join
 from dflashpipe.train.state import TrainInputs
 from dflashpipe.train.topology import Topology, check_topology, train_threads
 
@@ -139,10 +140,7 @@ def load_trainer(
     # The main thread loads (or compiles) and warms up the drafter step at the drafter threads' count: the
     # compiled step is bound to the count it was compiled at (dflashpipe.core.threads), warmup's too.
     train_threads(topology).apply("drafter", topology.drafters[0])
-    if topology.world_size > 1:
-        import torch.distributed as dist
-
-        dist.init_process_group("nccl" if topology.drafters[0].type == "cuda" else "gloo")
+    join(topology, inputs.topology.nodes, key)
     data = load_tokens(paths.tokens)
     tokenizer = AutoTokenizer.from_pretrained(paths.target)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

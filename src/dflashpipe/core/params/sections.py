@@ -282,8 +282,13 @@ class TopologyParams:
     """One drafter replica per entry, e.g. [cuda:5, cuda:6, cuda:7]; gradients are averaged every step."""
     allow_shared_devices: bool
     """Allow a device to be both a target and a drafter device (the CPU default needs it; on GPUs it halves memory)."""
+    nodes: int = 1
+    """Machines training together, one process each, every one with the devices above: the replicas in all are
+    nodes x drafter_devices. >1: train's `dvc repro` prints the command each other node runs (train/nodes.py)."""
 
     def __post_init__(self) -> None:
+        if not (1 <= self.nodes <= 4096):
+            raise ParamsError(f"params.yaml: topology.nodes = {self.nodes}: must be between 1 and 4096")
         for key, devices in (("target_devices", self.target_devices), ("drafter_devices", self.drafter_devices)):
             if not devices:
                 raise ParamsError(f"params.yaml: topology.{key} is empty: name at least one device")
