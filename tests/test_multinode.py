@@ -6,10 +6,14 @@ docs/pipeline.md launches them: `dvc repro train` on the head, and the command i
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -148,3 +152,31 @@ def test_two_nodes_through_dvc_repro_train_the_drafter_of_one_node_and_record_on
 
     explained = run(["dflashpipe", "explain"], project).stdout  # against the one-node run, committed
     assert "param topology.nodes: 1 -> 2" in explained and "the same: final loss" in explained, explained
+
+
+def test_a_worker_ends_when_its_agent_is_killed(tmp_path):
+    """SIGKILL the head's stage (its agent) and its worker must not train on and write what DVC never records."""
+    pid_file = tmp_path / "worker.pid"
+    worker = (
+        "import os, sys, time; from dflashpipe.train.nodes import _end_with_agent; _end_with_agent(0.05); "
+        f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    )
+    agent = subprocess.Popen(
+        [sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {worker!r}])"]
+    )
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline, "the worker never started"
+        time.sleep(0.05)
+    agent.kill()
+    agent.wait()
+    worker_pid = int(pid_file.read_text())
+    while time.monotonic() < deadline:
+        try:  # gone, or a zombie that nobody has reaped yet
+            if Path(f"/proc/{worker_pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z":
+                return
+        except FileNotFoundError:
+            return
+        time.sleep(0.05)
+    os.kill(worker_pid, signal.SIGKILL)
+    raise AssertionError("the worker outlived its killed agent")

@@ -11,6 +11,8 @@ run of `topology.nodes` machines is one `dvc repro` on the head node and a plain
 3. Each worker's train key (every dep and param of the stage, and the process count) must equal rank 0's
    before any step: a node whose checkout has other inputs stops every node, naming what differs.
 4. A node that has not joined within the timeout stops the head with one line; nothing is written.
+5. A worker ends with its agent: killed with the head's stage (DVC interrupted), it must not train on and
+   write outputs that no `dvc repro` will record.
 
 Where the head listens and how long it waits decide nothing of the drafter, so they come from the
 environment (`DFLASHPIPE_RENDEZVOUS`, `DFLASHPIPE_RENDEZVOUS_TIMEOUT`), not params.yaml: a run moved to
@@ -24,6 +26,8 @@ import os
 import re
 import shlex
 import socket
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -127,6 +131,7 @@ def join(topology: Topology, nodes: int, key: StageKey | None) -> None:
         )
     if topology.world_size == 1:
         return
+    _end_with_agent()
     import torch.distributed as dist
 
     dist.init_process_group("nccl" if topology.drafters[0].type == "cuda" else "gloo")
@@ -141,6 +146,18 @@ def join(topology: Topology, nodes: int, key: StageKey | None) -> None:
                 f"node {rank}'s train inputs differ from node 0's ({differs}): every node needs the head's "
                 f"checkout and data ({INPUTS}); nothing was written"
             )
+
+
+def _end_with_agent(poll_s: float = 1.0) -> None:
+    """Exit this worker once its agent (the parent process) is gone: torchrun's workers outlive a SIGKILLed agent."""
+    agent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == agent:
+            time.sleep(poll_s)
+        os._exit(1)  # no cleanup that could write: what this process made is the killed run's
+
+    threading.Thread(target=watch, name="end-with-agent", daemon=True).start()
 
 
 def all_gathered(text: str, group) -> list[str]:
