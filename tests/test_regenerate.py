@@ -51,6 +51,10 @@ class CompletionsServer:
         self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype="float32").eval()
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
         self.requests: list[int] = []
+        self.version = "0.0-test"
+        """What GET /version answers: the engine's version, part of what a shard records."""
+        self.refuse_longer_than: int | None = None
+        """A prompt longer is refused with HTTP 400, as vLLM refuses one over its max_model_len."""
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -66,7 +70,10 @@ class CompletionsServer:
                 self.wfile.write(data)
 
             def do_GET(self) -> None:
-                self.reply({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+                if self.path == "/version":
+                    self.reply({"version": server.version})
+                else:
+                    self.reply({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -77,6 +84,13 @@ class CompletionsServer:
                     prompt = server.tokenizer.encode(prompt)
                 else:
                     server.requests.append(len(prompt))
+                    if server.refuse_longer_than is not None and len(prompt) > server.refuse_longer_than:
+                        data = b'{"error": {"message": "prompt too long for this model"}}'
+                        self.send_response(400)
+                        self.send_header("Content-Length", str(len(data)))
+                        self.end_headers()
+                        self.wfile.write(data)
+                        return
                 self.reply({"choices": [server.complete(0, prompt, body["max_tokens"])]})
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -251,3 +265,64 @@ def test_dvc_repro_regenerates_then_reuses_the_old_shards_when_the_data_grows(pi
     # each source grows by its weight's share of the 40 (20, 12, 8): one new shard of each, every full one kept
     assert (metrics["regenerated_shards"], metrics["reused_shards"]) == (3, len(shards))
     assert json.loads((project / TOKENS / "summary.json").read_text())["samples_in"] == metrics["samples_out"]
+
+
+def test_a_reply_depends_on_what_decides_it_and_not_on_who_answers_or_how_many_at_once(tmp_path, talking_target):
+    """Devices, endpoints and concurrency are left out of the key (pipeline.REUSE): the bytes do not move with them.
+    What decides a reply and is no dvc.yaml input (in process or an endpoint, the engine's version) is in each
+    shard's record: changing it answers every shard again."""
+    chat_jsonl(tmp_path / "chats.jsonl", 40)
+    m = manifest(tmp_path, 30)
+
+    def shards(out: Path) -> dict:
+        return {k: v[0] for k, v in files(out).items() if k != "files.json"}
+
+    one = regenerate_manifest(REGENERATE, m, talking_target, tmp_path / "one", STAGE_KEY)
+    two = dataclasses.replace(REGENERATE, devices=("cpu", "cpu"))
+    assert regenerate_manifest(two, m, talking_target, tmp_path / "two", STAGE_KEY).summary == one.summary
+    assert shards(tmp_path / "two") == shards(tmp_path / "one")  # whole shards to each device
+    again = regenerate_manifest(two, m, talking_target, tmp_path / "one", STAGE_KEY)
+    assert again.regenerated_shards == [] and len(again.reused_shards) == 3
+
+    a, b = CompletionsServer(talking_target), CompletionsServer(talking_target)
+    try:
+        serial = dataclasses.replace(REGENERATE, endpoints=(a.url,), concurrency=1)
+        regenerate_manifest(serial, m, talking_target, tmp_path / "serial", STAGE_KEY)
+        both = dataclasses.replace(REGENERATE, endpoints=(a.url, b.url), concurrency=3)
+        regenerate_manifest(both, m, talking_target, tmp_path / "both", STAGE_KEY)
+        assert shards(tmp_path / "both") == shards(tmp_path / "serial") and b.requests  # b answered some
+        assert conversations(tmp_path / "both") == conversations(tmp_path / "one")
+        # in process, then an endpoint, under the same key: every shard answered again, said in one line
+        switched = regenerate_manifest(serial, m, talking_target, tmp_path / "one", STAGE_KEY)
+        assert len(switched.regenerated_shards) == 3 and shards(tmp_path / "one") == shards(tmp_path / "serial")
+        # another engine version behind the same URLs: answered again
+        a.version = b.version = "0.1-test"
+        upgraded = regenerate_manifest(both, m, talking_target, tmp_path / "both", STAGE_KEY)
+        assert len(upgraded.regenerated_shards) == 3
+        # two endpoints that serve different things are refused before anything is touched
+        b.version = "0.2-test"
+        before = files(tmp_path / "both")
+        with pytest.raises(EndpointError) as differ:
+            regenerate_manifest(both, m, talking_target, tmp_path / "both", STAGE_KEY)
+        message = str(differ.value)
+        assert "\n" not in message and a.url in message and b.url in message, message
+        assert files(tmp_path / "both") == before
+    finally:
+        a.httpd.shutdown()
+        b.httpd.shutdown()
+
+
+def test_a_prompt_the_server_refuses_is_counted_failed_and_every_sample_accounted_for(tmp_path, talking_target):
+    chat_jsonl(tmp_path / "chats.jsonl", 40)
+    m = manifest(tmp_path, 30)
+    server = CompletionsServer(talking_target)
+    server.refuse_longer_than = 44  # the first prompts are 44 or 45 tokens: about half are refused
+    try:
+        params = dataclasses.replace(REGENERATE, endpoints=(server.url,), concurrency=4)
+        run = regenerate_manifest(params, m, talking_target, tmp_path / "out", STAGE_KEY)
+    finally:
+        server.httpd.shutdown()
+    counts, accounting = run.summary["counts"], run.summary["accounting"]
+    assert counts["skipped_turns"]["refused"] > 0 and accounting["failed"] == counts["dropped_samples"]["refused"] > 0
+    assert accounting["in"] == 30 == accounting["replied"] + accounting["failed"] + accounting["skipped"]
+    assert accounting["replied"] == counts["samples_out"] > 0
