@@ -4,29 +4,33 @@ Every assistant turn of a training conversation is answered again by the target,
 the conversation before it, rendered with the target's chat template and generation prompt. A later turn
 is asked after the *regenerated* earlier replies (as the reference trainers do), so each conversation is
 one the target could have had; turns are therefore asked in rounds (every conversation's first
-assistant turn, then every second one...), each round batched across conversations, sorted by length.
+assistant turn, then every second one...), each round answered together: in process by continuous batching on
+one device (a device answers whole shards, so a shard's batches never depend on how many devices there are);
+through endpoints one prompt a request, `concurrency` in flight per endpoint, each reply put back in its place.
 
 A reply is kept as the token ids the target produced (the shard's `reply_ids` column), and a later turn's
 prompt is those ids followed by the template's text after the reply, encoded: the prompt is the very sequence
 tokenize will train on, with no reply decoded to text and encoded again into other tokens. Where that cannot be
-(a template that rewrites a reply, an endpoint that answers in text) the conversation is kept as text alone and
+(a template that rewrites a reply) the conversation is kept as text alone and
 tokenize encodes it as it encodes the manifest's.
 
 What cannot be answered ends the conversation there, counted by reason: leading assistant turns with no
 prompt are dropped (`no_prompt`); a turn whose prompt exceeds max_prompt_tokens (`prompt_too_long`) or
-whose reply is empty (`empty_reply`) ends it before that turn; a reply cut at max_new_tokens is kept
+whose reply is empty (`empty_reply`) or that the endpoint refuses (`refused`, HTTP 400) ends it before that
+turn; a reply cut at max_new_tokens is kept
 (`stopped_at_limit`) and ends it after that turn, since what follows answered a finished reply. A
-conversation left with no reply is dropped (`no_reply`, or `no_assistant_turn`). Trailing turns after the
-last reply carry no supervision and are dropped.
+conversation left with no reply is dropped (`no_reply`, `refused`, or `no_assistant_turn`). Trailing turns after
+the last reply carry no supervision and are dropped.
 
 Reuse is the incremental shards protocol (dflashpipe.core.incremental), tokenize's too: the key is the stage key
 from dvc.yaml less data/manifest, plus each input shard's sha256 (pipeline.REUSE), so growing the data
 answers only the new shards. Disabled, the output is the
 manifest's shards, hard-linked: tokenize's input bytes are exactly what they were without this stage.
 
-With an endpoint, the key cannot cover the model the server runs: each shard also records what the server
-served (endpoint.ServedModel, its canary included), and a shard is reused only if the live canary, asked once
-per run, equals the one it recorded; else it is answered again, and the stage says so in one line.
+The key leaves out who answers (endpoints, devices, concurrency): none of them decides a reply. What does and is
+no dvc.yaml input, the generator (in process: device type and dtype; an endpoint: its engine's version, the
+model it serves and its canary, asked once per run of every endpoint), is recorded with each shard; a shard is
+reused only under the live generator, else it is answered again, and the stage says so in one line.
 """
 
 from __future__ import annotations
