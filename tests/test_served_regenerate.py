@@ -9,6 +9,7 @@ The target is tests/tiny.py's talking target (its replies vary with the prompt, 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import threading
 import time
 from pathlib import Path
@@ -64,6 +65,7 @@ def test_vllms_server_regenerates_the_rows_the_target_writes_in_process(server, 
     served = there.summary["settings"]["generator"]
     assert (served["engine"], served["id"], served["max_model_len"]) == ("endpoint", NAME, 1024)
     assert len(served["canary_sha256"]) == 64 and served["engine_version"]  # vLLM's GET /version
+    assert served["canary_sha256"] != hashlib.sha256(b"").hexdigest()  # a reply, not a stop token alone
     assert all(stored_shard(p).record["settings"]["generator"] == served for p in (tmp_path / "there").glob("train-*"))
 
 

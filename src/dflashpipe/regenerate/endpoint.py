@@ -39,9 +39,11 @@ API_KEY_ENV = "OPENAI_API_KEY"
 """The environment variable that holds the endpoint's API key (unset: no Authorization header is sent)."""
 
 
-CANARY_PROMPT = "List the first five prime numbers, then name the largest planet of the solar system."
-"""Sent as text, so the server's own tokenizer is part of what the canary covers. Short and with a definite
-answer: any change of weights, tokenizer or dtype large enough to move a greedy reply is likely to show."""
+CANARY_PROMPT = "The first five prime numbers are 2, 3,"
+"""Sent as text, so the server's own tokenizer is part of what the canary covers. A sentence to continue, not a
+question: sent without a chat template, a question gets a chat model's stop token at once (SmolLM2 answers only
+`<|im_end|>`), whose hash tells no two models apart. Any change of weights, tokenizer or dtype large enough to move a
+greedy reply is likely to show."""
 CANARY_MAX_TOKENS = 24
 """Few tokens: long enough to tell models apart, short enough that a server's run-to-run numerical noise
 (batching, kernels) rarely reaches a greedy tie."""
