@@ -6,10 +6,11 @@ Prompts: the first `--prompts` training prompts of each source (rendered with th
 1,024 tokens), as benchmarks/regenerate.py takes them. The server is vLLM from the serving environment
 (`bin/setup --serve`), started on 127.0.0.1 with data/target in float32 (the in-process stage's dtype on a CPU),
 eager, as docs/serving.md starts it. Each round runs both, in alternating order, through the stage's own repliers
-(regenerate.run: `InProcessReplier`, continuous batching on this process's threads; `EndpointReplier`, one request
-per batch of 16 to the server), and times the whole round of prompts: tokens/s with the spread over rounds, and
-their ratio per round. Last: how many replies differ between the two (token ids; vLLM gives them), and where.
-Prints the serving environment's versions and the machine's load: absolute rates are that load's.
+(regenerate.run: `InProcessReplier`, continuous batching on this process's threads; `EndpointReplier`, one
+prompt a request, `regenerate.concurrency` in flight), and times the whole round of prompts: tokens/s with the
+spread over rounds, and their ratio per round. Last: how many replies differ between the two (token ids; vLLM
+gives them), and where. Prints the serving environment's versions and the machine's load: absolute rates are
+that load's.
 """
 
 from __future__ import annotations
@@ -38,9 +39,11 @@ def main() -> None:
     from dflashpipe.core.params import load_params
     from dflashpipe.core.serving_env import SETUP, engine_versions, serving_python
     from dflashpipe.core.spread import Spread
+    from dflashpipe.core.threads import thread_budget
     from dflashpipe.evaluate.prompts import TRAIN, eval_prompts
     from dflashpipe.regenerate.endpoint import Endpoint
-    from dflashpipe.regenerate.run import EndpointReplier, InProcessReplier
+    from dflashpipe.regenerate.run import REPLY_KIND, EndpointReplier, InProcessReplier
+    from dflashpipe.target.adapter import Target
     from dflashpipe.target.chat import load_chat_tokenizer
     from tests.vllm_server import VllmServer
 
@@ -58,12 +61,13 @@ def main() -> None:
         f"{engine_versions(python)}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs",
         flush=True,
     )
-    here = InProcessReplier(target_dir, ["cpu"], chat, params, "auto")
+    target = Target.load(target_dir, "cpu", "auto", decoding=True, kind=REPLY_KIND)
+    here = InProcessReplier(target, thread_budget({"target": 1}), chat, params)
     log = Path(tempfile.mkdtemp(prefix="served-regenerate-")) / "server.log"
     began = time.perf_counter()
     with VllmServer(python, target_dir, "target", log) as server:
         print(f"vLLM's server answered /health after {time.perf_counter() - began:.0f} s", flush=True)
-        there = EndpointReplier(Endpoint(server.url, "target"), "target", chat, params)
+        there = EndpointReplier([Endpoint(server.url, "target")], "target", chat, params)
         runs = {"in_process": here, "vllm_server": there}
         rates: dict[str, list[float]] = {name: [] for name in runs}
         answers = {}

@@ -20,7 +20,6 @@ def regenerate(params) -> None:
     key = reuse_key("regenerate") if p.enabled else None
     run = regenerate_manifest(
         p,
-        params.topology.target_devices,
         MANIFEST,
         TARGET,
         REGENERATED,

@@ -1,9 +1,9 @@
 """Stage `train`: train the drafter replicas on the target's features into data/drafter/.
 
-Single process:      python stages/train.py            (what dvc.yaml runs)
-Several machines:    torchrun --nnodes N --nproc-per-node 1 --rdzv-endpoint HOST:29500 stages/train.py
-                     (each process runs params.yaml's topology on its own machine; gradients are
-                     all-reduced across processes; rank 0 writes the outputs)
+One machine:     dvc repro train      (what dvc.yaml runs: python stages/train.py)
+Several:         topology.nodes: N, then `dvc repro train` on the head node, which prints the torchrun
+                 command each other node runs and trains as rank 0 (train/nodes.py); each process runs
+                 params.yaml's topology on its machine, gradients are all-reduced, rank 0 writes the outputs.
 """
 
 import sys
@@ -13,11 +13,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the 
 
 from dflashpipe.core.pipeline import reuse_key  # noqa: E402
 from dflashpipe.core.stage import run_stage  # noqa: E402
+from dflashpipe.train.nodes import is_worker, launch  # noqa: E402
 from dflashpipe.train.stage import TrainPaths, train_drafter  # noqa: E402
 from dflashpipe.train.state import TrainInputs  # noqa: E402
 
 
 def train(p) -> None:
+    if p.topology.nodes > 1 and not is_worker():  # DVC started this on the head: run its agent, whose worker trains
+        launch(p.topology.nodes, "stages/train.py")
+        return
     inputs = TrainInputs(
         model=p.model,
         compile=p.compile,

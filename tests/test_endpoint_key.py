@@ -44,7 +44,8 @@ class KeyedServer:
         self.status = status
         self.card = card or {"id": "tiny"}
         self.replies = dict(replies or {})
-        """Text prompt -> its greedy reply: the model the server runs. Token-id prompts are answered "ok"."""
+        """Text prompt -> its greedy reply: the model the server runs. Token-id prompts are answered "ok"; every
+        reply's token ids are [3000, 3001]."""
         self.bodies: list[dict] = []
         server = self
 
@@ -76,13 +77,10 @@ class KeyedServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if self.authorised():
                     server.bodies.append(body)
-                    if isinstance(body["prompt"], str):
-                        choices = [{"index": 0, "text": server.replies[body["prompt"]], "finish_reason": "length"}]
-                    else:
-                        choices = [
-                            {"index": i, "text": "ok", "finish_reason": "stop"} for i in range(len(body["prompt"]))
-                        ]
-                    self.answer(200, {"choices": choices})
+                    text = server.replies[body["prompt"]] if isinstance(body["prompt"], str) else "ok"
+                    # the ids stand for the text: nothing here decodes them but the stage, into its own text
+                    choice = {"index": 0, "text": text, "token_ids": [3000, 3001], "finish_reason": "length"}
+                    self.answer(200, {"choices": [choice]})
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -105,15 +103,15 @@ def test_the_key_from_the_environment_is_sent_as_a_bearer_token(server, monkeypa
     monkeypatch.setenv(API_KEY_ENV, KEY)
     endpoint = Endpoint(server.url, retries=0)
     assert endpoint.model_name() == "tiny"
-    assert [c.text for c in endpoint.complete("tiny", [[1, 2], [3]], 4)] == ["ok", "ok"]
-    assert server.seen == [f"Bearer {KEY}"] * 2
+    assert [endpoint.complete("tiny", p, 4).text for p in ([1, 2], [3])] == ["ok", "ok"]
+    assert server.seen == [f"Bearer {KEY}"] * 3  # /models, then one request per prompt
     assert KEY not in repr(endpoint)  # nothing holds it: no settings record or log can carry it
 
 
 def test_no_key_is_one_line_naming_the_variable(server, monkeypatch):
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     with pytest.raises(EndpointError) as refused:
-        Endpoint(server.url, "tiny", retries=3, backoff_s=10).complete("tiny", [[1]], 4)  # refused: no retry
+        Endpoint(server.url, "tiny", retries=3, backoff_s=10).complete("tiny", [1], 4)  # refused: no retry
     message = str(refused.value)
     assert "\n" not in message and API_KEY_ENV in message and "unset" in message, message
     assert server.seen == [None]
@@ -174,19 +172,20 @@ def served_server(monkeypatch):
 
 
 def test_served_is_what_models_says_and_the_canary_reply_hashed(served_server):
-    assert Endpoint(served_server.url, retries=0).served() == ServedModel(
-        "tiny", "/srv/models/tiny-v1", 2048, sha256(FIRST)
-    )
+    # where the server keeps its weights (`root`) is not what it serves: two servers of one model may differ there
+    assert Endpoint(served_server.url, retries=0).served() == ServedModel("tiny", 2048, sha256(FIRST))
     canary = served_server.bodies[-1]
     assert (canary["model"], canary["prompt"], canary["temperature"]) == ("tiny", CANARY_PROMPT, 0)
     assert canary["max_tokens"] == CANARY_MAX_TOKENS
     assert set(served_server.seen) == {f"Bearer {KEY}"}
-    # what /models leaves out is recorded as absent, never guessed; a model it does not list, by its name alone
+    # what /models leaves out is recorded as absent, never guessed; a model it does not list is refused in a line
     served_server.card = {"id": "tiny"}
-    assert Endpoint(served_server.url, retries=0).served() == ServedModel("tiny", None, None, sha256(FIRST))
-    other = Endpoint(served_server.url, "tiny-alias", retries=0).served()
-    assert (other.id, other.root, other.max_model_len) == ("tiny-alias", None, None)
-    assert served_server.bodies[-1]["model"] == "tiny-alias"
+    assert Endpoint(served_server.url, retries=0).served() == ServedModel("tiny", None, sha256(FIRST))
+    with pytest.raises(EndpointError) as other:
+        Endpoint(served_server.url, "tiny-alias", retries=0).served()
+    message = str(other.value)
+    assert "\n" not in message and served_server.url in message and "['tiny'], not" in message, message
+    assert "regenerate.endpoint_model 'tiny-alias'" in message
 
 
 def canaries_asked(server: KeyedServer) -> int:
@@ -198,12 +197,10 @@ def test_shards_record_the_served_model_and_are_answered_again_when_it_changes(
 ):
     chat_jsonl(tmp_path / "chats.jsonl", 20)
     m, out = manifest(tmp_path, 20), tmp_path / "regenerated"
-    params = dataclasses.replace(REGENERATE, endpoint=served_server.url)
+    params = dataclasses.replace(REGENERATE, endpoints=(served_server.url,))
 
     def regenerate():
-        run = regenerate_manifest(
-            params, ["cpu"], m, tiny_target_dir, out, STAGE_KEY, Endpoint(served_server.url, retries=0)
-        )
+        run = regenerate_manifest(params, m, tiny_target_dir, out, STAGE_KEY, [Endpoint(served_server.url, retries=0)])
         write_json_atomic(tmp_path / "metrics.json", regenerate_metrics(run))
         return run
 
@@ -211,10 +208,16 @@ def test_shards_record_the_served_model_and_are_answered_again_when_it_changes(
     first = regenerate()
     shards = sorted(p for p in out.glob("train-*.parquet"))
     assert len(shards) == 2 and first.regenerated_shards == [p.name for p in shards]
-    served = {"id": "tiny", "root": "/srv/models/tiny-v1", "max_model_len": 2048, "canary_sha256": sha256(FIRST)}
-    assert all(stored_shard(p).record["settings"]["served"] == served for p in shards)
-    assert first.summary["settings"]["served"] == served
-    assert json.loads((tmp_path / "metrics.json").read_text())["served"] == served
+    served = {
+        "engine": "endpoint",
+        "id": "tiny",
+        "max_model_len": 2048,
+        "canary_sha256": sha256(FIRST),
+        "engine_version": None,  # no GET /version here
+    }
+    assert all(stored_shard(p).record["settings"]["generator"] == served for p in shards)
+    assert first.summary["settings"]["generator"] == served
+    assert json.loads((tmp_path / "metrics.json").read_text())["generator"] == served
     assert canaries_asked(served_server) == 1
     capsys.readouterr()
 
@@ -224,17 +227,17 @@ def test_shards_record_the_served_model_and_are_answered_again_when_it_changes(
     assert (again.regenerated_shards, again.reused_shards) == ([], first.regenerated_shards)
     assert all(files(out)[p.name] == before[p.name] for p in shards)
     assert canaries_asked(served_server) == 2
-    assert "model changed" not in capsys.readouterr().out
+    assert "generator changed" not in capsys.readouterr().out
 
     # (c) another model behind the same URL and name: the key holds, but every shard is answered again
     served_server.replies[CANARY_PROMPT] = SECOND
     changed = regenerate()
     assert changed.regenerated_shards == first.regenerated_shards and changed.reused_shards == []
     printed = capsys.readouterr().out
-    line = f"endpoint's model changed: canary {sha256(FIRST)[:12]} -> {sha256(SECOND)[:12]}"
+    line = f"generator changed (canary_sha256 {sha256(FIRST)[:12]} -> {sha256(SECOND)[:12]}): answering 2 shard(s)"
     assert printed.count(line) == 1, printed
-    assert all(stored_shard(p).record["settings"]["served"]["canary_sha256"] == sha256(SECOND) for p in shards)
-    assert json.loads((tmp_path / "metrics.json").read_text())["served"]["canary_sha256"] == sha256(SECOND)
+    assert all(stored_shard(p).record["settings"]["generator"]["canary_sha256"] == sha256(SECOND) for p in shards)
+    assert json.loads((tmp_path / "metrics.json").read_text())["generator"]["canary_sha256"] == sha256(SECOND)
 
     # (d) the key went out with every request and is in no file written, nor in what was printed
     assert set(served_server.seen) == {f"Bearer {KEY}"}

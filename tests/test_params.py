@@ -118,6 +118,13 @@ def test_the_target_stage_does_not_read_the_template_kwargs(project):
         (lambda d: d["train"].update(warmup_ratio=1.5), r"train.warmup_ratio = 1.5: must be between 0.0 and 1.0"),
         (lambda d: d["target"].update(dtype="int8"), r"target.dtype = 'int8': allowed values"),
         (lambda d: d["compile"].update(enabled="yes"), r"compile.enabled = 'yes': allowed values are \['auto'\]"),
+        (lambda d: d["regenerate"].update(concurrency=0), r"regenerate.concurrency = 0: must be between 1"),
+        (lambda d: d["regenerate"].update(devices="gpu"), r"regenerate.devices = 'gpu': expected a list"),
+        (
+            lambda d: d["regenerate"].update(devices=["cuda:0", "cpu"]),
+            r"regenerate.devices = \['cuda:0', 'cpu'\]: use auto, or a non-empty list of devices of one type",
+        ),
+        (lambda d: d["regenerate"].update(endpoints=["localhost:8000"]), r"regenerate.endpoints has 'localhost:8000'"),
         (lambda d: d.update(extra={"a": 1}), r"unknown section\(s\) \['extra'\]"),
         (lambda d: d.pop("target"), r"missing section\(s\) \['target'\]"),
     ],

@@ -51,6 +51,10 @@ class CompletionsServer:
         self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype="float32").eval()
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
         self.requests: list[int] = []
+        self.version = "0.0-test"
+        """What GET /version answers: the engine's version, part of what a shard records."""
+        self.refuse_longer_than: int | None = None
+        """A prompt longer is refused with HTTP 400, as vLLM refuses one over its max_model_len."""
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -66,17 +70,28 @@ class CompletionsServer:
                 self.wfile.write(data)
 
             def do_GET(self) -> None:
-                self.reply({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+                if self.path == "/version":
+                    self.reply({"version": server.version})
+                else:
+                    self.reply({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 assert self.path == "/v1/completions" and body["temperature"] == 0 and body["model"] == "tiny"
-                prompts = body["prompt"]
-                if isinstance(prompts, str):  # the canary (endpoint.CANARY_PROMPT): text, as the server encodes it
-                    prompts = [server.tokenizer.encode(prompts)]
+                prompt = body["prompt"]
+                assert body["return_token_ids"] is True
+                if isinstance(prompt, str):  # the canary (endpoint.CANARY_PROMPT): text, as the server encodes it
+                    prompt = server.tokenizer.encode(prompt)
                 else:
-                    server.requests.append(len(prompts))
-                self.reply({"choices": [server.complete(i, p, body["max_tokens"]) for i, p in enumerate(prompts)]})
+                    server.requests.append(len(prompt))
+                    if server.refuse_longer_than is not None and len(prompt) > server.refuse_longer_than:
+                        data = b'{"error": {"message": "prompt too long for this model"}}'
+                        self.send_response(400)
+                        self.send_header("Content-Length", str(len(data)))
+                        self.end_headers()
+                        self.wfile.write(data)
+                        return
+                self.reply({"choices": [server.complete(0, prompt, body["max_tokens"])]})
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
@@ -90,7 +105,8 @@ class CompletionsServer:
         tokens = out[0, len(prompt) :].tolist()
         stopped = tokens[-1] in self.model.generation_config.eos_token_id
         text = self.tokenizer.decode(tokens[:-1] if stopped else tokens, skip_special_tokens=True)
-        return {"index": index, "text": text, "finish_reason": "stop" if stopped else "length"}
+        # as vLLM: the ids end with the stop token the reply ended on
+        return {"index": index, "text": text, "token_ids": tokens, "finish_reason": "stop" if stopped else "length"}
 
 
 def conversations(directory: Path) -> list[list]:
@@ -104,12 +120,11 @@ def conversations(directory: Path) -> list[list]:
 def test_the_target_answers_every_turn_in_process_and_from_an_endpoint_alike(tmp_path, talking_target):
     chat_jsonl(tmp_path / "chats.jsonl", 40)
     m = manifest(tmp_path, 30)
-    here = regenerate_manifest(REGENERATE, ["cpu"], m, talking_target, tmp_path / "here", STAGE_KEY)
+    here = regenerate_manifest(REGENERATE, m, talking_target, tmp_path / "here", STAGE_KEY)
     server = CompletionsServer(talking_target)
     try:
         there = regenerate_manifest(
-            dataclasses.replace(REGENERATE, batch_size=7, endpoint=server.url),
-            ["cpu"],
+            dataclasses.replace(REGENERATE, batch_size=7, endpoints=(server.url,)),
             m,
             talking_target,
             tmp_path / "there",
@@ -118,10 +133,10 @@ def test_the_target_answers_every_turn_in_process_and_from_an_endpoint_alike(tmp
     finally:
         server.httpd.shutdown()
     assert conversations(tmp_path / "here") == conversations(tmp_path / "there")
-    assert server.requests and max(server.requests) == 7  # batched: one request per 7 prompts
     counts = here.summary["counts"]
-    # the same counts; tokens aside: the endpoint's are counted by encoding its text again
-    assert {**counts, "generated_tokens": 0} == {**there.summary["counts"], "generated_tokens": 0}
+    # one prompt per request (the server's batching keeps them together), and the same counts, tokens included
+    assert len(server.requests) == counts["replies"] + counts["skipped_turns"]["empty_reply"]
+    assert counts == there.summary["counts"]
     # every sample's replies are the target's; later turns asked after its earlier replies; nothing lost uncounted
     dropped = counts["dropped_samples"]
     assert counts["samples_in"] == 30 == counts["samples_out"] + sum(dropped.values())
@@ -138,12 +153,14 @@ def test_the_target_answers_every_turn_in_process_and_from_an_endpoint_alike(tmp
     settings = here.summary["settings"]
     assert (settings["temperature"], settings["max_new_tokens"], len(settings["target_sha256"])) == (0, 6, 64)
     assert settings["chat_template_sha256"] == there.summary["settings"]["chat_template_sha256"]
-    # what the endpoint served is recorded only where an endpoint answered
-    assert "served" not in settings and there.summary["settings"]["served"]["id"] == "tiny"
+    # what made the replies: here the device type and dtype, there what the endpoint served
+    assert settings["generator"] == {"engine": "in_process", "device_type": "cpu", "dtype": "float32"}
+    assert there.summary["settings"]["generator"]["id"] == "tiny"
+    assert here.summary["accounting"] == {"in": 30, "replied": counts["samples_out"], "failed": 0, "skipped": 2}
 
     # A prompt longer than max_prompt_tokens is skipped, and its conversation ends before it.
     short = regenerate_manifest(
-        dataclasses.replace(REGENERATE, max_prompt_tokens=48), ["cpu"], m, talking_target, tmp_path / "short"
+        dataclasses.replace(REGENERATE, max_prompt_tokens=48), m, talking_target, tmp_path / "short"
     )
     assert short.summary["counts"]["skipped_turns"]["prompt_too_long"] > 0
     assert short.summary["counts"]["replies"] < counts["replies"]
@@ -160,7 +177,7 @@ def test_tokenize_trains_on_the_very_sequence_the_target_read_and_wrote(tmp_path
     from dflashpipe.tokens.shards import load_tokens
 
     chat_jsonl(tmp_path / "chats.jsonl", 40)
-    regenerate_manifest(REGENERATE, ["cpu"], manifest(tmp_path, 30), talking_target, tmp_path / "here", STAGE_KEY)
+    regenerate_manifest(REGENERATE, manifest(tmp_path, 30), talking_target, tmp_path / "here", STAGE_KEY)
     tokens = tokenize_manifest(PARAMS, tmp_path / "here", talking_target, tmp_path / "tokens", KEY)
     assert tokens.summary["mask_method"] == {"carried": tokens.summary["samples_out"]}
     target = Target.load(talking_target, "cpu", "float32")
@@ -183,10 +200,8 @@ def test_an_unreachable_endpoint_is_one_error_naming_the_url(tmp_path, talking_t
         url = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
     endpoint = Endpoint(url, "tiny", retries=2, backoff_s=0.01)
     # the first request: /models, for what the server serves (endpoint.served)
-    with pytest.raises(EndpointError, match=rf"^regenerate.endpoint {url}/models unreachable after 3 attempts"):
-        regenerate_manifest(
-            REGENERATE, ["cpu"], manifest(tmp_path, 10), talking_target, tmp_path / "out", endpoint=endpoint
-        )
+    with pytest.raises(EndpointError, match=rf"^regenerate.endpoints: {url}/models unreachable after 3 attempts"):
+        regenerate_manifest(REGENERATE, manifest(tmp_path, 10), talking_target, tmp_path / "out", endpoints=[endpoint])
 
 
 def test_disabled_tokenize_reads_the_manifests_bytes_and_writes_the_same_tokens(tmp_path, smollm2_tokenizer_dir):
@@ -195,7 +210,7 @@ def test_disabled_tokenize_reads_the_manifests_bytes_and_writes_the_same_tokens(
     (out).mkdir()
     (out / "train-chats-00007.parquet").write_text("left over from a larger run")
     disabled = dataclasses.replace(REGENERATE, enabled=False)
-    regenerate_manifest(disabled, ["cpu"], m, smollm2_tokenizer_dir, out, STAGE_KEY)
+    regenerate_manifest(disabled, m, smollm2_tokenizer_dir, out, STAGE_KEY)
     shards = sorted(p.name for p in m.glob("train-*"))
     assert sorted(p.name for p in out.iterdir()) == ["files.json", "summary.json", *shards]
     assert all(os.path.samefile(m / name, out / name) for name in shards)  # hard links: no bytes copied
@@ -210,28 +225,23 @@ def test_disabled_tokenize_reads_the_manifests_bytes_and_writes_the_same_tokens(
 def test_growing_the_data_answers_only_the_new_shards_and_a_new_key_all(tmp_path, talking_target):
     chat_jsonl(tmp_path / "chats.jsonl", 40)
     out = tmp_path / "regenerated"
-    first = regenerate_manifest(REGENERATE, ["cpu"], manifest(tmp_path, 20), talking_target, out, STAGE_KEY)
+    first = regenerate_manifest(REGENERATE, manifest(tmp_path, 20), talking_target, out, STAGE_KEY)
     assert first.regenerated_shards == ["train-chats-00000.parquet", "train-chats-00001.parquet"]
     before = files(out)
-    grown = regenerate_manifest(REGENERATE, ["cpu"], manifest(tmp_path, 30), talking_target, out, STAGE_KEY)
+    grown = regenerate_manifest(REGENERATE, manifest(tmp_path, 30), talking_target, out, STAGE_KEY)
     assert (grown.regenerated_shards, grown.reused_shards) == (["train-chats-00002.parquet"], first.regenerated_shards)
     after = files(out)
     assert all(after[name] == before[name] for name in first.regenerated_shards)  # same bytes, never rewritten
-    regenerate_manifest(REGENERATE, ["cpu"], tmp_path / "manifest", talking_target, tmp_path / "fresh", STAGE_KEY)
+    regenerate_manifest(REGENERATE, tmp_path / "manifest", talking_target, tmp_path / "fresh", STAGE_KEY)
     assert {k: v[0] for k, v in files(tmp_path / "fresh").items()} == {k: v[0] for k, v in after.items()}
     # a damaged shard is answered again; another key answers every shard
     damaged = out / "train-chats-00001.parquet"
     damaged.write_bytes(damaged.read_bytes()[:-64])
-    again = regenerate_manifest(REGENERATE, ["cpu"], tmp_path / "manifest", talking_target, out, STAGE_KEY)
+    again = regenerate_manifest(REGENERATE, tmp_path / "manifest", talking_target, out, STAGE_KEY)
     assert again.regenerated_shards == ["train-chats-00001.parquet"]
     other = StageKey("regenerate", {"param:params.yaml:regenerate.max_new_tokens": "7"})
     assert (
-        len(
-            regenerate_manifest(
-                REGENERATE, ["cpu"], tmp_path / "manifest", talking_target, out, other
-            ).regenerated_shards
-        )
-        == 3
+        len(regenerate_manifest(REGENERATE, tmp_path / "manifest", talking_target, out, other).regenerated_shards) == 3
     )
 
 
@@ -255,3 +265,64 @@ def test_dvc_repro_regenerates_then_reuses_the_old_shards_when_the_data_grows(pi
     # each source grows by its weight's share of the 40 (20, 12, 8): one new shard of each, every full one kept
     assert (metrics["regenerated_shards"], metrics["reused_shards"]) == (3, len(shards))
     assert json.loads((project / TOKENS / "summary.json").read_text())["samples_in"] == metrics["samples_out"]
+
+
+def test_a_reply_depends_on_what_decides_it_and_not_on_who_answers_or_how_many_at_once(tmp_path, talking_target):
+    """Devices, endpoints and concurrency are left out of the key (pipeline.REUSE): the bytes do not move with them.
+    What decides a reply and is no dvc.yaml input (in process or an endpoint, the engine's version) is in each
+    shard's record: changing it answers every shard again."""
+    chat_jsonl(tmp_path / "chats.jsonl", 40)
+    m = manifest(tmp_path, 30)
+
+    def shards(out: Path) -> dict:
+        return {k: v[0] for k, v in files(out).items() if k != "files.json"}
+
+    one = regenerate_manifest(REGENERATE, m, talking_target, tmp_path / "one", STAGE_KEY)
+    two = dataclasses.replace(REGENERATE, devices=("cpu", "cpu"))
+    assert regenerate_manifest(two, m, talking_target, tmp_path / "two", STAGE_KEY).summary == one.summary
+    assert shards(tmp_path / "two") == shards(tmp_path / "one")  # whole shards to each device
+    again = regenerate_manifest(two, m, talking_target, tmp_path / "one", STAGE_KEY)
+    assert again.regenerated_shards == [] and len(again.reused_shards) == 3
+
+    a, b = CompletionsServer(talking_target), CompletionsServer(talking_target)
+    try:
+        serial = dataclasses.replace(REGENERATE, endpoints=(a.url,), concurrency=1)
+        regenerate_manifest(serial, m, talking_target, tmp_path / "serial", STAGE_KEY)
+        both = dataclasses.replace(REGENERATE, endpoints=(a.url, b.url), concurrency=3)
+        regenerate_manifest(both, m, talking_target, tmp_path / "both", STAGE_KEY)
+        assert shards(tmp_path / "both") == shards(tmp_path / "serial") and b.requests  # b answered some
+        assert conversations(tmp_path / "both") == conversations(tmp_path / "one")
+        # in process, then an endpoint, under the same key: every shard answered again, said in one line
+        switched = regenerate_manifest(serial, m, talking_target, tmp_path / "one", STAGE_KEY)
+        assert len(switched.regenerated_shards) == 3 and shards(tmp_path / "one") == shards(tmp_path / "serial")
+        # another engine version behind the same URLs: answered again
+        a.version = b.version = "0.1-test"
+        upgraded = regenerate_manifest(both, m, talking_target, tmp_path / "both", STAGE_KEY)
+        assert len(upgraded.regenerated_shards) == 3
+        # two endpoints that serve different things are refused before anything is touched
+        b.version = "0.2-test"
+        before = files(tmp_path / "both")
+        with pytest.raises(EndpointError) as differ:
+            regenerate_manifest(both, m, talking_target, tmp_path / "both", STAGE_KEY)
+        message = str(differ.value)
+        assert "\n" not in message and a.url in message and b.url in message, message
+        assert files(tmp_path / "both") == before
+    finally:
+        a.httpd.shutdown()
+        b.httpd.shutdown()
+
+
+def test_a_prompt_the_server_refuses_is_counted_failed_and_every_sample_accounted_for(tmp_path, talking_target):
+    chat_jsonl(tmp_path / "chats.jsonl", 40)
+    m = manifest(tmp_path, 30)
+    server = CompletionsServer(talking_target)
+    server.refuse_longer_than = 44  # the first prompts are 44 or 45 tokens: about half are refused
+    try:
+        params = dataclasses.replace(REGENERATE, endpoints=(server.url,), concurrency=4)
+        run = regenerate_manifest(params, m, talking_target, tmp_path / "out", STAGE_KEY)
+    finally:
+        server.httpd.shutdown()
+    counts, accounting = run.summary["counts"], run.summary["accounting"]
+    assert counts["skipped_turns"]["refused"] > 0 and accounting["failed"] == counts["dropped_samples"]["refused"] > 0
+    assert accounting["in"] == 30 == accounting["replied"] + accounting["failed"] + accounting["skipped"]
+    assert accounting["replied"] == counts["samples_out"] > 0

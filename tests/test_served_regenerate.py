@@ -9,6 +9,7 @@ The target is tests/tiny.py's talking target (its replies vary with the prompt, 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import threading
 import time
 from pathlib import Path
@@ -53,18 +54,19 @@ def test_vllms_server_regenerates_the_rows_the_target_writes_in_process(server, 
     monkeypatch.setenv(API_KEY_ENV, KEY)
     chat_jsonl(tmp_path / "chats.jsonl", 40)
     m = manifest(tmp_path, 30)
-    here = regenerate_manifest(REGENERATE, ["cpu"], m, talking, tmp_path / "here", STAGE_KEY)
+    here = regenerate_manifest(REGENERATE, m, talking, tmp_path / "here", STAGE_KEY)
     there = regenerate_manifest(
-        dataclasses.replace(REGENERATE, batch_size=7, endpoint=server.url), ["cpu"], m, talking, tmp_path / "there"
+        dataclasses.replace(REGENERATE, batch_size=7, endpoints=(server.url,)), m, talking, tmp_path / "there"
     )
     # token for token: the replies come back as ids (stop token excluded), so later turns' prompts are the same ids
     assert rows(tmp_path / "here") == rows(tmp_path / "there")
     assert any(len(r["reply_ids"]) > 1 for r in rows(tmp_path / "there"))  # later turns were asked
     assert here.summary["counts"] == there.summary["counts"]  # tokens counted from the ids, not re-encoded text
-    served = there.summary["settings"]["served"]
-    assert (served["id"], served["root"], served["max_model_len"]) == (NAME, str(talking), 1024)
-    assert len(served["canary_sha256"]) == 64
-    assert all(stored_shard(p).record["settings"]["served"] == served for p in (tmp_path / "there").glob("train-*"))
+    served = there.summary["settings"]["generator"]
+    assert (served["engine"], served["id"], served["max_model_len"]) == ("endpoint", NAME, 1024)
+    assert len(served["canary_sha256"]) == 64 and served["engine_version"]  # vLLM's GET /version
+    assert served["canary_sha256"] != hashlib.sha256(b"").hexdigest()  # a reply, not a stop token alone
+    assert all(stored_shard(p).record["settings"]["generator"] == served for p in (tmp_path / "there").glob("train-*"))
 
 
 def test_vllm_refuses_a_missing_or_wrong_key_in_one_line_naming_the_variable(server, monkeypatch):
@@ -87,7 +89,7 @@ def test_a_server_killed_mid_stage_stops_it_and_the_next_run_reuses_the_finished
     monkeypatch.setenv(API_KEY_ENV, KEY)
     chat_jsonl(tmp_path / "chats.jsonl", 40)
     m, out = manifest(tmp_path, 40), tmp_path / "there"
-    params = dataclasses.replace(REGENERATE, endpoint=server.url, batch_size=2)
+    params = dataclasses.replace(REGENERATE, endpoints=(server.url,), batch_size=2)
     endpoint = Endpoint(server.url, retries=2, backoff_s=0.2)
 
     def kill_after_the_first_shard() -> None:
@@ -98,7 +100,7 @@ def test_a_server_killed_mid_stage_stops_it_and_the_next_run_reuses_the_finished
     killer = threading.Thread(target=kill_after_the_first_shard, daemon=True)
     killer.start()
     with pytest.raises(EndpointError) as stopped:
-        regenerate_manifest(params, ["cpu"], m, talking, out, STAGE_KEY, endpoint)
+        regenerate_manifest(params, m, talking, out, STAGE_KEY, [endpoint])
     killer.join(5)
     message = str(stopped.value)
     assert "\n" not in message and f"{server.url}/completions unreachable after 3 attempts" in message, message
@@ -108,10 +110,10 @@ def test_a_server_killed_mid_stage_stops_it_and_the_next_run_reuses_the_finished
 
     restarted = dataclasses.replace(server, process=None).start()  # the same server again, on the same port
     try:
-        again = regenerate_manifest(params, ["cpu"], m, talking, out, STAGE_KEY, endpoint)
+        again = regenerate_manifest(params, m, talking, out, STAGE_KEY, [endpoint])
     finally:
         restarted.stop()
     assert again.reused_shards == finished and len(again.regenerated_shards) == 4 - len(finished)
-    here = regenerate_manifest(REGENERATE, ["cpu"], m, talking, tmp_path / "here", STAGE_KEY)
+    here = regenerate_manifest(REGENERATE, m, talking, tmp_path / "here", STAGE_KEY)
     assert here.summary["counts"] == again.summary["counts"]
     assert rows(tmp_path / "here") == rows(out)

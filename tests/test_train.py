@@ -43,7 +43,8 @@ TRAIN = {
 }
 
 
-def config(name, drafters=2, targets=1, compiled=False, **train) -> dict:
+def config(name, drafters=2, targets=1, compiled=False, nodes=1, **train) -> dict:
+    """A scenario run's config; `nodes` > 1 is run under torchrun, one process a node."""
     return {
         "name": name,
         "model": MODEL,
@@ -52,6 +53,7 @@ def config(name, drafters=2, targets=1, compiled=False, **train) -> dict:
             "target_devices": ["cpu"] * targets,
             "drafter_devices": ["cpu"] * drafters,
             "allow_shared_devices": True,
+            "nodes": nodes,
         },
         "train": {**TRAIN, **train},
     }
@@ -107,7 +109,7 @@ def test_replicas_stay_identical_and_two_processes_equal_one(workdir):
     rows = [row for s in range(6) for r in range(2) for row in plan.rows(s, 0, r)]
     filled = sum(min(int(lengths[i]), MODEL["seq_len"]) for row in rows for i in row)
     assert single["padding_fraction"] == pytest.approx(1 - filled / (len(rows) * MODEL["seq_len"]), abs=1e-6)
-    two = train(workdir, config("two-procs", drafters=1), nproc=2)
+    two = train(workdir, config("two-procs", drafters=1, nodes=2), nproc=2)
     assert two["replicas"] == 2
     assert_same_weights(weights(workdir, "single"), weights(workdir, "two-procs"))
     # A different seed trains different weights: the comparison above can fail.

@@ -57,7 +57,7 @@ class VllmServer:
 
     @property
     def url(self) -> str:
-        """The OpenAI base URL: regenerate.endpoint's value."""
+        """The OpenAI base URL: an entry of regenerate.endpoints."""
         return f"http://127.0.0.1:{self.port}/v1"
 
     def command(self) -> list[str]:

@@ -270,10 +270,13 @@ REUSE = {
         "its files it read; num_samples only says where each stream is cut, so growing keeps and resumes them",
     ),
     "regenerate": Reuse(
-        ("data/manifest",),
-        ("topology.drafter_devices", "topology.allow_shared_devices"),
+        ("data/manifest", "src/dflashpipe/core/spread.py", "src/dflashpipe/core/threads.py"),
+        ("regenerate.endpoints", "regenerate.endpoint_model", "regenerate.concurrency", "regenerate.devices"),
         "each shard's key adds its own input shard's sha256, so growing the manifest reuses the replies "
-        "already generated; the drafter's devices come with the topology section and never reach a reply",
+        "already generated; spread and threads only time and place the work; which servers or devices answer, "
+        "how many, and how many requests are in flight never decide a reply (an endpoint gets one prompt a "
+        "request, a device whole shards): what does, the engine, its version, the model it serves and the "
+        "device type and dtype, is in each shard's record and checked (regenerate.run.SameGenerator)",
     ),
     "tokenize": Reuse(
         ("data/regenerated",),

@@ -145,10 +145,10 @@ def prepare(run: ProofRun, target_dir: Path, work: Path) -> None:
         max_new_tokens=run.max_new_tokens,
         max_prompt_tokens=run.seq_len - run.max_new_tokens,
         batch_size=16,
+        devices=("cpu",),
     )
     regenerate_manifest(
         regenerate,
-        ["cpu"],
         work / "manifest",
         target_dir,
         work / "regenerated",

@@ -60,6 +60,7 @@ from dflashpipe.target.adapter import Target
 from dflashpipe.target.hidden_states import target_features_and_predictions, target_layer_features
 from dflashpipe.train.checkpoint import Checkpoint, CheckpointPolicy
 from dflashpipe.train.data import BatchPlan, held_out, without
+from dflashpipe.train.nodes import every_replica
 from dflashpipe.train.state import StepRecord, TrainInputs, TrainState, simulated_tau
 from dflashpipe.train.topology import Topology, train_threads
 from dflashpipe.train.workers import RunState, StepResult, TargetFeatures
@@ -275,6 +276,7 @@ class Trainer:
         lr = lr_at(self.state.step, self.inputs.train)
         self.average_gradients()
         self.optimizer_step(lr)
+        results = every_replica(results, self.replicas[0].device)  # every process's: the record is the run's
         self.state.truncated += sum(res.truncated for res in results)
         now = time.perf_counter()
         self.state.history.append(
@@ -282,11 +284,10 @@ class Trainer:
                 self.state.step,
                 lr,
                 [res.loss_terms for res in results],
-                self.topology.world_size,
                 seconds=now - run.step_began,
                 target_busy_s=sum(run.target_busy_s),
                 drafter_busy_s=sum(rep.busy_s for rep in self.replicas),
-                padding_fraction=sum(res.padding_fraction for res in results) / len(self.replicas),
+                padding_fraction=sum(res.padding_fraction for res in results) / len(results),
             )
         )
         done, every = self.state.step + 1, self.inputs.train.heldout_every

@@ -30,6 +30,7 @@ from dflashpipe.train.checkpoint import CheckpointPolicy, checkpoint_key, load_c
 from dflashpipe.train.data import run_length
 from dflashpipe.train.loop import Trainer, decay_start, lr_at
 from dflashpipe.train.metrics import LiveCurves, train_metrics, write_plots
+from dflashpipe.train.nodes import join
 from dflashpipe.train.state import TrainInputs
 from dflashpipe.train.topology import Topology, check_topology, train_threads
 
@@ -72,7 +73,7 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
     topology = check_topology(inputs.topology)  # before anything loads
     key = checkpoint_key(key, topology.world_size, [*topology.targets, *topology.drafters])
     paths.state.mkdir(parents=True, exist_ok=True)  # a declared output, even when no checkpoint is due
-    trainer, compile_note = load_trainer(inputs, paths, topology, compile_key)
+    trainer, compile_note = load_trainer(inputs, paths, topology, key, compile_key)
     length = run_length(inputs.train, trainer.plan)
     if length.epochs and topology.rank == 0:
         print(
@@ -137,19 +138,17 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
 
 
 def load_trainer(
-    inputs: TrainInputs, paths: TrainPaths, topology: Topology, compile_key: StageKey | None
+    inputs: TrainInputs, paths: TrainPaths, topology: Topology, key: StageKey | None, compile_key: StageKey | None
 ) -> tuple[Trainer, str]:
-    """This process set up for training (its threads, its process group under torchrun), the Trainer built on
-    `topology`'s devices, and how its drafter step was compiled (the metrics' compile note)."""
+    """This process set up for training (its threads, its process group under torchrun, checked to hold `key` on
+    every node), the Trainer built on `topology`'s devices, and how its drafter step was compiled (the metrics'
+    compile note)."""
     from transformers import AutoTokenizer
 
     # The main thread loads (or compiles) and warms up the drafter step at the drafter threads' count: the
     # compiled step is bound to the count it was compiled at (dflashpipe.core.threads), warmup's too.
     train_threads(topology).apply("drafter", topology.drafters[0])
-    if topology.world_size > 1:
-        import torch.distributed as dist
-
-        dist.init_process_group("nccl" if topology.drafters[0].type == "cuda" else "gloo")
+    join(topology, inputs.topology.nodes, key)
     data = load_tokens(paths.tokens)
     tokenizer = AutoTokenizer.from_pretrained(paths.target)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

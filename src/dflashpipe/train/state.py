@@ -69,13 +69,12 @@ class StepRecord:
         step: int,
         lr: float,
         losses: Sequence[DraftLoss],
-        world_size: int,
         seconds: float,
         target_busy_s: float,
         drafter_busy_s: float,
         padding_fraction: float = 0.0,
     ) -> StepRecord:
-        """One step's record from every replica's loss terms."""
+        """One step's record from every replica's loss terms (every process's: train/nodes.every_replica)."""
         correct = torch.stack([o.slot_correct.detach().float().cpu() for o in losses]).sum(0)
         count = torch.stack([o.slot_count.detach().float().cpu() for o in losses]).sum(0)
         loss = float(sum(o.loss.detach().float().cpu() for o in losses) / len(losses))
@@ -86,7 +85,7 @@ class StepRecord:
             step=step,
             loss=loss,
             lr=lr,
-            tokens=int(count.sum()) * world_size,
+            tokens=int(count.sum()),
             seconds=seconds,
             slot_correct=correct.tolist(),
             slot_count=count.tolist(),

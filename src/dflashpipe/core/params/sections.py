@@ -272,6 +272,13 @@ class CompileParams:
         return dataclasses.replace(self, enabled=any(d.startswith("cuda") for d in drafter_devices))
 
 
+def _check_devices(key: str, devices: tuple[str, ...]) -> None:
+    for d in devices:
+        kind, _, index = d.partition(":")
+        if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
+            raise ParamsError(f"params.yaml: {key} has {d!r}: use 'cpu' or 'cuda:N'")
+
+
 @dataclass(kw_only=True, frozen=True, slots=True)
 class TopologyParams:
     """Which devices run the frozen target and which train drafter replicas (one thread each)."""
@@ -282,15 +289,17 @@ class TopologyParams:
     """One drafter replica per entry, e.g. [cuda:5, cuda:6, cuda:7]; gradients are averaged every step."""
     allow_shared_devices: bool
     """Allow a device to be both a target and a drafter device (the CPU default needs it; on GPUs it halves memory)."""
+    nodes: int = 1
+    """Machines training together, one process each, every one with the devices above: the replicas in all are
+    nodes x drafter_devices. >1: train's `dvc repro` prints the command each other node runs (train/nodes.py)."""
 
     def __post_init__(self) -> None:
+        if not (1 <= self.nodes <= 4096):
+            raise ParamsError(f"params.yaml: topology.nodes = {self.nodes}: must be between 1 and 4096")
         for key, devices in (("target_devices", self.target_devices), ("drafter_devices", self.drafter_devices)):
             if not devices:
                 raise ParamsError(f"params.yaml: topology.{key} is empty: name at least one device")
-            for d in devices:
-                kind, _, index = d.partition(":")
-                if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
-                    raise ParamsError(f"params.yaml: topology.{key} has {d!r}: use 'cpu' or 'cuda:N'")
+            _check_devices(f"topology.{key}", devices)
         shared = sorted(set(self.target_devices) & set(self.drafter_devices))
         if shared and not self.allow_shared_devices:
             raise ParamsError(
@@ -461,31 +470,50 @@ class RegenerateParams:
     """A turn whose prompt (the conversation before it, template included) is longer is skipped (counted),
     and its conversation ends before it."""
     batch_size: int = field(metadata=CPU_SIZED)
-    """Prompts per batch, in this process or per request to the endpoint (prompts are sorted by length first)."""
-    endpoint: str | None = None
-    """None: generate here, on topology.target_devices. Else an OpenAI-compatible base URL (vLLM, SGLang),
-    e.g. http://127.0.0.1:8000/v1: prompts go to its /completions as token ids, temperature 0."""
+    """In this process: rows decoded together (prompts sorted by length first). An endpoint gets one prompt per
+    request, so that its own continuous batching stays full: `concurrency` says how many are in flight."""
+    endpoints: tuple[str, ...] = ()
+    """Empty: generate in this process, on `devices`. Else OpenAI-compatible base URLs (vLLM, SGLang), e.g.
+    [http://127.0.0.1:8000/v1]: prompts go to their /completions as token ids, temperature 0. Every one must serve
+    the same model (its /models and canary are compared); the replies do not depend on how many there are."""
     endpoint_model: str | None = None
-    """The `model` name to ask the endpoint for; None: the first model its /models lists."""
+    """The `model` name to ask the endpoints for; None: the first model each one's /models lists."""
+    concurrency: int = 16
+    """Requests in flight per endpoint, one prompt each."""
+    devices: Literal["auto"] | tuple[str, ...] = "auto"
+    """In process: the devices that each hold a copy of the target and answer whole shards. `auto`: every visible
+    CUDA device, else the CPU; or a list such as [cuda:0, cuda:1], all of one type. Not topology.target_devices
+    (training's placement): here every device that can hold the target generates."""
 
     def __post_init__(self) -> None:
         for key, value, low, high in (
             ("max_new_tokens", self.max_new_tokens, 1, 1_048_576),
             ("max_prompt_tokens", self.max_prompt_tokens, 1, 1_048_576),
             ("batch_size", self.batch_size, 1, 65_536),
+            ("concurrency", self.concurrency, 1, 65_536),
         ):
             if not (low <= value <= high):
                 raise ParamsError(f"params.yaml: regenerate.{key} = {value}: must be between {low} and {high}")
-        if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
-            raise ParamsError(
-                f"params.yaml: regenerate.endpoint = {self.endpoint!r}: give an http(s) base URL such as "
-                f"http://127.0.0.1:8000/v1, or null to generate in this process"
-            )
+        for url in self.endpoints:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ParamsError(
+                    f"params.yaml: regenerate.endpoints has {url!r}: give http(s) base URLs such as "
+                    f"http://127.0.0.1:8000/v1, or [] to generate in this process"
+                )
+        if len(set(self.endpoints)) != len(self.endpoints):
+            raise ParamsError("params.yaml: regenerate.endpoints names a URL twice: list each server once")
         if self.endpoint_model is not None and not self.endpoint_model.strip():
             raise ParamsError(
                 "params.yaml: regenerate.endpoint_model is empty: name the endpoint's model, or null for the "
                 "first model its /models lists"
             )
+        if self.devices != "auto":
+            _check_devices("regenerate.devices", self.devices)
+            if len({d.partition(":")[0] for d in self.devices}) != 1:
+                raise ParamsError(
+                    f"params.yaml: regenerate.devices = {list(self.devices)}: use auto, or a non-empty list of "
+                    f"devices of one type (a CPU's replies and a GPU's differ in their last bits)"
+                )
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
