@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import dataclasses
 import json
 import os
 import shutil
@@ -148,6 +149,83 @@ def test_a_finished_run_is_not_resumed_once_an_input_changed(workdir):
     assert step_lines(same.stdout) == []  # the finished run of these very inputs: nothing left to train
 
 
+@pytest.fixture(scope="module")
+def straight(workdir) -> bytes:
+    """An uninterrupted 8-step run's weights: what a continued or a killed and resumed run must end with, byte
+    for byte (its checkpoint cadence differs from theirs: no cadence is in the resume key)."""
+    train(workdir, config("straight-8", drafters=1, max_steps=8, checkpoint_every=0))
+    return (workdir / "straight-8" / "drafter" / "model.safetensors").read_bytes()
+
+
+def test_a_longer_run_continues_from_the_decay_start_to_the_bytes_of_a_straight_run(workdir, straight):
+    cfg = config("grown", drafters=1, max_steps=6, checkpoint_every=2)
+    first = train_process(workdir, cfg)  # wsd: step 6 decays (6 - round(0.2 x 6) = 5), a copy is kept at 5
+    assert first.returncode == 0, first.stderr[-4000:]
+    state = workdir / "grown" / "state"
+    longer = train_process(workdir, {**cfg, "train": {**cfg["train"], "max_steps": 8}})
+    assert longer.returncode == 0, longer.stderr[-4000:]
+    assert f"train: not resuming {state / 'checkpoint'}: its step 6 trained at lr 0.0003, this run's" in longer.stdout
+    assert f"train: resumed from {state / 'decay-start'} at step 5" in longer.stdout
+    assert [ln.split()[2] for ln in step_lines(longer.stdout)] == ["6/8", "7/8", "8/8"]  # the tail alone
+    assert (workdir / "grown" / "drafter" / "model.safetensors").read_bytes() == straight
+
+    # shorter: neither checkpoint is a prefix of it; each is named with why, and every step is trained
+    shorter = train_process(workdir, {**cfg, "train": {**cfg["train"], "max_steps": 4}})
+    assert shorter.returncode == 0, shorter.stderr[-4000:]
+    for name, steps in (("checkpoint", 8), ("decay-start", 6)):
+        line = f"train: not resuming {state / name}: it trained {steps} steps, this run trains 4; training from step 0"
+        assert line in shorter.stdout, shorter.stdout
+    assert len(step_lines(shorter.stdout)) == 4
+
+    # cosine: every step's lr depends on max_steps, so a longer run trains from step 0
+    cosine = config("cosine", drafters=1, max_steps=6, checkpoint_every=2, schedule="cosine")
+    assert train_process(workdir, cosine).returncode == 0
+    again = train_process(workdir, {**cosine, "train": {**cosine["train"], "max_steps": 8}})
+    assert "its step 3 trained at lr" in again.stdout and len(step_lines(again.stdout)) == 8, again.stdout
+
+
+def test_a_run_killed_between_checkpoints_continues_to_the_bytes_of_an_uninterrupted_run(workdir, straight):
+    import signal
+
+    cfg = config("killed", drafters=1, max_steps=8, checkpoint_every=3)
+    cmd = [sys.executable, str(SCRIPT), str(workdir), json.dumps(cfg)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    for line in proc.stdout:
+        if line.startswith("train: step 5/8"):  # two steps past the checkpoint of step 3
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    proc.stdout.close()
+    assert not (workdir / "killed" / "drafter").exists()
+    rerun = train_process(workdir, cfg)
+    assert rerun.returncode == 0, rerun.stderr[-4000:]
+    assert "train: resumed from" in rerun.stdout and len(step_lines(rerun.stdout)) < 8, rerun.stdout
+    assert (workdir / "killed" / "drafter" / "model.safetensors").read_bytes() == straight
+
+
+def test_prefetch_and_the_held_out_cadence_move_no_weight_and_the_curves_grow_by_the_step(workdir, monkeypatch):
+    # Both are left out of the resume key (pipeline.REUSE): checked here, not assumed.
+    from dflashpipe.train.loop import Trainer
+    from dflashpipe.train.stage import train_drafter
+
+    original, rows = Trainer.report_step, []
+
+    def counted(self, bar):
+        rows.append(len((self.curves_dir / "loss.tsv").read_text().splitlines()) - 1)  # less the header
+        return original(self, bar)
+
+    monkeypatch.setattr(Trainer, "report_step", counted)
+    for name, prefetch, every in (("cadence-a", 1, 0), ("cadence-b", 4, 1)):
+        cfg = config(name, drafters=2, max_steps=3, checkpoint_every=0, heldout_sequences=2)
+        inputs, paths = in_process(
+            workdir, {**cfg, "train": {**cfg["train"], "prefetch": prefetch, "heldout_every": every}}
+        )
+        monkeypatch.setattr(Trainer, "curves_dir", paths.metrics / "plots" / "metrics", raising=False)
+        train_drafter(inputs, paths, key=None, compile_key=None)
+    assert rows == [1, 2, 3, 1, 2, 3]  # dvc plots show draws the run so far
+    assert_same_weights(weights(workdir, "cadence-a"), weights(workdir, "cadence-b"))
+
+
 def test_a_checkpoint_key_names_what_changed_and_counts_the_processes():
     base = StageKey("train", {"dep:stages/train.py": "a", "param:params.yaml:train.lr": "0.001"})
     one = checkpoint_key(base, world_size=1)
@@ -159,6 +237,52 @@ def test_a_checkpoint_key_names_what_changed_and_counts_the_processes():
     )
     assert mismatch(None, one) == "it records no key (saved by an older version)"
     assert checkpoint_key(None, world_size=2) is None  # no key: never resumed
+    # the CPU's thread facts decide no number of a run whose every device is a GPU
+    import torch
+
+    threads = StageKey("train", {**base.inputs, "param:data/env/fingerprint.json:threads.torch_intra_op": "16"})
+    cpu, gpu = [torch.device("cpu"), torch.device("cuda:0")], [torch.device("cuda:0"), torch.device("cuda:1")]
+    assert "param:data/env/fingerprint.json:threads.torch_intra_op" in checkpoint_key(threads, 1, cpu).inputs
+    assert checkpoint_key(threads, 1, gpu) == checkpoint_key(base, 1, gpu)
+
+
+def test_wsd_trains_every_step_before_its_decay_at_one_lr_whatever_the_length():
+    from dflashpipe.core.params import TrainParams
+    from dflashpipe.proof.run import ProofRun
+    from dflashpipe.train.loop import decay_start, lr_at
+
+    short, long = (TrainParams(**{**TRAIN, "max_steps": n, "warmup_steps": 4}) for n in (120, 160))
+    assert (decay_start(short), decay_start(long)) == (96, 128)
+    assert [lr_at(s, short) for s in range(96)] == [lr_at(s, long) for s in range(96)]
+    assert lr_at(95, short) == TRAIN["lr"] and lr_at(96, short) < TRAIN["lr"]
+    assert lr_at(119, short) == pytest.approx(TRAIN["lr"] * TRAIN["min_lr_ratio"])  # the last step at the floor
+    cosine = [dataclasses.replace(p, schedule="cosine") for p in (short, long)]
+    assert lr_at(10, cosine[0]) != lr_at(10, cosine[1])
+    # the overfit proof's schedule (min_lr_ratio 1) is constant after warmup under either: its bar stands as it was
+    proof = ProofRun(model=None, compute=None).train_params(300)
+    for schedule in ("wsd", "cosine"):
+        assert {lr_at(s, dataclasses.replace(proof, schedule=schedule)) for s in range(10, 300)} == {proof.lr}
+
+
+def test_the_data_order_is_a_prefix_of_itself_when_the_epochs_grow():
+    # A longer run stated in epochs takes the same rows at every step the shorter one trained: the stream of packed
+    # epochs is one, whatever its length; only a warmup_ratio (warmup from the steps) would move the schedule.
+    from dflashpipe.core.params import TrainParams
+    from dflashpipe.train.data import run_length
+    from dflashpipe.train.loop import decay_start, lr_at
+
+    lengths = np.array([5, 30, 12, 64, 7, 40, 3, 22, 18, 9, 50, 11] * 3)
+    plans = [BatchPlan(lengths, 64, world_size=1, replicas=2, micro_batch=2, seed=1) for _ in range(2)]
+    one, two = (
+        TrainParams(**{**TRAIN, "max_steps": 0, "epochs": e}).for_steps(
+            run_length(TrainParams(**{**TRAIN, "max_steps": 0, "epochs": e}), plan).steps
+        )
+        for e, plan in zip((1, 2), plans, strict=True)
+    )
+    assert two.max_steps > one.max_steps
+    rows = [[plan.rows(s, 0, r) for s in range(one.max_steps) for r in range(2)] for plan in reversed(plans)]
+    assert rows[0] == rows[1]
+    assert [lr_at(s, one) for s in range(decay_start(one))] == [lr_at(s, two) for s in range(decay_start(one))]
 
 
 def test_the_replica_check_finds_a_replica_that_differs():
@@ -215,12 +339,32 @@ def test_checkpoints_come_every_n_steps_and_the_last_after_the_outputs(workdir, 
     original, saved = checkpoint.save_checkpoint, []
 
     def recorded(state, *args):
-        saved.append((state.step, paths.drafter.exists()))
+        saved.append((state.step, paths.drafter.exists(), (args[4:] or ["checkpoint"])[0]))
         return original(state, *args)
 
     monkeypatch.setattr(checkpoint, "save_checkpoint", recorded)
     train_drafter(inputs, paths, key=None, compile_key=None)
-    assert saved == [(2, False), (4, True)]
+    # and a copy at wsd's decay start (4 steps, decay_ratio 0.2: the last step decays), where a longer run resumes
+    assert saved == [(2, False, "checkpoint"), (3, False, "decay-start"), (4, True, "checkpoint")]
+
+
+def test_a_checkpoint_is_due_by_steps_by_minutes_and_at_the_decay_start(monkeypatch):
+    from dflashpipe.train import checkpoint
+    from dflashpipe.train.state import TrainState
+
+    clock, saved = [0.0], []
+    monkeypatch.setattr(checkpoint.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(checkpoint, "save_checkpoint", lambda state, *args: saved.append((clock[0], args[4:])))
+    policy = checkpoint.CheckpointPolicy(None, None, 0, True, TrainState(), None, None, minutes=2, keep_at=5)
+    for step, now in [(1, 60), (2, 119), (3, 121), (4, 200), (5, 240), (6, 300)]:
+        clock[0] = now
+        policy.save(step, last_step=step == 6)
+    # 2 minutes after the start, the decay start's copy, and the last step's
+    assert saved == [(121, ()), (240, ("decay-start",)), (300, ())]
+    saved.clear()
+    off = checkpoint.CheckpointPolicy(None, None, 0, True, TrainState(), None, None, minutes=0, keep_at=1)
+    off.save(1, last_step=True)
+    assert saved == []  # both cadences 0: no checkpoint at all, nor a decay-start copy
 
 
 @pytest.mark.parametrize("where", ["main", "target"])
@@ -451,6 +595,7 @@ def test_the_derived_steps_drive_the_schedule_checkpoints_and_held_out_and_are_r
     steps = -(-rows // 2)  # one replica x micro_batch 2, rounded up
     saved = []
     monkeypatch.setattr(checkpoint, "save_checkpoint", lambda state, *args: saved.append(state.step))
+    from dflashpipe.train.loop import decay_start
 
     metrics = train_drafter(inputs, paths, key=None, compile_key=None)
     assert metrics["steps"] == steps
@@ -462,10 +607,10 @@ def test_the_derived_steps_drive_the_schedule_checkpoints_and_held_out_and_are_r
         "rows_per_step": 2,
         "from": "train.epochs: ceil(rows / rows_per_step)",
     }
-    assert saved == [s for s in range(2, steps, 2)] + [steps]
+    assert saved == sorted([s for s in range(2, steps, 2)] + [decay_start(inputs.train.for_steps(steps)), steps])
     assert metrics["heldout_acceptance"]["last"]["step"] == steps  # measured after the derived last step
     with (paths.metrics / "plots" / "metrics" / "lr.tsv").open() as f:
         lrs = [float(row["lr"]) for row in csv.DictReader(f, delimiter="\t")]
-    # the cosine runs over the derived steps; the warmup, half of them, reaches lr at its last step
+    # the schedule runs over the derived steps; the warmup, half of them, reaches lr at its last step
     assert lrs == pytest.approx([lr_at(s, inputs.train.for_steps(steps)) for s in range(steps)])
     assert lrs.index(max(lrs)) == round(steps / 2) - 1

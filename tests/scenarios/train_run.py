@@ -4,8 +4,9 @@
 
 WORKDIR holds tokens/, target/ and compile/; outputs go to WORKDIR/<name>/.
 
-Outside a DVC project there is no dvc.yaml entry to key a run by, so the run's key is its config:
-the same config resumes its own checkpoint, another does not. CONFIG_JSON may also hold
+Outside a DVC project there is no dvc.yaml entry to key a run by, so the run's key is its config less
+what pipeline.REUSE leaves out of train's key (the run's length, the cadences): the same config resumes
+its own checkpoint, a longer one continues it, another does not. CONFIG_JSON may also hold
 - "key_inputs": extra inputs of the key, as `reuse_key` names them (e.g. {"dep:src/x.py": "edited"}),
   to stand for an edited dvc.yaml dep;
 - "compile_key_root": a DVC project whose warmup built WORKDIR/compile; the artifact is used only
@@ -31,7 +32,7 @@ from dflashpipe.core.params import (  # noqa: E402
     TrainParams,
     build,
 )
-from dflashpipe.core.pipeline import StageKey, reuse_key  # noqa: E402
+from dflashpipe.core.pipeline import REUSE, StageKey, reuse_key  # noqa: E402
 from dflashpipe.train.loop import TrainInputs  # noqa: E402
 from dflashpipe.train.stage import TrainPaths, train_drafter  # noqa: E402
 
@@ -62,6 +63,9 @@ def main(workdir: Path, config: dict) -> None:
         Path(config["features_dir"]) if "features_dir" in config else None,
     )
     run_config = {k: v for k, v in config.items() if k not in OPTIONS}
+    for name in REUSE["train"].without_params:
+        section, key_name = name.split(".")
+        run_config[section] = {k: v for k, v in run_config.get(section, {}).items() if k != key_name}
     key = StageKey("train", {"scenario:config": json.dumps(run_config, sort_keys=True), **config.get("key_inputs", {})})
     compile_key = reuse_key("warmup", config["compile_key_root"]) if "compile_key_root" in config else None
     metrics = train_drafter(inputs, paths, key, compile_key)

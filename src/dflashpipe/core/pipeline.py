@@ -306,7 +306,24 @@ REUSE = {
         "section (a distilling drafter is refused offline before anything is computed)",
     ),
     "warmup": Reuse(why="train and bench use the compile artifact only if it was built for this key"),
-    "train": Reuse(why="a checkpoint in data/train-state is resumed only if it was saved under this key"),
+    "train": Reuse(
+        (),
+        (
+            "train.max_steps",
+            "train.epochs",
+            "train.checkpoint_every",
+            "train.checkpoint_minutes",
+            "train.prefetch",
+            "train.heldout_every",
+            "compile.guard",
+            "topology.allow_shared_devices",
+        ),
+        "a checkpoint in data/train-state is resumed only if it was saved under this key: what moves the weights. "
+        "The run's length is checked step by step against the schedule instead (train/checkpoint.py), so a longer "
+        "run continues a shorter one; the checkpoint cadences, prefetch (how far the target threads run ahead), "
+        "the held-out cadence (forward passes after the update, no gradient), the guard (raise or warn on a "
+        "recompile) and allow_shared_devices (a check) never change a weight",
+    ),
 }
 """Every reuse in the pipeline. tests/test_stage_keys.py edits each dep and param of each of these
 stages and checks the key moves exactly when it must."""

@@ -6,7 +6,8 @@
       collect every replica's result ◀──────────────────────────────── results[r]
       average over replicas (and processes), clip, AdamW step on every replica, record the step,
       measure the held-out sequences when due; release the drafter threads into the next step;
-      then the checkpoint when due (`CheckpointPolicy`) and the progress line, while they compute it
+      then the checkpoint when due (`CheckpointPolicy`), the step's curves (`LiveCurves`) and the progress, while
+      they compute it
 
 - Each target device holds a frozen copy of the target; its thread runs the forward
   (no grad) for the (step, replica) items assigned to it round-robin, draws that item's
@@ -38,6 +39,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from tqdm import tqdm
 
 from dflashpipe.compile.guard import COUNTER, CompileGuard, inductor_cache_counters
 from dflashpipe.compile.warmup import autocast, compiled_step, run_step_once
@@ -65,6 +68,7 @@ from dflashpipe.train.workers import RunState, StepResult, TargetFeatures
 if TYPE_CHECKING:  # only an annotation: training imports no pyarrow (the GPU check's machine has none)
     from dflashpipe.features.shards import FeatureStore
     from dflashpipe.tokens.shards import TokenData
+    from dflashpipe.train.metrics import LiveCurves
 
 
 @dataclass
@@ -189,11 +193,14 @@ class Trainer:
 
     # -- the run --------------------------------------------------------------------------------
 
-    def run(self, guard: CompileGuard, checkpoints: CheckpointPolicy | None = None) -> None:
+    def run(
+        self, guard: CompileGuard, checkpoints: CheckpointPolicy | None = None, curves: LiveCurves | None = None
+    ) -> None:
         """Train from state.step to max_steps. This (main) thread holds the loop: each step it collects every
         replica's result, ends the step (`end_step`) and releases the drafter threads into the next step; while
-        they compute it, it writes the checkpoint when due and the progress line. The last step's checkpoint is
-        the stage's to write, after its outputs: a run whose outputs are refused leaves no finished checkpoint."""
+        they compute it, it writes the checkpoint when due, the step's curves and the progress. The last step's
+        checkpoint is the stage's to write, after its outputs: a run whose outputs are refused leaves no finished
+        checkpoint."""
         max_steps = self.inputs.train.max_steps
         run = RunState.of(
             self.state.step, max_steps, self.inputs.train.prefetch, guard, len(self.targets), len(self.replicas)
@@ -203,7 +210,11 @@ class Trainer:
         workers |= {
             drafter_thread(r): functools.partial(self.drafter_worker, run, r) for r in range(len(self.replicas))
         }
-        with run.threads(workers):
+        # rank 0 alone (every process runs the same steps), on a terminal: tokens/s and the ETA at a glance
+        bar = tqdm(
+            desc="train", total=max_steps, initial=run.first_step, unit="step", disable=self.topology.rank != 0 or None
+        )
+        with run.threads(workers), bar:
             for step in range(run.first_step, max_steps):
                 results = [mailbox.get(step) for mailbox in run.results]
                 self.end_step(run, results, held_out)
@@ -211,7 +222,9 @@ class Trainer:
                 # Beside the next step's forwards and backwards, which read the weights and write only gradients.
                 if checkpoints is not None and self.state.step < max_steps:
                     checkpoints.save(self.state.step, last_step=False)
-                self.report_step()
+                if curves is not None:
+                    curves.step(self.state.history[-1])
+                self.report_step(bar)
 
     def target_worker(self, run: RunState, t: int) -> None:
         """Target t's thread: for each of its (step, replica) items, the frozen forward (offline: the stored
@@ -284,16 +297,17 @@ class Trainer:
         run.step_began = time.perf_counter()
         self.state.step += 1
 
-    def report_step(self) -> None:
-        """The progress line of the step just ended (rank 0 alone: every process runs the same steps)."""
+    def report_step(self, bar: tqdm) -> None:
+        """The progress of the step just ended: the bar, and a line for the log (rank 0 alone)."""
         if self.topology.rank != 0:
             return
         last = self.state.history[-1]
-        print(
-            f"train: step {last.step + 1}/{self.inputs.train.max_steps} loss {last.loss:.4f} lr {last.lr:.2e} "
-            f"{last.tokens / max(last.seconds, 1e-9):.0f} tok/s",
-            flush=True,
-        )
+        rate = last.tokens / max(last.seconds, 1e-9)
+        bar.set_postfix_str(f"loss {last.loss:.4f} {rate:,.0f} tok/s", refresh=False)
+        bar.update()
+        line = f"train: step {last.step + 1}/{self.inputs.train.max_steps} loss {last.loss:.4f} lr {last.lr:.2e} "
+        tqdm.write(line + f"{rate:.0f} tok/s", file=sys.stdout)  # above the bar, on a terminal
+        sys.stdout.flush()  # the log under DVC, as it goes
 
     @property
     def adamw_kernel(self) -> dict[str, bool]:
@@ -418,11 +432,22 @@ def anchor_generator(seed: int, step: int, replica: int) -> torch.Generator:
 
 
 def lr_at(step: int, p: TrainParams) -> float:
-    """Linear warmup to lr, then cosine down to lr * min_lr_ratio at max_steps."""
+    """Linear warmup to lr, then train.schedule down to lr * min_lr_ratio at the last step (max_steps - 1)."""
     if step < p.warmup_steps:
         return p.lr * (step + 1) / p.warmup_steps
+    if p.schedule == "wsd":
+        start = decay_start(p)
+        if step < start:
+            return p.lr
+        return p.lr * (1 - (1 - p.min_lr_ratio) * min(1.0, (step + 1 - start) / (p.max_steps - start)))
     progress = (step - p.warmup_steps) / max(1, p.max_steps - p.warmup_steps)
     return p.lr * (p.min_lr_ratio + (1 - p.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def decay_start(p: TrainParams) -> int:
+    """wsd: the first step of the decay. Every step before it trains at lr, whatever max_steps: the checkpoint
+    taken here is where a longer run of the same inputs continues from (CheckpointPolicy keeps it)."""
+    return max(p.warmup_steps, p.max_steps - round(p.decay_ratio * p.max_steps))
 
 
 FUSED_ADAMW_DEVICES = ("cpu", "cuda")

@@ -11,15 +11,13 @@ run, not only the steps it trained itself.
 from __future__ import annotations
 
 import itertools
-import shutil
-import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 
 from dflashpipe.core import plots as plotting
-from dflashpipe.core.artifacts import PARTIAL, atomic_directory
+from dflashpipe.core.artifacts import atomic_directory
 from dflashpipe.core.spread import Busy, Spread
 from dflashpipe.train.flops import throughput
 from dflashpipe.train.state import StepRecord, TrainInputs, TrainState, acceptance_length
@@ -211,33 +209,57 @@ def plot_images(history: Sequence[StepRecord]) -> dict[str, bytes]:
     return {name: plotting.png(specs[name]) for name in IMAGES}
 
 
+def curve_rows(history: Sequence[StepRecord], seen: int = 0) -> Iterator[tuple[StepRecord, dict[str, float]]]:
+    """Each step's value of every curve in plots/metrics (dvc.yaml's plots, x: step); `seen`: the supervised tokens
+    trained before `history`'s first step."""
+    for h in history:
+        seen += h.tokens
+        values = {
+            "loss": h.loss,
+            "lr": h.lr,
+            "tokens_per_s": h.tokens / max(h.seconds, 1e-9),
+            "slot1_accuracy": h.slot_correct[0] / max(h.slot_count[0], 1),
+            "acceptance_length": h.acceptance_length,
+        }
+        if h.heldout_acceptance is not None:
+            values["heldout_acceptance"] = h.heldout_acceptance
+        values |= {"supervised_tokens_seen": seen, "target_busy_s": h.target_busy_s, "drafter_busy_s": h.drafter_busy_s}
+        yield h, values
+
+
+def append_curves(folder: Path, history: Sequence[StepRecord], seen: int = 0) -> None:
+    """`history`'s rows appended to the curves' TSVs in `folder`, by DVCLive's writer (its format, no timestamps)."""
+    from dvclive.plots import Metric
+
+    for h, values in curve_rows(history, seen):
+        for name, value in values.items():
+            metric = Metric(name, "")
+            metric.output_folder, metric.step = folder, h.step
+            metric.dump(value)
+
+
+class LiveCurves:
+    """metrics/train/plots/metrics while the run goes: its (restored) history written whole at the start, then each
+    step's row appended, so `dvc plots show` draws the run so far. `write_plots` replaces them at the end with the
+    same rows: the finished curves are as deterministic as ever. The old run's curves are in git (cache: false)."""
+
+    def __init__(self, metrics_dir: Path, history: Sequence[StepRecord]) -> None:
+        self.folder = metrics_dir / "plots" / "metrics"
+        with atomic_directory(self.folder) as tmp:
+            append_curves(tmp, history)
+        self.seen = sum(h.tokens for h in history)
+
+    def step(self, record: StepRecord) -> None:
+        append_curves(self.folder, [record], self.seen)
+        self.seen += record.tokens
+
+
 def write_plots(history: list[StepRecord], metrics_dir: Path) -> None:
-    """Per-step curves through DVCLive and PNG images of the key ones, written once at the end from the
-    (resumable) history.
-
-    DVCLive writes in place, so it writes into a scratch directory, and the finished curves and images
-    replace `plots/` whole: a killed run never leaves a half-written curve or image."""
+    """Per-step curves in DVCLive's format and PNG images of the key ones, written at the end from the (resumable)
+    history: they replace `plots/` whole, so a run killed here never leaves a half-written curve or image."""
     images = plot_images(history)  # before anything is written: a rendering error leaves the old plots
-    from dvclive import Live
-
-    with (
-        atomic_directory(metrics_dir / "plots") as plots,
-        tempfile.TemporaryDirectory(prefix=f".plots{PARTIAL}live-", dir=metrics_dir) as scratch,
-    ):
-        with Live(scratch, dvcyaml=False, save_dvc_exp=False, report=None) as live:
-            for h, seen in zip(history, seen_tokens(history), strict=True):
-                live.step = h.step
-                live.log_metric("loss", h.loss, plot=True)
-                live.log_metric("lr", h.lr, plot=True)
-                live.log_metric("tokens_per_s", h.tokens / max(h.seconds, 1e-9), plot=True)
-                live.log_metric("slot1_accuracy", h.slot_correct[0] / max(h.slot_count[0], 1), plot=True)
-                live.log_metric("acceptance_length", h.acceptance_length, plot=True)
-                if h.heldout_acceptance is not None:
-                    live.log_metric("heldout_acceptance", h.heldout_acceptance, plot=True)
-                live.log_metric("supervised_tokens_seen", seen, plot=True)
-                live.log_metric("target_busy_s", h.target_busy_s, plot=True)
-                live.log_metric("drafter_busy_s", h.drafter_busy_s, plot=True)
-        shutil.move(Path(scratch) / "plots" / "metrics", plots / "metrics")
+    with atomic_directory(metrics_dir / "plots") as plots:
+        append_curves(plots / "metrics", history)
         (plots / "images").mkdir()
         for name, data in images.items():
             (plots / "images" / f"{name}.png").write_bytes(data)  # atomic_directory fsyncs and renames

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,8 +28,8 @@ from dflashpipe.tokens.shards import load_tokens
 from dflashpipe.train.card import write_model_card
 from dflashpipe.train.checkpoint import CheckpointPolicy, checkpoint_key, load_checkpoint
 from dflashpipe.train.data import run_length
-from dflashpipe.train.loop import Trainer
-from dflashpipe.train.metrics import train_metrics, write_plots
+from dflashpipe.train.loop import Trainer, decay_start, lr_at
+from dflashpipe.train.metrics import LiveCurves, train_metrics, write_plots
 from dflashpipe.train.nodes import join
 from dflashpipe.train.state import TrainInputs
 from dflashpipe.train.topology import Topology, check_topology, train_threads
@@ -65,12 +66,12 @@ def offline_features(inputs: TrainInputs, paths: TrainPaths, data, target) -> Fe
 def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, compile_key: StageKey | None) -> dict:
     """The whole train stage. Returns the metrics it wrote.
 
-    `key`: what decides this run's output (`reuse_key("train")` under DVC); a checkpoint in
-    `paths.state` is resumed only if it was saved under the same key and process count; None never
-    resumes. `compile_key`: warmup's key, which the compile artifact must have been built under to be
-    used (None: compile cold)."""
+    `key`: what decides this run's trajectory (`reuse_key("train")` under DVC); a checkpoint in
+    `paths.state` is resumed only if it was saved under the same key and process count, as a prefix of this
+    run's schedule (train/checkpoint.py); None never resumes. `compile_key`: warmup's key, which the compile
+    artifact must have been built under to be used (None: compile cold)."""
     topology = check_topology(inputs.topology)  # before anything loads
-    key = checkpoint_key(key, topology.world_size)
+    key = checkpoint_key(key, topology.world_size, [*topology.targets, *topology.drafters])
     paths.state.mkdir(parents=True, exist_ok=True)  # a declared output, even when no checkpoint is due
     trainer, compile_note = load_trainer(inputs, paths, topology, key, compile_key)
     length = run_length(inputs.train, trainer.plan)
@@ -83,6 +84,10 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
     # The loop, its schedule, checkpoints and held-out cadence run on the resolved count; the card keeps the params
     # as stated.
     trainer.inputs = dataclasses.replace(inputs, train=inputs.train.for_steps(length.steps))
+    train = trainer.inputs.train
+    checkpoint = load_checkpoint(paths.state, key, train.max_steps, functools.partial(lr_at, p=train))
+    if checkpoint is not None:
+        trainer.restore(checkpoint)
     warm_s = trainer.warm_up_compiled()
     guard = CompileGuard(strict=inputs.compile.guard == "error")
     if inputs.compile.enabled:
@@ -98,9 +103,12 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
         state=trainer.state,
         drafter=trainer.replicas[0].drafter,
         optimizer=trainer.replicas[0].optimizer,
+        minutes=inputs.train.checkpoint_minutes,
+        keep_at=decay_start(train) if train.schedule == "wsd" else None,
     )
+    curves = LiveCurves(paths.metrics, trainer.state.history) if topology.rank == 0 else None
     with Measuring(trainer.replicas[0].device) as window:  # what the machine gave the steps, and the control
-        trainer.run(guard, checkpoints)
+        trainer.run(guard, checkpoints, curves)
     if inputs.compile.enabled:
         guard.disarm()
     after = dynamo_counters()
@@ -132,9 +140,9 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
 def load_trainer(
     inputs: TrainInputs, paths: TrainPaths, topology: Topology, key: StageKey | None, compile_key: StageKey | None
 ) -> tuple[Trainer, str]:
-    """This process set up for training (its threads, its process group under torchrun), the Trainer built on
-    `topology`'s devices and resumed from the checkpoint saved under `key` if there is one, and how its drafter
-    step was compiled (the metrics' compile note)."""
+    """This process set up for training (its threads, its process group under torchrun, checked to hold `key` on
+    every node), the Trainer built on `topology`'s devices, and how its drafter step was compiled (the metrics'
+    compile note)."""
     from transformers import AutoTokenizer
 
     # The main thread loads (or compiles) and warms up the drafter step at the drafter threads' count: the
@@ -156,9 +164,6 @@ def load_trainer(
     trainer.build(tokenizer)
     if inputs.features.mode == "offline":
         trainer.features = offline_features(inputs, paths, data, trainer.targets[0])
-    checkpoint = load_checkpoint(paths.state, key)
-    if checkpoint is not None:
-        trainer.restore(checkpoint)
     return trainer, compile_note
 
 

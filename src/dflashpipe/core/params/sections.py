@@ -321,7 +321,7 @@ class FeaturesParams:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class TrainParams:
-    """The drafter's training recipe (DFlash defaults: AdamW, warmup + cosine, clip 1.0)."""
+    """The drafter's training recipe (DFlash: AdamW, clip 1.0; warmup, then warmup-stable-decay or cosine)."""
 
     max_steps: int = field(metadata=CPU_SIZED)
     """Optimizer steps; each consumes compile.micro_batch packed rows per drafter replica (and per process).
@@ -334,12 +334,19 @@ class TrainParams:
     lr: float = field(metadata=CPU_SIZED)
     """Peak learning rate."""
     warmup_steps: int = field(metadata=CPU_SIZED)
-    """Linear warmup from 0 to lr, then cosine decay to lr * min_lr_ratio at the last step."""
+    """Linear warmup from 0 to lr, then `schedule` down to lr * min_lr_ratio at the last step."""
     warmup_ratio: float = field(default=0.0, metadata=CPU_SIZED)
     """Warmup as a share of the run's steps (SpecForge states 0.04), for a run whose steps are derived from
     epochs; 0: `warmup_steps` says. At most one of the two is nonzero."""
     min_lr_ratio: float = field(metadata=CPU_SIZED)
-    """Floor of the cosine schedule, as a fraction of lr."""
+    """The last step's learning rate, as a fraction of lr."""
+    schedule: Literal["wsd", "cosine"] = "wsd"
+    """After warmup. `wsd`: lr held until the last `decay_ratio` of the steps, then linear down (Hägele et al.
+    2024: with a ~20% cooldown it matches cosine). Every step before the decay has the same lr whatever the
+    run's length, so raising max_steps or epochs continues a finished run from its decay start
+    (train/checkpoint.py). `cosine`: over all the steps after warmup; a longer run trains from step 0."""
+    decay_ratio: float = 0.2
+    """wsd: the share of the run's steps in the decay (its start never before the warmup's end)."""
     weight_decay: float = field(metadata=CPU_SIZED)
     """AdamW weight decay."""
     grad_clip: float = field(metadata=CPU_SIZED)
@@ -347,7 +354,10 @@ class TrainParams:
     seed: int
     """Seeds the drafter's initialisation, the data order and every step's anchors."""
     checkpoint_every: int = field(metadata=CPU_SIZED)
-    """Save a resumable checkpoint every this many steps (0 = only at the end)."""
+    """Save a resumable checkpoint every this many steps, and after the last (0 with checkpoint_minutes 0: none)."""
+    checkpoint_minutes: float = field(default=0.0, metadata=CPU_SIZED)
+    """Also save one once this many minutes have passed since the last (0: by steps only): the most a killed
+    run loses. Neither cadence changes the weights, so neither is in the resume key."""
     prefetch: int
     """Batches of target features a target worker may run ahead of the drafters (bounded queues)."""
     heldout_sequences: int = field(default=0, metadata=CPU_SIZED)
@@ -374,6 +384,8 @@ class TrainParams:
             ("lr", self.lr, 0.0, 1.0),
             ("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0),
             ("warmup_ratio", self.warmup_ratio, 0.0, 1.0),
+            ("decay_ratio", self.decay_ratio, 0.0, 1.0),
+            ("checkpoint_minutes", self.checkpoint_minutes, 0.0, 1e6),
             ("weight_decay", self.weight_decay, 0.0, 10.0),
             ("grad_clip", self.grad_clip, 0.0, 1e6),
         ):
