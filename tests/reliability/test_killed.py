@@ -32,6 +32,7 @@ from dflashpipe.core.pipeline import (
 from dflashpipe.data.manifest import build_manifest
 from dflashpipe.data.shards import manifest_metrics, verify_manifest
 from dflashpipe.target.materialise import materialise_target
+from dflashpipe.train.checkpoint import CHECKPOINT, DECAY_START
 from tests.conftest import copy_project, run, set_params
 from tests.reliability.conftest import project_fingerprint
 from tests.reliability.harness import (
@@ -352,7 +353,7 @@ def test_warmup_killed_while_compiling_leaves_no_artifact_and_no_cache_behind(fi
 
 def test_train_killed_at_two_points_resumes_to_the_same_weights(finished, tmp_path):
     project, log = finished, tmp_path / "log"
-    checkpoint = project / TRAIN_STATE / "checkpoint"
+    checkpoint = project / TRAIN_STATE / CHECKPOINT
 
     def checkpointed(step: int) -> Callable[[int], bool]:
         def reached(_: int) -> bool:
@@ -375,8 +376,8 @@ def test_train_killed_at_two_points_resumes_to_the_same_weights(finished, tmp_pa
         },
         log,
         (DRAFTER, TRAIN_METRICS, TRAIN_METRICS_DIR / "plots"),
-        # the finished run's own checkpoint would let the rerun skip every step
-        prepare=lambda: shutil.rmtree(checkpoint),
+        # the finished run's own checkpoints would let the rerun skip steps
+        prepare=lambda: [shutil.rmtree(project / TRAIN_STATE / name) for name in (CHECKPOINT, DECAY_START)],
     )
     assert f"train: resumed from {TRAIN_STATE / 'checkpoint'} at step" in completed, completed
 
