@@ -10,7 +10,8 @@ the target, on the prompts evaluate decoded, and metrics/serve.json records thre
 2. **Lossless**: vLLM's speculative output against vLLM's plain greedy output, per prompt, under the contract of
    `evaluate.lossless` (a divergence's margins come from the top logprobs vLLM returns: at one position, a logprob
    margin is the logit margin).
-3. **Proposals**: at every step vLLM drafted, our decoder's proposals from the same context (`serve.replay`).
+3. **Proposals**: at every step vLLM drafted, our decoder's proposals from the same context, equal up to a tie
+   of our logits (`serve.replay`).
 
 It fails (after writing the metrics) when the contract is broken or fewer steps agree than
 `serve.min_proposal_agreement`. Without a serving environment it records `served: not_run` and says how to set
@@ -138,7 +139,9 @@ def compare(
             "steps": steps,
             "equal": equal,
             "agreement": round(equal / steps, 4) if steps else None,
-            "mismatches": mismatches[:5],  # the first few: enough to see which slots and tokens differ
+            "ties": sum(m["tie"] for m in mismatches),  # steps that differ only where our logits tie (replay.TIE)
+            # the first few, real differences first: enough to see which slots and tokens differ, and by how much
+            "mismatches": sorted(mismatches, key=lambda m: m["tie"])[:5],
         },
     }
 
@@ -160,9 +163,10 @@ def verdict(record: dict, serve: ServeParams) -> list[str]:
     elif agreement < serve.min_proposal_agreement:
         first = proposals["mismatches"][0]
         failures.append(
-            f"vLLM's proposals equal ours on {proposals['equal']} of {proposals['steps']} steps ({agreement:.1%} < "
-            f"serve.min_proposal_agreement {serve.min_proposal_agreement:.0%}); first at prompt {first['id']} "
-            f"position {first['position']}: vLLM {first['engine']}, ours {first['ours']}: the engine reads the "
+            f"vLLM's proposals equal ours (up to a tie) on {proposals['equal']} of {proposals['steps']} steps "
+            f"({agreement:.1%} < serve.min_proposal_agreement {serve.min_proposal_agreement:.0%}); first at prompt "
+            f"{first['id']} position {first['position']}: vLLM {first['engine']}, ours {first['ours']}, our logits "
+            f"{first['gap']} apart: the engine reads the "
             f"drafter otherwise (config.json: dflash_config.target_layer_ids, mask_token_id, block size)"
         )
     return failures
