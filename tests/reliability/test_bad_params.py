@@ -156,6 +156,7 @@ def out_of_range(hint: Any) -> list[Any]:
 ACCEPTED = {
     ("model.target_layer_ids", "[]"): "[] means the even spacing",
     ("evaluate.baseline", "''"): "'' means no baseline",
+    ("regenerate.endpoints", "[]"): "[] means generating in this process",
 }
 """(key, repr of value) pairs from out_of_range that are valid on purpose, with the reason."""
 
