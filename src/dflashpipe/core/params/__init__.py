@@ -23,7 +23,9 @@ from dflashpipe.core.params.loading import (
 )
 from dflashpipe.core.params.sections import (
     SECTIONS,
+    USER_BENCHMARK_KINDS,
     USER_SOURCE_KINDS,
+    BenchmarkSpec,
     CompileParams,
     ComputeParams,
     DataParams,
@@ -42,7 +44,9 @@ __all__ = [
     "DVC_FILE",
     "PARAMS_FILE",
     "SECTIONS",
+    "USER_BENCHMARK_KINDS",
     "USER_SOURCE_KINDS",
+    "BenchmarkSpec",
     "CompileParams",
     "DataParams",
     "EvaluateParams",

