@@ -615,7 +615,7 @@ def test_a_second_turn_is_asked_after_the_targets_own_reply_and_a_long_turn_is_s
     ]
     results, skipped = decode_benchmarks(decoding, chat, items, max_prompt_tokens=200)
     assert [(r.prompt.sample_id, r.prompt.turn) for r in results] == [("81", 1), ("81", 2), ("83", 1)]
-    assert skipped == {"mt": {"first_turn_skipped": 1, "longer_than_max_prompt_tokens": 2}}
+    assert skipped == {"mt": {"earlier_turn_skipped": 1, "longer_than_max_prompt_tokens": 2}}
     err = capsys.readouterr().err
     assert "mt.jsonl:2 turn 1 (mt)" in err and "and its 1 later turn(s)" in err and "mt.jsonl:3 turn 2 (mt)" in err
     first, second = results[0], results[1]

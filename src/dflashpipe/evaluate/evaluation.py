@@ -27,7 +27,7 @@ from dflashpipe.evaluate.floor import bigram_floor, bigram_table
 from dflashpipe.evaluate.metrics import DEFINITIONS, PromptResult, eval_metrics, lean_metrics, write_plot_tables
 from dflashpipe.evaluate.prompts import (
     BENCHMARK,
-    FIRST_TURN_SKIPPED,
+    EARLIER_TURN_SKIPPED,
     HELD_OUT,
     TOO_LONG,
     TRAIN,
@@ -135,8 +135,8 @@ def decode_benchmarks(
     """Every turn of every benchmark prompt, one request each, in order; what was skipped, per benchmark and reason.
 
     User turns only, as the target's chat template renders them with its generation prompt. A later turn is
-    asked after the target's OWN reply to the turn before (its plain greedy decoding, decoded to text), as
-    MT-Bench is run. A turn longer than `max_prompt_tokens` is skipped, and so is every later turn of it."""
+    asked after the target's OWN reply to the turn before (its plain greedy decoding, at most max_new_tokens, as
+    text), as MT-Bench is run. A turn longer than `max_prompt_tokens` is skipped, and so is every later turn of it."""
     results: list[PromptResult] = []
     skipped: dict[str, Counter] = {}
     bar = _bar(sum(len(b.turns) for b in benchmarks))
@@ -147,7 +147,7 @@ def decode_benchmarks(
             ids = render_prompt(chat, conversation)
             if len(ids) > max_prompt_tokens:
                 skipped.setdefault(item.benchmark, Counter())[TOO_LONG] += 1
-                skipped[item.benchmark][FIRST_TURN_SKIPPED] += len(item.turns) - turn
+                skipped[item.benchmark][EARLIER_TURN_SKIPPED] += len(item.turns) - turn
                 print(
                     f"evaluate: {item.locator} turn {turn} ({item.benchmark}): {len(ids)} prompt tokens > "
                     f"evaluate.max_prompt_tokens {max_prompt_tokens}: skipped"

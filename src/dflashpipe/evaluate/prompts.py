@@ -15,7 +15,7 @@ from dflashpipe.target.chat import ChatTokenizer
 
 HELD_OUT, TRAIN, BENCHMARK = "held_out", "train", "benchmark"
 TOO_LONG = "longer_than_max_prompt_tokens"
-FIRST_TURN_SKIPPED = "first_turn_skipped"
+EARLIER_TURN_SKIPPED = "earlier_turn_skipped"
 
 
 def split_file(manifest_dir: Path, split: str) -> str:
