@@ -66,7 +66,7 @@ def run_arm(project: Path, name: str, overrides: list[str], log: Path) -> dict:
     wall = time.perf_counter() - start
     if done.returncode:
         return {"arm": name, "overrides": overrides, "error": f"dvc exp run exited {done.returncode}; see {log}"}
-    ev = read_json(project / "metrics" / "eval.json")
+    ev = read_json(project / "metrics" / "detail" / "eval.json") or read_json(project / "metrics" / "eval.json")
     tr = read_json(project / "metrics" / "train" / "metrics.json")
     slots = tr.get("slot_accuracy") or {}
     return {

@@ -644,7 +644,16 @@ def section_decode(dry: bool, target_name: str, work: Path) -> dict:
         began = time.perf_counter()
         results = decode_prompts(target, drafter, prompts, new_tokens, [])
         decoding, _ = eval_metrics(results, drafter.config.block_size)
-        keep = ("tau", "speedup", "lossless", "contract", "decode_tokens_per_s", "new_tokens", "verify_steps")
+        keep = (
+            "tau",
+            "tau_pooled",
+            "speedup",
+            "lossless",
+            "contract",
+            "decode_tokens_per_s",
+            "new_tokens",
+            "verify_steps",
+        )
         runs[str(dtype).removeprefix("torch.")] = {
             **{k: decoding[k] for k in keep},
             "seconds": round(time.perf_counter() - began, 3),

@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the 
 from dflashpipe.core.pipeline import (  # noqa: E402
     BENCH_METRICS,
     DRAFTER,
+    EVAL_PROMPTS,
     MANIFEST,
     METRICS,
     TARGET,
@@ -18,12 +19,20 @@ from dflashpipe.core.pipeline import (  # noqa: E402
     TRAIN_METRICS,
 )
 from dflashpipe.core.stage import run_stage  # noqa: E402
-from dflashpipe.evaluate.evaluation import EvaluateInputs, evaluate_drafter  # noqa: E402
+from dflashpipe.evaluate.evaluation import EvaluateInputs, evaluate_drafter, read_benchmarks  # noqa: E402
 
 
 def evaluate(p) -> None:
+    # evaluate.benchmarks arrives with the benchmark readers (issue 46); without it, the held-out row alone
+    benchmarks, skipped = read_benchmarks(getattr(p.evaluate, "benchmarks", ()))
     evaluate_drafter(
-        EvaluateInputs(evaluate=p.evaluate, compute=p.compute, template_kwargs=p.target.chat_template_kwargs),
+        EvaluateInputs(
+            evaluate=p.evaluate,
+            compute=p.compute,
+            template_kwargs=p.target.chat_template_kwargs,
+            benchmarks=benchmarks,
+            benchmark_skipped=skipped,
+        ),
         DRAFTER,
         TARGET,
         MANIFEST,
@@ -31,6 +40,7 @@ def evaluate(p) -> None:
         BENCH_METRICS,
         METRICS,
         tokens_dir=TOKENS,
+        prompts_out=EVAL_PROMPTS,
     )
 
 

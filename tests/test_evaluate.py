@@ -305,7 +305,9 @@ def test_eval_metrics_split_train_from_held_out_and_profile_the_step():
         result(TRAIN, "a", [3, 1], 2.0),  # tau 3
     ]
     metrics, tables = eval_metrics(results, 4)
-    assert metrics["prompts"] == 3 and metrics["tau"] == round(16 / 7, 4)  # the held-out prompts alone
+    # the held-out prompts alone: the mean of their taus (the paper's count), and pooled over their steps
+    assert metrics["prompts"] == 3 and metrics["tau"] == round((4 / 3 + 4 + 2) / 3, 4)
+    assert metrics["tau_pooled"] == round(16 / 7, 4)
     assert metrics["tau_over_prompts"] == {
         "median": 2.0,
         "q1": 1.6667,
@@ -388,14 +390,20 @@ def test_the_regression_check_reads_the_baseline_through_git(tmp_path):
     commit_all(tmp_path, "two")
     (tmp_path / "metrics/eval.json").write_text("{}")  # the workspace's copy is not what is read
     baseline, commit, note = regression.read_baseline("HEAD", tmp_path)
-    assert baseline == {regression.EVAL_METRICS: old} and len(commit) == 40
+    # recorded before the detail file: its eval.json holds the detail's figures too, and is read for both
+    assert baseline == {regression.EVAL_METRICS: old, regression.EVAL_DETAIL: old} and len(commit) == 40
     assert note == f"metrics/eval.json at HEAD ({commit[:12]})"
     with pytest.raises(DflashpipeError, match="evaluate.baseline = 'no-such-rev'.*neither a git revision"):
         regression.read_baseline("no-such-rev", tmp_path)
 
     new = {**old, "tau": 1.9, "decode_tokens_per_s": {"speculative": 70.0}}
     del new["train_step"]
-    current = {regression.EVAL_METRICS: new, regression.BENCH_METRICS: {"tokens_per_s": 990.0}}
+    lean = {"tau": new["tau"]}
+    current = {
+        regression.EVAL_METRICS: lean,
+        regression.EVAL_DETAIL: new,
+        regression.BENCH_METRICS: {"tokens_per_s": 990.0},
+    }
     report = regression.compare(current, baseline, "HEAD", commit, "", max_regression=0.2)
     decode = report["metrics"]["decode_tokens_per_s"]
     assert decode == {
@@ -421,11 +429,10 @@ def test_the_regression_check_reads_the_baseline_through_git(tmp_path):
 
 
 def figures(decode: Spread, train: Spread, step: Spread) -> dict:
-    """Both metrics files of a run whose throughput figures carry these spreads."""
+    """The metrics files of a run whose throughput figures carry these spreads."""
     return {
-        regression.EVAL_METRICS: {
-            "tau": 2.0,
-            "speedup": 1.5,
+        regression.EVAL_METRICS: {"tau": 2.0, "speedup": 1.5},
+        regression.EVAL_DETAIL: {
             "decode_tokens_per_s": decode.record("speculative"),
             "train": train.record("tokens_per_s"),
         },
@@ -496,7 +503,7 @@ def test_dvc_repro_evaluate_writes_metrics_that_dvc_shows(pipeline_run, tmp_path
     out = (pipeline_run.parent / "repro.log").read_text()
     assert "Running stage 'evaluate'" in out and "baseline: no baseline" in out
     dvc_project = copy_project(pipeline_run, tmp_path / "project")  # its run is committed as HEAD
-    metrics = json.loads((dvc_project / METRICS / "eval.json").read_text())
+    metrics = json.loads((dvc_project / METRICS / "detail" / "eval.json").read_text())
     assert metrics["lossless"] is True and metrics["tau"] >= 1.0 and metrics["train"]["tokens_per_s"] > 0
     contract = metrics["contract"]  # float32: every prompt exact and equal to plain greedy decoding
     assert contract["departures"] == [] and contract["exact"] == contract["equal_to_plain"] == contract["prompts"] > 0
@@ -508,7 +515,7 @@ def test_dvc_repro_evaluate_writes_metrics_that_dvc_shows(pipeline_run, tmp_path
     assert train is not None and train.repeats >= 2
     shown = json.loads(run(["dvc", "metrics", "show", "--json"], dvc_project).stdout)
     assert "tau" in json.dumps(shown) and "metrics/eval.json" in json.dumps(shown)
-    for table in ("tau_per_source", "slot_acceptance", "speedup_per_prompt"):
+    for table in ("tau_per_source", "tau_per_benchmark", "slot_acceptance", "speedup_per_prompt"):
         assert json.loads((dvc_project / METRICS / "eval" / f"{table}.json").read_text())
 
     set_params(dvc_project, evaluate__max_new_tokens=10)
@@ -555,7 +562,7 @@ def test_a_proposal_accepted_too_many_fails_evaluate_naming_prompt_position_and_
     message = str(failed.value)
     assert "not the verify forward's argmax" in message and "left plain greedy decoding at position" in message
     assert "prompt " in message and "instead of" in message and "margin" in message, message
-    contract = json.loads((tmp_path / "metrics" / "eval.json").read_text())["contract"]
+    contract = json.loads((tmp_path / "metrics" / "detail" / "eval.json").read_text())["contract"]
     assert contract["bugs"] == contract["prompts"] and all(d["not_verified_at"] for d in contract["departures"])
 
 
@@ -589,3 +596,80 @@ def test_decoding_shows_its_progress_on_stderr(tiny, capsys):
     assert len(results) == len(tiny["prompts"])
     assert "evaluate: 100%" in err and f"{len(tiny['prompts'])}/{len(tiny['prompts'])}" in err, err
     assert "speculative" in err and "tok/s" in err, err  # the rates so far
+
+
+def test_a_second_turn_is_asked_after_the_targets_own_reply_and_a_long_turn_is_skipped(tiny, capsys):
+    """MT-Bench's way: turn 2 is rendered after the target's own (plain greedy) reply to turn 1, each turn one
+    request; a turn over evaluate.max_prompt_tokens is skipped, named on stderr, and takes its later turns with it."""
+    from dflashpipe.evaluate.benchmarks import BenchmarkPrompt
+    from dflashpipe.evaluate.evaluation import Decoding, decode_benchmarks, request_records
+    from dflashpipe.evaluate.prompts import BENCHMARK, render_prompt
+    from dflashpipe.target.adapter import Target
+
+    chat, long = tiny["chat"], "word " * 300
+    decoding = Decoding(Target.of(tiny["target"]), DFlashProposer(tiny["drafter"]), 12, tiny["stop"])
+    items = [
+        BenchmarkPrompt("mt", "81", "mt.jsonl:1", ("Say hello.", "Now say it twice.")),
+        BenchmarkPrompt("mt", "82", "mt.jsonl:2", (long, "Short.")),
+        BenchmarkPrompt("mt", "83", "mt.jsonl:3", ("Hi.", long)),
+    ]
+    results, skipped = decode_benchmarks(decoding, chat, items, max_prompt_tokens=200)
+    assert [(r.prompt.sample_id, r.prompt.turn) for r in results] == [("81", 1), ("81", 2), ("83", 1)]
+    assert skipped == {"mt": {"earlier_turn_skipped": 1, "longer_than_max_prompt_tokens": 2}}
+    err = capsys.readouterr().err
+    assert "mt.jsonl:2 turn 1 (mt)" in err and "and its 1 later turn(s)" in err and "mt.jsonl:3 turn 2 (mt)" in err
+    first, second = results[0], results[1]
+    reply = chat.tokenizer.decode(first.target.tokens, skip_special_tokens=True)
+    user = [{"role": "user", "content": "Say hello."}, {"role": "user", "content": "Now say it twice."}]
+    assert first.prompt.prompt_ids == render_prompt(chat, user[:1])
+    assert second.prompt.prompt_ids == render_prompt(chat, [user[0], {"role": "assistant", "content": reply}, user[1]])
+    assert reply and second.prompt.prompt_ids != render_prompt(
+        chat, [user[0], {"role": "assistant", "content": ""}, user[1]]
+    )
+    records = request_records(results)["prompts"]
+    assert [(r["benchmark"], r["id"], r["turn"], r["split"]) for r in records] == [
+        ("mt", "81", 1, BENCHMARK),
+        ("mt", "81", 2, BENCHMARK),
+        ("mt", "83", 1, BENCHMARK),
+    ]
+    assert records[1]["prompt_ids"] == second.prompt.prompt_ids
+
+
+def test_evaluate_writes_the_lean_metrics_the_detail_and_every_request_it_decoded(tiny, tmp_path):
+    from dflashpipe.core.artifacts import write_file_listing
+    from dflashpipe.core.params import ComputeParams, EvaluateParams
+    from dflashpipe.evaluate import evaluation
+    from dflashpipe.evaluate.benchmarks import BenchmarkPrompt
+
+    (tmp_path / "train.json").write_text(json.dumps({"tokens_per_s": 1.0, "compile": {}}))
+    inputs = evaluation.EvaluateInputs(
+        evaluate=EvaluateParams(
+            num_prompts=1, max_new_tokens=8, max_prompt_tokens=400, baseline="none", max_regression=0.2
+        ),
+        compute=ComputeParams(target_dtype="float32"),
+        benchmarks=[BenchmarkPrompt("mt", "81", "mt.jsonl:1", ("Say hello.", "Again."))],
+        benchmark_skipped={"mt": {"no_prompt_field": 1}},
+    )
+    work, drafter_dir = tiny["work"], tmp_path / "drafter"
+    tiny["drafter"].save_pretrained(drafter_dir, dtype=torch.bfloat16)
+    write_file_listing(drafter_dir)
+    detail = evaluation.evaluate_drafter(
+        inputs, drafter_dir, work / "target", work / "manifest", tmp_path / "train.json",
+        tmp_path / "bench.json", tmp_path / "metrics", root=tmp_path, prompts_out=tmp_path / "eval" / "prompts.json",
+    )  # fmt: skip
+    lean = json.loads((tmp_path / "metrics" / "eval.json").read_text())
+    assert set(lean) == {"tau", "tau_pooled", "speedup", "floor_tau", "lossless", "benchmarks"}
+    assert set(lean["benchmarks"]) == {"held_out", "mt"} and lean["tau"] == lean["benchmarks"]["held_out"]["tau"]
+    assert json.loads((tmp_path / "metrics" / "detail" / "eval.json").read_text()) == json.loads(json.dumps(detail))
+    row = detail["benchmarks"]["mt"]
+    assert row["requests"] == 2 and row["thinking"] == "template default" and row["max_new_tokens"] == 8
+    assert row["skipped"] == {"no_prompt_field": 1} and "tau" in detail["definitions"]
+    decoded = json.loads((tmp_path / "eval" / "prompts.json").read_text())["prompts"]
+    splits = [(p["split"], p["benchmark"], p["turn"]) for p in decoded]
+    held = detail["prompts"]
+    assert splits[:held] == [("held_out", "held_out", 1)] * held and splits[-2:] == [
+        ("benchmark", "mt", 1),
+        ("benchmark", "mt", 2),
+    ]
+    assert all(p["prompt_ids"] and all(isinstance(t, int) for t in p["prompt_ids"]) for p in decoded)
+    assert (tmp_path / "metrics" / "eval" / "tau_per_benchmark.png").is_file()

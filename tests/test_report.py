@@ -13,6 +13,7 @@ import yaml
 
 from dflashpipe.commands.explain import StageVerdict
 from dflashpipe.commands.report.build import _axes, _chart_spec, _spread
+from dflashpipe.commands.report.contents import RunReport
 from dflashpipe.core import plots
 from tests.conftest import copy_project, run, set_params
 
@@ -51,6 +52,38 @@ def test_spread_is_min_median_max_or_single(tmp_path):
     assert _spread(tmp_path, ("absent.json", "speedup", "prompt")) == "single measurement"
 
 
+def test_the_benchmark_table_is_the_papers_layout_with_the_served_tau_beside_ours(tmp_path):
+    from dflashpipe.commands.report.build import benchmark_table
+    from dflashpipe.commands.report.page import to_markdown_page
+    from dflashpipe.evaluate.metrics import DEFINITIONS
+
+    def row(tau: float, requests: int) -> dict:
+        accepted = {"1": 0.25, "2": 0.125, "3": 0.0, "4": 0.0}
+        common = {"max_new_tokens": 32, "thinking": "template default", "acceptance_per_position": accepted}
+        return {"tau": tau, "tau_pooled": tau - 0.01, "speedup": 0.9, "requests": requests, **common}
+
+    assert benchmark_table(tmp_path) is None  # evaluate has not run
+    detail = {"definitions": DEFINITIONS, "benchmarks": {"held_out": row(1.1, 8), "mt_bench": row(1.2, 160)}}
+    (tmp_path / "metrics" / "detail").mkdir(parents=True)
+    (tmp_path / "metrics" / "detail" / "eval.json").write_text(json.dumps(detail))
+    (tmp_path / "metrics" / "serve.json").write_text(json.dumps({"benchmarks": {"mt_bench": {"tau": 1.19}}}))
+    table = benchmark_table(tmp_path)
+    lines = table.lines()
+    assert lines[0].split() == [
+        "benchmark", "tau", "tau", "pooled", "speedup", "accept@1", "accept@2", "accept@3", "requests", "served", "tau"
+    ]  # fmt: skip
+    assert lines[1].split() == ["held_out", "1.100", "1.090", "0.900", "0.250", "0.125", "0.000", "8", "-"]
+    assert lines[2].split() == ["mt_bench", "1.200", "1.190", "0.900", "0.250", "0.125", "0.000", "160", "1.190"]
+    assert len({len(line) for line in lines[:3]}) == 1  # aligned columns
+    notes = lines[3:]
+    assert notes[0] == f"tau: {DEFINITIONS['tau']}" and any(n.startswith("tau_pooled: ") for n in notes)
+    assert notes[-1] == "generation: at most 32 new tokens, template default"
+    page = RunReport("rev", [], [], [], [], "", benchmarks=table)
+    text, _ = to_markdown_page(page, "images")
+    assert "| mt_bench | 1.200 | 1.190 | 0.900 | 0.250 | 0.125 | 0.000 | 160 | 1.190 |" in text
+    assert f"- tau: {DEFINITIONS['tau']}" in text
+
+
 @pytest.fixture
 def project(pipeline_run, tmp_path):
     return copy_project(pipeline_run, tmp_path / "project")
@@ -69,7 +102,7 @@ def test_report_of_a_run_has_dag_metrics_plots_and_no_network_url(project):
     assert list(verdicts) == stages  # dvc.yaml order
     assert verdicts == {s: StageVerdict.ALWAYS if s == "fingerprint" else StageVerdict.UNCHANGED for s in stages}
 
-    metrics = json.loads((project / "metrics" / "eval.json").read_text())
+    metrics = json.loads((project / "metrics" / "detail" / "eval.json").read_text())
     for value in (
         metrics["tau"],
         metrics["speedup"],

@@ -183,10 +183,14 @@ def report(
     out: str = typer.Option(None, "--out", help="Where to write (default report.html, or report.md with --md)."),
     as_md: bool = typer.Option(False, "--md", help="Markdown plus an images folder beside it, instead of HTML."),
 ) -> None:
-    """One self-contained page for the current state: the DAG's verdicts, headline metrics, plots, explain."""
-    from dflashpipe.commands.report.build import write_report
+    """One self-contained page for the current state: the DAG's verdicts, headline metrics, the per-benchmark
+    table (printed here too), plots, explain."""
+    from dflashpipe.commands.report.build import benchmark_table, write_report
 
     path = write_report(".", out, as_md)
+    table = benchmark_table(".")
+    if table is not None:
+        typer.echo("\n".join(table.lines()))
     typer.echo(f"wrote {path}")
 
 

@@ -14,6 +14,8 @@ import yaml
 from dflashpipe.core.pipeline import (
     COMPILE,
     DRAFTER,
+    EVAL_DETAIL,
+    EVAL_PROMPTS,
     FEATURES,
     FEATURES_METRICS,
     FINGERPRINT,
@@ -64,8 +66,12 @@ OUTPUTS = {
     "proof": {METRICS / "proof.json": TIMED},  # its tau is exact; its seconds are timings
     "evaluate": {
         METRICS / "eval.json": TIMED,
+        EVAL_DETAIL: TIMED,
+        EVAL_PROMPTS: BYTES,  # the exact token ids decoded: a second turn's holds the target's greedy reply
         METRICS / "eval_regression.json": TIMED,
         EVAL / "tau_per_source.json": BYTES,
+        EVAL / "tau_per_benchmark.json": BYTES,
+        EVAL / "tau_per_benchmark.png": BYTES,
         EVAL / "slot_acceptance.json": BYTES,
         EVAL / "tau_per_source.png": BYTES,
         EVAL / "slot_acceptance.png": BYTES,

@@ -405,6 +405,7 @@ def test_evaluate_killed_at_three_points_loses_nothing(finished, tmp_path):
         log,
         (
             METRICS / "eval.json",
+            METRICS / "detail" / "eval.json",  # written before eval.json: the lean file last
             METRICS / "eval_regression.json",
             *(EVAL / f"{table}.json" for table in ("tau_per_source", "slot_acceptance", "speedup_per_prompt")),
         ),

@@ -7,6 +7,8 @@ reruns bench (kernels, shapes) stay apart."""
 from __future__ import annotations
 
 import json
+import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,9 +22,19 @@ from dflashpipe.core.params import ComputeParams, EvaluateParams
 from dflashpipe.core.spread import SUFFIX, Measuring
 from dflashpipe.core.threads import thread_budget
 from dflashpipe.evaluate import lossless, regression
+from dflashpipe.evaluate.benchmarks import BenchmarkPrompt, read_benchmark
 from dflashpipe.evaluate.floor import bigram_floor, bigram_table
-from dflashpipe.evaluate.metrics import PromptResult, eval_metrics, write_plot_tables
-from dflashpipe.evaluate.prompts import TRAIN, EvalPrompt, eval_prompts
+from dflashpipe.evaluate.metrics import DEFINITIONS, PromptResult, eval_metrics, lean_metrics, write_plot_tables
+from dflashpipe.evaluate.prompts import (
+    BENCHMARK,
+    EARLIER_TURN_SKIPPED,
+    HELD_OUT,
+    TOO_LONG,
+    TRAIN,
+    EvalPrompt,
+    eval_prompts,
+    render_prompt,
+)
 from dflashpipe.evaluate.speculative import (
     DFlashProposer,
     prefill,
@@ -31,6 +43,7 @@ from dflashpipe.evaluate.speculative import (
 )
 from dflashpipe.model import DFlashDrafter, TargetHead
 from dflashpipe.target.adapter import Target
+from dflashpipe.target.chat import ChatTokenizer
 from dflashpipe.target.dtype import compute_dtype
 
 
@@ -40,6 +53,50 @@ class EvaluateInputs:
     compute: ComputeParams
     template_kwargs: dict = field(default_factory=dict)
     """target.chat_template_kwargs: the prompts are rendered as regenerate and tokenize render them."""
+    benchmarks: list[BenchmarkPrompt] = field(default_factory=list)
+    """evaluate.benchmarks' prompts (read_benchmarks), each benchmark a row of its own."""
+    benchmark_skipped: dict[str, dict[str, int]] = field(default_factory=dict)
+    """What the benchmark readers skipped, per benchmark and reason."""
+
+
+@dataclass
+class Decoding:
+    """What decoding one request needs besides its prompt: the two models, the stop tokens and the budget."""
+
+    target: Target
+    proposer: DFlashProposer
+    max_new_tokens: int
+    stop: list[int]
+    draft_tokens: int = 0
+    fastest: Target | None = None
+    """The target in the dtype this device decodes fastest in, when `target` computes in another; its plain
+    decoding is then what speedup divides by (the lossless contract still compares `target`'s own)."""
+
+    def warm(self, prompt: EvalPrompt) -> None:
+        """One untimed run, so that first-call costs (allocator, kernels) land in no measurement."""
+        target, budget = self.target, min(self.max_new_tokens, 8)
+        start = prefill(target, prompt.prompt_ids, self.proposer.target_layer_ids)
+        target_generate(target, start.fork(), budget, self.stop)
+        if self.fastest is not None:
+            target_generate(self.fastest, prefill(self.fastest, prompt.prompt_ids), budget, self.stop)
+        speculative_generate(target, self.proposer, start, budget, self.stop, draft_tokens=self.draft_tokens)
+
+    def decode(self, prompt: EvalPrompt) -> PromptResult:
+        """One prefill, then target-only greedy and speculative decoding from copies of it.
+
+        The speculative run is profiled (STEP_PARTS) in the same run on the CPU, where reading the clock costs
+        nothing; on CUDA the profile's syncs would slow the timed run, so an extra run is profiled instead."""
+        target, proposer, n, stop, k = self.target, self.proposer, self.max_new_tokens, self.stop, self.draft_tokens
+        inline = target.device.type != "cuda"
+        start = prefill(target, prompt.prompt_ids, proposer.target_layer_ids)
+        baseline = target_generate(target, start.fork(), n, stop)
+        profiled = None if inline else speculative_generate(target, proposer, start.fork(), n, stop, True, k)
+        speculative = speculative_generate(target, proposer, start, n, stop, inline, k)
+        if profiled is not None:
+            speculative.profile = profiled.profile
+        fastest = self.fastest
+        plain = None if fastest is None else target_generate(fastest, prefill(fastest, prompt.prompt_ids), n, stop)
+        return PromptResult(prompt, baseline, speculative, target.dtype, plain, fastest and fastest.dtype)
 
 
 def decode_prompts(
@@ -51,44 +108,96 @@ def decode_prompts(
     draft_tokens: int = 0,
     fastest: Target | None = None,
 ) -> list[PromptResult]:
-    """Each prompt: one prefill, then target-only greedy and speculative decoding from copies of it.
+    """Each prompt decoded both ways (Decoding.decode), in order, after one untimed warm-up run."""
+    decoding = Decoding(Target.of(target), DFlashProposer(drafter), max_new_tokens, stop, draft_tokens, fastest)
+    if prompts:
+        decoding.warm(prompts[0])
+    bar = _bar(len(prompts))
+    return [_progress(bar, decoding.decode(p)) for p in prompts]
 
-    The speculative run is profiled (STEP_PARTS) in the same run on the CPU, where reading the clock costs
-    nothing; on CUDA the profile's syncs would slow the timed run, so an extra run is profiled instead.
-    `fastest`: the target in the dtype this device decodes fastest in, when `target` computes in another; its
-    plain decoding is then what speedup divides by (the lossless contract still compares `target`'s own)."""
-    proposer, target = DFlashProposer(drafter), Target.of(target)
-    layers, inline = proposer.target_layer_ids, target.device.type != "cuda"
-    if prompts:  # one untimed run, so that first-call costs (allocator, kernels) land in no measurement
-        warm = prefill(target, prompts[0].prompt_ids, layers)
-        target_generate(target, warm.fork(), min(max_new_tokens, 8), stop)
-        if fastest is not None:
-            target_generate(fastest, prefill(fastest, prompts[0].prompt_ids), min(max_new_tokens, 8), stop)
-        speculative_generate(target, proposer, warm, min(max_new_tokens, 8), stop, draft_tokens=draft_tokens)
-    results = []
-    # progress on stderr, as regenerate and train show theirs: a prompt decodes twice (three times on CUDA)
-    bar = tqdm(prompts, desc="evaluate", unit="prompt", mininterval=1.0)
-    for prompt in bar:
-        start = prefill(target, prompt.prompt_ids, layers)
-        baseline = target_generate(target, start.fork(), max_new_tokens, stop)
-        profiled = (
-            None
-            if inline
-            else speculative_generate(target, proposer, start.fork(), max_new_tokens, stop, True, draft_tokens)
-        )
-        speculative = speculative_generate(target, proposer, start, max_new_tokens, stop, inline, draft_tokens)
-        if profiled is not None:
-            speculative.profile = profiled.profile
-        plain = (
-            None
-            if fastest is None
-            else target_generate(fastest, prefill(fastest, prompt.prompt_ids), max_new_tokens, stop)
-        )
-        results.append(PromptResult(prompt, baseline, speculative, target.dtype, plain, fastest and fastest.dtype))
-        rates = [run.decode_tokens / run.decode_s for run in (baseline, speculative) if run.decode_s > 0]
-        if len(rates) == 2:
-            bar.set_postfix_str(f"target {rates[0]:.1f} tok/s, speculative {rates[1]:.1f} tok/s", refresh=False)
-    return results
+
+def _bar(total: int) -> tqdm:
+    # progress on stderr, as regenerate and train show theirs: a request decodes twice (three times on CUDA)
+    return tqdm(total=total, desc="evaluate", unit="request", mininterval=1.0)
+
+
+def _progress(bar: tqdm, result: PromptResult) -> PromptResult:
+    rates = [run.decode_tokens / run.decode_s for run in (result.target, result.speculative) if run.decode_s > 0]
+    if len(rates) == 2:
+        bar.set_postfix_str(f"target {rates[0]:.1f} tok/s, speculative {rates[1]:.1f} tok/s", refresh=False)
+    bar.update()
+    return result
+
+
+def decode_benchmarks(
+    decoding: Decoding, chat: ChatTokenizer, benchmarks: list[BenchmarkPrompt], max_prompt_tokens: int
+) -> tuple[list[PromptResult], dict[str, dict[str, int]]]:
+    """Every turn of every benchmark prompt, one request each, in order; what was skipped, per benchmark and reason.
+
+    User turns only, as the target's chat template renders them with its generation prompt. A later turn is
+    asked after the target's OWN reply to the turn before (its plain greedy decoding, at most max_new_tokens, as
+    text), as MT-Bench is run. A turn longer than `max_prompt_tokens` is skipped, and so is every later turn of it."""
+    results: list[PromptResult] = []
+    skipped: dict[str, Counter] = {}
+    bar = _bar(sum(len(b.turns) for b in benchmarks))
+    for item in benchmarks:
+        conversation: list[dict[str, str]] = []
+        for turn, text in enumerate(item.turns, start=1):
+            conversation.append({"role": "user", "content": text})
+            ids = render_prompt(chat, conversation)
+            if len(ids) > max_prompt_tokens:
+                skipped.setdefault(item.benchmark, Counter())[TOO_LONG] += 1
+                skipped[item.benchmark][EARLIER_TURN_SKIPPED] += len(item.turns) - turn
+                print(
+                    f"evaluate: {item.locator} turn {turn} ({item.benchmark}): {len(ids)} prompt tokens > "
+                    f"evaluate.max_prompt_tokens {max_prompt_tokens}: skipped"
+                    + (f", and its {len(item.turns) - turn} later turn(s)" if turn < len(item.turns) else ""),
+                    file=sys.stderr,
+                    flush=True,
+                )
+                break
+            result = _progress(
+                bar, decoding.decode(EvalPrompt(item.id, item.benchmark, ids, BENCHMARK, item.benchmark, turn))
+            )
+            results.append(result)
+            reply = chat.tokenizer.decode(result.target.tokens, skip_special_tokens=True)
+            conversation.append({"role": "assistant", "content": reply})
+    counts = {b: {k: v for k, v in sorted(c.items()) if v} for b, c in sorted(skipped.items())}
+    return results, counts
+
+
+def read_benchmarks(specs, root: Path | str = ".") -> tuple[list[BenchmarkPrompt], dict[str, dict[str, int]]]:
+    """Every prompt of evaluate.benchmarks (BenchmarkSpec each), in params order, and what each reader skipped."""
+    prompts, skipped = [], {}
+    for spec in specs:
+        found, counts = read_benchmark(spec, root)
+        prompts += found
+        if counts:
+            skipped[spec.name] = dict(counts)
+    return prompts, skipped
+
+
+def thinking_setting(template_kwargs: dict) -> str:
+    """What the prompts were rendered with, as the table says it: Qwen3's enable_thinking, or the template's own."""
+    if "enable_thinking" in template_kwargs:
+        return f"enable_thinking={str(template_kwargs['enable_thinking']).lower()}"
+    return "template default"
+
+
+def request_records(results: list[PromptResult]) -> dict:
+    """data/eval/prompts.json: every request decoded, in decode order, with the exact token ids it decoded."""
+    return {
+        "prompts": [
+            {
+                "benchmark": r.prompt.benchmark,
+                "id": r.prompt.sample_id,
+                "turn": r.prompt.turn,
+                "split": r.prompt.split,
+                "prompt_ids": list(r.prompt.prompt_ids),
+            }
+            for r in results
+        ]
+    }
 
 
 def check_contract(contract: dict) -> None:
@@ -142,12 +251,15 @@ def evaluate_drafter(
     root: Path | str = ".",
     device: str | None = None,
     tokens_dir: Path | str | None = None,
+    prompts_out: Path | str | None = None,
 ) -> dict:
-    """Write metrics/eval.json, metrics/eval_regression.json and the plot tables; return the eval metrics.
+    """Write metrics/eval.json (contract 3's keys), metrics/detail/eval.json (the rest, with each figure's
+    definition), metrics/eval_regression.json and the plot tables; return the detail.
 
     `bench_metrics` (metrics/bench.json) is read for the regression check only; missing, its figure is
     reported as not measured. `tokens_dir` (data/tokens): the training tokens the bigram floor is counted on
-    (evaluate.floor); None records no floor."""
+    (evaluate.floor); None records no floor. `prompts_out` (data/eval/prompts.json): every request decoded, with
+    its exact token ids, for the served check to replay; None writes none."""
     from dflashpipe.target.chat import load_chat_tokenizer
 
     p = inputs.evaluate
@@ -186,17 +298,25 @@ def evaluate_drafter(
         )
     verified = p.draft_tokens + 1 if p.draft_tokens else block_size  # positions of a verify forward
     stop = target.stop_token_ids(chat.tokenizer)  # the same end of turn as regeneration
+    decoding = Decoding(target, DFlashProposer(drafter), p.max_new_tokens, stop, p.draft_tokens, fastest)
     with Measuring(device) as window:  # what the machine gave the decoding, and the control beside it
-        results = decode_prompts(
-            target, drafter, prompts + train_prompts, p.max_new_tokens, stop, p.draft_tokens, fastest
-        )
-    decoding, tables = eval_metrics(results, verified, window.busy)
+        decoding.warm(prompts[0])
+        bar = _bar(len(prompts) + len(train_prompts))
+        results = [_progress(bar, decoding.decode(q)) for q in prompts + train_prompts]
+        bench_results, bench_skipped = decode_benchmarks(decoding, chat, inputs.benchmarks, p.max_prompt_tokens)
+    results += bench_results
+    decoding_metrics, tables = eval_metrics(results, verified, window.busy, p.max_new_tokens)
     if tokens_dir is not None:  # on the held-out prompts' plain greedy outputs, as the headline figures are
-        held_out = [r.target.tokens for r in results if r.prompt.split != TRAIN]
-        decoding["floor"] = {"bigram": bigram_floor(*bigram_table(tokens_dir), held_out, verified)}
-    metrics_dir.mkdir(parents=True, exist_ok=True)
-    metrics = {
-        **decoding,
+        held_out = [r.target.tokens for r in results if r.prompt.split == HELD_OUT]
+        decoding_metrics["floor"] = {"bigram": bigram_floor(*bigram_table(tokens_dir), held_out, verified)}
+    thinking = thinking_setting(inputs.template_kwargs)
+    for name, row in decoding_metrics["benchmarks"].items():
+        row["thinking"] = thinking
+        counts = {**inputs.benchmark_skipped.get(name, {}), **bench_skipped.get(name, {})}
+        row["skipped"] = skipped if name == HELD_OUT else dict(sorted(counts.items()))
+    detail = {
+        "definitions": DEFINITIONS,
+        **decoding_metrics,
         "skipped_prompts": skipped,
         "train": train,
         "threads": threads.to_json(),
@@ -208,14 +328,32 @@ def evaluate_drafter(
             "device": device.type,
             "target_dtype": str(target.dtype).removeprefix("torch."),
             "temperature": 0,
+            "thinking": thinking,
         },
     }
-    current = {regression.EVAL_METRICS: metrics, regression.BENCH_METRICS: regression.read_current(bench_metrics)}
+    lean = lean_metrics(detail)
+    current = {
+        regression.EVAL_METRICS: lean,
+        regression.EVAL_DETAIL: detail,
+        regression.BENCH_METRICS: regression.read_current(bench_metrics),
+    }
     baseline, commit, note = regression.read_baseline(p.baseline, root)
     report = regression.compare(current, baseline, p.baseline, commit, note, p.max_regression)
     write_plot_tables(tables, metrics_dir)
-    write_json_atomic(metrics_dir / "eval.json", metrics)
+    if prompts_out is not None:
+        write_json_atomic(Path(prompts_out), request_records(results))
+    write_json_atomic(metrics_dir / "detail" / "eval.json", detail)
+    write_json_atomic(metrics_dir / "eval.json", lean)
     write_json_atomic(metrics_dir / "eval_regression.json", report)
+    _print_summary(detail, note)
+    for line in regression.regression_lines(report):
+        print(line, flush=True)
+    regression.check(report, p.fail_on_regression)
+    check_contract(detail["contract"])
+    return detail
+
+
+def _print_summary(metrics: dict, note: str) -> None:
     sides, profile = metrics["train_vs_held_out"], metrics["step_profile"]
     if "floor" in metrics:
         print(
@@ -225,20 +363,18 @@ def evaluate_drafter(
             flush=True,
         )
     print(
-        f"evaluate: {metrics['prompts']} held-out prompts, tau {metrics['tau']:.3f}, "
-        f"speedup {metrics['speedup']:.3f}x (against plain decoding in {metrics['baseline']['dtype']}), "
-        f"decode {metrics['decode_tokens_per_s']['speculative']:.1f} tok/s (target alone "
-        f"{metrics['decode_tokens_per_s']['target']:.1f}), lossless: {metrics['lossless']}; baseline: {note}",
+        f"evaluate: {metrics['prompts']} held-out prompts, tau {metrics['tau']:.3f} (pooled "
+        f"{metrics['tau_pooled']:.3f}), speedup {metrics['speedup']:.3f}x (against plain decoding in "
+        f"{metrics['baseline']['dtype']}), decode {metrics['decode_tokens_per_s']['speculative']:.1f} tok/s (target "
+        f"alone {metrics['decode_tokens_per_s']['target']:.1f}), lossless: {metrics['lossless']}; baseline: {note}",
         flush=True,
     )
+    for name, row in metrics["benchmarks"].items():
+        low, high = row["tau_interval_95"]
+        print(f"evaluate: {name}: {row['requests']} requests, tau {row['tau']:.3f} [{low:.3f}, {high:.3f}]", flush=True)
     print(
         f"evaluate: {sides['train']['prompts']} training prompts, tau {sides['train']['tau']:.3f} "
         f"(held-out {sides['held_out']['tau']:.3f}, gap {sides['gap']['tau']:+.3f}); a verify step costs "
         f"{profile.get('step_over_decode_step', 0.0):.2f} plain decode steps",
         flush=True,
     )
-    for line in regression.regression_lines(report):
-        print(line, flush=True)
-    regression.check(report, p.fail_on_regression)
-    check_contract(metrics["contract"])
-    return metrics

@@ -13,7 +13,9 @@ from pathlib import Path
 from dflashpipe.core.errors import SourceError
 from dflashpipe.target.chat import ChatTokenizer
 
-HELD_OUT, TRAIN = "held_out", "train"
+HELD_OUT, TRAIN, BENCHMARK = "held_out", "train", "benchmark"
+TOO_LONG = "longer_than_max_prompt_tokens"
+EARLIER_TURN_SKIPPED = "earlier_turn_skipped"
 
 
 def split_file(manifest_dir: Path, split: str) -> str:
@@ -39,7 +41,16 @@ class EvalPrompt:
     source: str
     prompt_ids: list[int]
     split: str = HELD_OUT
-    """HELD_OUT (the eval split) or TRAIN (the first training shard)."""
+    """HELD_OUT (the eval split), TRAIN (the first training shard) or BENCHMARK (evaluate.benchmarks)."""
+    benchmark: str = HELD_OUT
+    """The table row it counts in: a benchmark's name, or its split's."""
+    turn: int = 1
+    """Which user turn of its conversation (2: asked after the target's own reply to turn 1)."""
+
+
+def render_prompt(chat: ChatTokenizer, conversation: list[dict[str, str]]) -> list[int]:
+    """The token ids of `conversation` as the target sees it: its chat template, with the generation prompt."""
+    return chat.backend.encode(chat.render(conversation, add_generation_prompt=True), add_special_tokens=False).ids
 
 
 def read_eval_split(manifest_dir: Path | str, split: str = HELD_OUT) -> list[dict]:
@@ -97,11 +108,10 @@ def eval_prompts(
         if last == 0:
             skipped.setdefault(source, Counter())["no_prompt_before_an_assistant_turn"] += 1
             continue
-        text = chat.render(turns[:last], add_generation_prompt=True)
-        ids = chat.backend.encode(text, add_special_tokens=False).ids
+        ids = render_prompt(chat, turns[:last])
         if len(ids) > max_prompt_tokens:
-            skipped.setdefault(source, Counter())["longer_than_max_prompt_tokens"] += 1
+            skipped.setdefault(source, Counter())[TOO_LONG] += 1
             continue
         taken[source] += 1
-        prompts.append(EvalPrompt(row["id"], source, ids, split))
+        prompts.append(EvalPrompt(row["id"], source, ids, split, split))
     return prompts, {s: dict(sorted(c.items())) for s, c in sorted(skipped.items())}

@@ -23,8 +23,9 @@ from dflashpipe.core.errors import DflashpipeError, SourceError
 from dflashpipe.core.revision import Revisions, no_commit_reason, read_json
 
 EVAL_METRICS = "metrics/eval.json"
+EVAL_DETAIL = "metrics/detail/eval.json"
 BENCH_METRICS = "metrics/bench.json"
-BASELINE_FILES = (EVAL_METRICS, BENCH_METRICS)
+BASELINE_FILES = (EVAL_METRICS, EVAL_DETAIL, BENCH_METRICS)
 
 HEADLINE = headlines.checked()
 """name -> (metrics file, path in it, is a throughput), from the one headline list. Only a throughput drop can
@@ -77,7 +78,10 @@ def read_baseline(revision: str, root: Path | str = ".") -> tuple[dict | None, s
                 found[file] = content
     if EVAL_METRICS not in found:
         return None, commit, f"no baseline: {at} has no {EVAL_METRICS}"
-    return found, commit, f"{' and '.join(sorted(found))} at {at}"
+    note = f"{' and '.join(sorted(found))} at {at}"
+    # a baseline from before the detail file kept every figure in metrics/eval.json
+    found.setdefault(EVAL_DETAIL, found[EVAL_METRICS])
+    return found, commit, note
 
 
 def _node(metrics: dict | None, path: tuple[str, ...]) -> dict | None:

@@ -15,7 +15,7 @@ def export_drafter(out_dir: Path | str, root: Path | str = ".") -> Path:
     card that also names the git revision, dvc.lock's sha256 and tau/speedup from metrics/eval.json, and a
     files.json of what was written."""
     from dflashpipe.core.artifacts import atomic_directory, verify_file_listing, write_file_listing
-    from dflashpipe.core.pipeline import EVAL_METRICS, TARGET, TOKENS
+    from dflashpipe.core.pipeline import EVAL_DETAIL, EVAL_METRICS, TARGET, TOKENS
     from dflashpipe.train.card import LOCK_FILE, locked_train_params, provenance, read_json, write_model_card
 
     root = Path(root)
@@ -23,7 +23,8 @@ def export_drafter(out_dir: Path | str, root: Path | str = ".") -> Path:
     verify_file_listing(drafter, f"restore it with `dvc checkout {DRAFTER}` or rerun `dvc repro train`", SourceError)
     if not (root / LOCK_FILE).is_file():
         raise SourceError(f"{root / LOCK_FILE} not found: run `dvc repro` before exporting")
-    evaluation = read_json(root / EVAL_METRICS) or None
+    # the detail holds the card's setup and rates; a revision from before it kept them in metrics/eval.json
+    evaluation = read_json(root / EVAL_DETAIL) or read_json(root / EVAL_METRICS) or None
     with atomic_directory(Path(out_dir)) as tmp:
         write_served_files(drafter, root / TARGET, tmp)
         write_model_card(

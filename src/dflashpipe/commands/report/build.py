@@ -22,13 +22,13 @@ from typing import Any
 
 from dflashpipe.commands.explain import WORKSPACE, Report, explain, to_markdown
 from dflashpipe.commands.explain.render import verdict_reason
-from dflashpipe.commands.report.contents import Chart, Headline, RunReport
+from dflashpipe.commands.report.contents import BenchmarkTable, Chart, Headline, RunReport
 from dflashpipe.commands.report.page import to_html, to_markdown_page
 from dflashpipe.core import plots
 from dflashpipe.core.artifacts import write_bytes_atomic
 from dflashpipe.core.errors import DflashpipeError
 from dflashpipe.core.headlines import HEADLINES, SLOT_ACCURACY
-from dflashpipe.core.pipeline import METRICS, Pipeline
+from dflashpipe.core.pipeline import EVAL_DETAIL, EVAL_METRICS, METRICS, SERVE_METRICS, Pipeline
 from dflashpipe.core.revision import commit_of
 
 SINGLE = "single measurement"
@@ -53,7 +53,42 @@ def build(root: str | Path = ".") -> RunReport:
         images=[(str(p.relative_to(root)), p.read_bytes()) for p in sorted((root / METRICS).rglob("*.png"))],
         explain_md=to_markdown(explained, full=True) if explained else f"explain HEAD vs workspace failed: {error}\n",
         error=error,
+        benchmarks=benchmark_table(root),
     )
+
+
+POSITIONS = ("1", "2", "3")
+TABLE_NOTES = ("tau", "tau_pooled", "speedup", "acceptance_per_position", "requests")
+
+
+def benchmark_table(root: str | Path = ".") -> BenchmarkTable | None:
+    """The DFlash paper's table from evaluate's detail (metrics/detail/eval.json) and, where the served check
+    ran, vLLM's tau per benchmark (metrics/serve.json); None where evaluate has written no rows."""
+    root = Path(root)
+    detail = _read_json(root / EVAL_DETAIL) or _read_json(root / EVAL_METRICS)
+    rows = _lookup(detail, "benchmarks")
+    if not isinstance(rows, dict) or not rows:
+        return None
+    served = _lookup(_read_json(root / SERVE_METRICS), "benchmarks") or {}
+    columns = ["benchmark", "tau", "tau pooled", "speedup", *(f"accept@{k}" for k in POSITIONS), "requests"]
+    columns.append("served tau")
+    table = []
+    for name, row in rows.items():
+        accepted = row.get("acceptance_per_position") or {}
+        figures = [row.get("tau"), row.get("tau_pooled"), row.get("speedup"), *(accepted.get(k) for k in POSITIONS)]
+        theirs = _lookup(served, f"{name}.tau") if isinstance(served, dict) else None
+        table.append([name, *map(_figure, figures), str(row.get("requests", "-")), _figure(theirs)])
+    definitions = _lookup(detail, "definitions") or {}
+    notes = [f"{key}: {definitions[key]}" for key in TABLE_NOTES if key in definitions]
+    notes.append(f"served tau: vLLM's mean acceptance length on the same requests ({SERVE_METRICS}); -: not served")
+    first = next(iter(rows.values()))
+    notes.append(f"generation: at most {first.get('max_new_tokens', '?')} new tokens, {first.get('thinking', '?')}")
+    return BenchmarkTable(columns, table, notes)
+
+
+def _figure(value: Any) -> str:
+    number = _float(value)
+    return "-" if number is None else f"{number:.3f}"
 
 
 def _revision(root: Path) -> str:

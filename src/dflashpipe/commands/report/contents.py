@@ -29,6 +29,25 @@ class Chart:
 
 
 @dataclass
+class BenchmarkTable:
+    """Rows = benchmarks, columns = the paper's figures, and one line per definition to say under it."""
+
+    columns: list[str]
+    rows: list[list[str]]
+    notes: list[str]
+
+    def lines(self) -> list[str]:
+        """The table as aligned plain text, its notes below: what `dflashpipe report` prints."""
+        cells = [self.columns, *self.rows]
+        widths = [max(len(row[i]) for row in cells) for i in range(len(self.columns))]
+        text = [
+            "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+            for row in cells
+        ]
+        return [line.rstrip() for line in text] + self.notes
+
+
+@dataclass
 class RunReport:
     revision: str
     stages: list[tuple[str, str, str, str]]
@@ -38,3 +57,5 @@ class RunReport:
     images: list[tuple[str, bytes]]
     explain_md: str
     error: str = ""
+    benchmarks: BenchmarkTable | None = None
+    """The per-benchmark table (the DFlash paper's layout); None where evaluate has not run."""

@@ -38,6 +38,8 @@ def _value(v: Any) -> str:
     return json.dumps(v) if not isinstance(v, str) else v
 
 
+BENCHMARKS = "Acceptance per benchmark (the DFlash paper's table)"
+
 Cell = tuple[str, str]
 """A table cell: its text and its HTML class ("b": the value itself, bold in HTML and in Markdown)."""
 
@@ -82,6 +84,11 @@ def to_html(r: RunReport) -> str:
         out += [f"<h2>{e(heading)}</h2>", "<table><tr>" + "".join(f"<th>{e(c)}</th>" for c in columns) + "</tr>"]
         out += ["<tr>" + "".join(_td(text, cls) for text, cls in row) + "</tr>" for row in rows]
         out.append("</table>")
+    if r.benchmarks is not None:
+        b = r.benchmarks
+        out += [f"<h2>{e(BENCHMARKS)}</h2>", "<table><tr>" + "".join(f"<th>{e(c)}</th>" for c in b.columns) + "</tr>"]
+        out += ["<tr>" + "".join(_td(text, "") for text in row) + "</tr>" for row in b.rows]
+        out += ["</table>", *(f'<p class="meta">{e(note)}</p>' for note in b.notes)]
     out.append("<h2>Plots</h2>")
     if not r.images and not r.charts:
         out.append("<p>no plots found under metrics/</p>")
@@ -112,6 +119,11 @@ def to_markdown_page(r: RunReport, images_dir: str) -> tuple[str, dict[str, byte
     for heading, columns, rows in _tables(r):
         lines += [f"## {heading}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         lines += ["| " + " | ".join(_cell(text, cls) for text, cls in row) + " |" for row in rows] + [""]
+    if r.benchmarks is not None:
+        b = r.benchmarks
+        lines += [f"## {BENCHMARKS}", "", "| " + " | ".join(b.columns) + " |", "|" + "---|" * len(b.columns)]
+        lines += ["| " + " | ".join(_cell(text) for text in row) + " |" for row in b.rows] + [""]
+        lines += [f"- {note}" for note in b.notes] + [""]
     lines += ["## Plots", ""]
     if not r.images and not r.charts:
         lines.append("no plots found under metrics/")
