@@ -50,8 +50,8 @@ class HeadlineSpec:
 
 HEADLINES: list[HeadlineSpec] = [
     HeadlineSpec("tau (accepted tokens per verify step)", EVAL, "tau", (PER_PROMPT, "tau", "prompt"), check="tau"),
-    # vLLM's mean acceptance length on the same prompts (the served check; absent where it did not run)
-    HeadlineSpec("served tau (vLLM's mean acceptance length)", SERVE, "tau"),
+    # vLLM's on the same prompts, counted as evaluate's (the served check; absent where it did not run)
+    HeadlineSpec("served tau (vLLM's, counted as evaluate's)", SERVE, "tau"),
     HeadlineSpec(
         "speedup (speculative vs target alone)",
         EVAL,

@@ -44,6 +44,8 @@ COMPILE = Path("data/compile")
 DRAFTER = Path("data/drafter")
 TRAIN_STATE = Path("data/train-state")
 METRICS = Path("metrics")
+DETAIL = METRICS / "detail"
+EVAL_PROMPTS = Path("data/eval/prompts.json")
 MANIFEST_METRICS = METRICS / "manifest.json"
 REGENERATE_METRICS = METRICS / "regenerate.json"
 TOKENIZE_METRICS = METRICS / "tokenize.json"
@@ -53,6 +55,7 @@ TRAIN_METRICS = TRAIN_METRICS_DIR / "metrics.json"
 EVAL_METRICS = METRICS / "eval.json"
 BENCH_METRICS = METRICS / "bench.json"
 SERVE_METRICS = METRICS / "serve.json"
+SERVE_DETAIL = DETAIL / "serve.json"
 PROOF_METRICS = METRICS / "proof.json"
 
 MISSING = "missing"
