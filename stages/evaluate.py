@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the 
 from dflashpipe.core.pipeline import (  # noqa: E402
     BENCH_METRICS,
     DRAFTER,
+    EVAL_PROMPTS,
     MANIFEST,
     METRICS,
     TARGET,
@@ -31,6 +32,7 @@ def evaluate(p) -> None:
         BENCH_METRICS,
         METRICS,
         tokens_dir=TOKENS,
+        prompts_out=EVAL_PROMPTS,
     )
 
 

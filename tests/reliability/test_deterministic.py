@@ -14,6 +14,7 @@ import yaml
 from dflashpipe.core.pipeline import (
     COMPILE,
     DRAFTER,
+    EVAL_PROMPTS,
     FEATURES,
     FEATURES_METRICS,
     FINGERPRINT,
@@ -71,6 +72,7 @@ OUTPUTS = {
         EVAL / "tau_per_source.png": BYTES,
         EVAL / "slot_acceptance.png": BYTES,
         EVAL / "speedup_per_prompt.json": TIMED,
+        EVAL_PROMPTS: BYTES,
     },
     # not run in a clone without a serving environment; served, vLLM's times
     "serve": {SERVE_METRICS: TIMED, SERVE_DETAIL: TIMED},

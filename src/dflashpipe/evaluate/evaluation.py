@@ -23,6 +23,7 @@ from dflashpipe.evaluate import lossless, regression
 from dflashpipe.evaluate.floor import bigram_floor, bigram_table
 from dflashpipe.evaluate.metrics import PromptResult, eval_metrics, write_plot_tables
 from dflashpipe.evaluate.prompts import TRAIN, EvalPrompt, eval_prompts
+from dflashpipe.evaluate.prompts_file import DecodedPrompt, write_prompts_file
 from dflashpipe.evaluate.speculative import (
     DFlashProposer,
     prefill,
@@ -142,12 +143,14 @@ def evaluate_drafter(
     root: Path | str = ".",
     device: str | None = None,
     tokens_dir: Path | str | None = None,
+    prompts_out: Path | str | None = None,
 ) -> dict:
     """Write metrics/eval.json, metrics/eval_regression.json and the plot tables; return the eval metrics.
 
     `bench_metrics` (metrics/bench.json) is read for the regression check only; missing, its figure is
     reported as not measured. `tokens_dir` (data/tokens): the training tokens the bigram floor is counted on
-    (evaluate.floor); None records no floor."""
+    (evaluate.floor); None records no floor. `prompts_out` (data/eval/prompts.json): the requests decoded, for the
+    served check to replay."""
     from dflashpipe.target.chat import load_chat_tokenizer
 
     p = inputs.evaluate
@@ -191,6 +194,11 @@ def evaluate_drafter(
             target, drafter, prompts + train_prompts, p.max_new_tokens, stop, p.draft_tokens, fastest
         )
     decoding, tables = eval_metrics(results, verified, window.busy)
+    if prompts_out is not None:
+        write_prompts_file(
+            prompts_out,
+            [DecodedPrompt(q.split, q.sample_id, 1, q.split, tuple(q.prompt_ids)) for q in prompts + train_prompts],
+        )
     if tokens_dir is not None:  # on the held-out prompts' plain greedy outputs, as the headline figures are
         held_out = [r.target.tokens for r in results if r.prompt.split != TRAIN]
         decoding["floor"] = {"bigram": bigram_floor(*bigram_table(tokens_dir), held_out, verified)}
