@@ -52,7 +52,9 @@ PASSED, FAILED, NOT_RUN = "passed", "failed", "not_run"
 
 DEFINITIONS = {
     "tau": "per request, 1 + accepted / drafts of vLLM's counters (a draft is one verify step: the proposals it "
-    "accepted and the token the target adds), then the mean over the requests that drafted: evaluate's count",
+    "accepted and the token the target adds), then the mean over the requests that drafted: evaluate's count, "
+    "except that vLLM counts proposals accepted past a stop token or max_new_tokens, which evaluate does not commit "
+    "(a benchmark of replies a few drafts long reads higher served)",
     "tau_pooled": "1 + all accepted / all drafts of the requests: vLLM's own mean acceptance length",
     "acceptance_per_position": "the drafts whose proposal at that position was accepted / all drafts",
     "ours": "metrics/eval.json benchmarks.<name>.tau: evaluate's tau on the same requests",
