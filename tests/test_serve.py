@@ -296,3 +296,18 @@ def test_dvc_repro_records_not_run_then_serves_once_the_environment_is_set_up(vl
     followed = run(["dflashpipe", "history", "--metric", "metrics/serve.json:tau"], project, env=with_vllm).stdout
     print(followed)
     assert str(record["tau"]) in followed
+
+
+def test_a_prompts_file_of_another_shape_is_refused_naming_the_entry(tmp_path):
+    from dflashpipe.core.errors import SourceError
+    from dflashpipe.evaluate.prompts_file import read_prompts_file
+
+    path = tmp_path / "prompts.json"
+    write_prompts_file(path, [DecodedPrompt("mt_bench", "81", 2, "benchmark", (1, 2, 3))])
+    assert read_prompts_file(path) == [DecodedPrompt("mt_bench", "81", 2, "benchmark", (1, 2, 3))]
+    path.write_text(json.dumps({"prompts": [{"benchmark": "mt_bench", "id": "81", "turn": 2, "split": "benchmark"}]}))
+    with pytest.raises(SourceError, match=r"prompts\.json: prompts\[0\]: KeyError\('prompt_ids'\).*dvc repro evaluate"):
+        read_prompts_file(path)
+    path.write_text("{}")
+    with pytest.raises(SourceError, match=r"not readable as evaluate's prompts"):
+        read_prompts_file(path)
