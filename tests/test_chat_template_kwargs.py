@@ -23,13 +23,12 @@ import pytest
 
 from dflashpipe.core.errors import ParamsError
 from dflashpipe.core.params.loading import build
-from dflashpipe.core.params.sections import ComputeParams, EvaluateParams, ModelParams, ProofParams, ServeParams
+from dflashpipe.core.params.sections import ComputeParams, EvaluateParams, ModelParams, ProofParams
 from dflashpipe.evaluate.evaluation import EvaluateInputs, evaluate_drafter
 from dflashpipe.evaluate.prompts import eval_prompts
 from dflashpipe.proof.stage import run_proof
 from dflashpipe.regenerate.endpoint import Endpoint
 from dflashpipe.regenerate.run import regenerate_manifest
-from dflashpipe.serve.served_check import ServeInputs, served_check
 from dflashpipe.target.chat import load_chat_tokenizer
 from dflashpipe.tokens.run import tokenize_manifest
 from dflashpipe.tokens.shards import load_tokens
@@ -224,14 +223,6 @@ def test_every_stage_that_renders_refuses_a_bad_kwarg_before_any_work(tmp_path, 
         # the drafter, metrics and engine are never looked at: none exists
         "evaluate": lambda: evaluate_drafter(
             EvaluateInputs(evaluate, compute, bad), "none", thinking_target, m, "none", "none", tmp_path / "metrics"
-        ),
-        "serve": lambda: served_check(
-            ServeInputs(build(ServeParams, project_params("serve"), "serve"), evaluate, compute, bad),
-            "none",
-            thinking_target,
-            m,
-            {},
-            tmp_path / "serve.json",
         ),
         "proof": lambda: run_proof(
             build(ProofParams, project_params("proof"), "proof"),

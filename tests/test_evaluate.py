@@ -626,13 +626,13 @@ def test_a_second_turn_is_asked_after_the_targets_own_reply_and_a_long_turn_is_s
     assert reply and second.prompt.prompt_ids != render_prompt(
         chat, [user[0], {"role": "assistant", "content": ""}, user[1]]
     )
-    records = request_records(results)["prompts"]
-    assert [(r["benchmark"], r["id"], r["turn"], r["split"]) for r in records] == [
+    records = request_records(results)
+    assert [(r.benchmark, r.id, r.turn, r.split) for r in records] == [
         ("mt", "81", 1, BENCHMARK),
         ("mt", "81", 2, BENCHMARK),
         ("mt", "83", 1, BENCHMARK),
     ]
-    assert records[1]["prompt_ids"] == second.prompt.prompt_ids
+    assert list(records[1].prompt_ids) == second.prompt.prompt_ids
 
 
 def test_evaluate_writes_the_lean_metrics_the_detail_and_every_request_it_decoded(tiny, tmp_path):

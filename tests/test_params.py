@@ -57,7 +57,7 @@ def test_a_stage_cannot_read_a_section_it_does_not_declare(project):
         _ = params.data
 
 
-@pytest.mark.parametrize("stage", ["regenerate", "tokenize", "evaluate", "serve", "proof"])
+@pytest.mark.parametrize("stage", ["regenerate", "tokenize", "evaluate", "proof"])
 def test_the_stages_that_render_read_the_template_kwargs_and_no_other_target_key(project, stage):
     edit(project / "params.yaml", lambda d: d["target"].update(chat_template_kwargs={"enable_thinking": False}))
     params = load_stage_params(stage, project)

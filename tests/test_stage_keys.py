@@ -175,7 +175,8 @@ def test_an_edit_of_training_code_retrains_instead_of_resuming(pipeline_run, tmp
 
 def test_the_chat_template_kwargs_move_exactly_the_stages_that_render_chats(project):
     """target.chat_template_kwargs reaches every rendering, so it moves the keys of the stages that render (and their
-    reuse keys) and no other: not the target stage, whose weights the template's arguments never reach."""
+    reuse keys) and no other: not the target stage, whose weights the template's arguments never reach, nor serve,
+    which replays the token ids evaluate rendered (data/eval/prompts.json, an output DVC reruns it on)."""
     names = Pipeline.read(project).names
 
     def keys() -> tuple[dict, dict]:
@@ -188,6 +189,6 @@ def test_the_chat_template_kwargs_move_exactly_the_stages_that_render_chats(proj
         edited, edited_reuses = keys()
     finally:
         (project / PARAMS_FILE).write_bytes(original)
-    rendering = ["evaluate", "proof", "regenerate", "serve", "tokenize"]
+    rendering = ["evaluate", "proof", "regenerate", "tokenize"]
     assert sorted(n for n in names if stages[n] != edited[n]) == rendering
     assert sorted(n for n in REUSE if reuses[n] != edited_reuses[n]) == ["regenerate", "tokenize"]

@@ -24,6 +24,7 @@ from dflashpipe.core.pipeline import (
     METRICS,
     REGENERATE_METRICS,
     REGENERATED,
+    SERVE_DETAIL,
     SERVE_METRICS,
     TARGET,
     TOKENIZE_METRICS,
@@ -77,7 +78,8 @@ OUTPUTS = {
         EVAL / "slot_acceptance.png": BYTES,
         EVAL / "speedup_per_prompt.json": TIMED,
     },
-    "serve": {SERVE_METRICS: TIMED},  # not run in a clone without a serving environment; served, vLLM's times
+    # not run in a clone without a serving environment; served, vLLM's times
+    "serve": {SERVE_METRICS: TIMED, SERVE_DETAIL: TIMED},
 }
 
 

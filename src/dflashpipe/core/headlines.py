@@ -60,8 +60,8 @@ HEADLINES: list[HeadlineSpec] = [
         check="tau",
     ),
     HeadlineSpec("tau pooled (all committed tokens over all verify steps)", EVAL, "tau_pooled"),
-    # vLLM's mean acceptance length on the same prompts (the served check; absent where it did not run)
-    HeadlineSpec("served tau (vLLM's mean acceptance length)", SERVE, "tau"),
+    # vLLM's on the same prompts, counted as evaluate's (the served check; absent where it did not run)
+    HeadlineSpec("served tau (vLLM's, counted as evaluate's)", SERVE, "tau"),
     HeadlineSpec(
         "speedup (speculative vs target alone)",
         EVAL,

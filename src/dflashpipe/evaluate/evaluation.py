@@ -35,6 +35,7 @@ from dflashpipe.evaluate.prompts import (
     eval_prompts,
     render_prompt,
 )
+from dflashpipe.evaluate.prompts_file import DecodedPrompt, write_prompts_file
 from dflashpipe.evaluate.speculative import (
     DFlashProposer,
     prefill,
@@ -184,20 +185,12 @@ def thinking_setting(template_kwargs: dict) -> str:
     return "template default"
 
 
-def request_records(results: list[PromptResult]) -> dict:
-    """data/eval/prompts.json: every request decoded, in decode order, with the exact token ids it decoded."""
-    return {
-        "prompts": [
-            {
-                "benchmark": r.prompt.benchmark,
-                "id": r.prompt.sample_id,
-                "turn": r.prompt.turn,
-                "split": r.prompt.split,
-                "prompt_ids": list(r.prompt.prompt_ids),
-            }
-            for r in results
-        ]
-    }
+def request_records(results: list[PromptResult]) -> list[DecodedPrompt]:
+    """data/eval/prompts.json's entries: every request decoded, in decode order, with the exact token ids it decoded."""
+    return [
+        DecodedPrompt(r.prompt.benchmark, r.prompt.sample_id, r.prompt.turn, r.prompt.split, tuple(r.prompt.prompt_ids))
+        for r in results
+    ]
 
 
 def check_contract(contract: dict) -> None:
@@ -341,7 +334,7 @@ def evaluate_drafter(
     report = regression.compare(current, baseline, p.baseline, commit, note, p.max_regression)
     write_plot_tables(tables, metrics_dir)
     if prompts_out is not None:
-        write_json_atomic(Path(prompts_out), request_records(results))
+        write_prompts_file(prompts_out, request_records(results))
     write_json_atomic(metrics_dir / "detail" / "eval.json", detail)
     write_json_atomic(metrics_dir / "eval.json", lean)
     write_json_atomic(metrics_dir / "eval_regression.json", report)

@@ -3,19 +3,23 @@
 A drafter that looks good in training can accept nothing once served when the engine reads a config field
 otherwise, or runs other torch or transformers builds. So after evaluate, vLLM (from the serving environment,
 `bin/setup --serve`) serves the drafter as `dflashpipe export` hands it on (`serve.served_files`) with
-the target, on the prompts evaluate decoded, and metrics/serve.json records three comparisons:
+the target, on the requests evaluate decoded (data/eval/prompts.json: their exact token ids, second turns with the
+target's own first reply), and three comparisons are recorded:
 
-1. **Acceptance**: vLLM's own counters (mean acceptance length, the served tau, and the acceptance per position)
-   beside evaluate's tau and slot acceptance on the held-out prompts.
+1. **Acceptance**: vLLM's own counters, read around each request (one request a call), so per benchmark as well as
+   over all: the served tau counted as evaluate counts its own, beside evaluate's on the same requests, and the
+   acceptance per position. Requests of the training split are served for 2 and 3 only, as evaluate keeps them out
+   of its rows.
 2. **Lossless**: vLLM's speculative output against vLLM's plain greedy output, per prompt, under the contract of
    `evaluate.lossless` (a divergence's margins come from the top logprobs vLLM returns: at one position, a logprob
    margin is the logit margin).
 3. **Proposals**: at every step vLLM drafted, our decoder's proposals from the same context, equal up to a tie
    of our logits (`serve.replay`).
 
-It fails (after writing the metrics) when the contract is broken or fewer steps agree than
-`serve.min_proposal_agreement`. Without a serving environment it records `served: not_run` and says how to set
-one up: never a pass.
+metrics/serve.json holds what a sweep compares (`served`, `tau`, `acceptance_per_position`, `agreement`, and per
+benchmark `tau` beside `ours`); metrics/detail/serve.json the rest, with each figure's definition. The check fails
+(after writing both) when the contract is broken or fewer steps agree than `serve.min_proposal_agreement`. Without
+a serving environment it records `served: not_run` and says how to set one up: never a pass.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import functools
 import json
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,7 +38,8 @@ from dflashpipe.core.params import ComputeParams, EvaluateParams, ServeParams
 from dflashpipe.core.serving_env import PYTHON_ENV, SERVE_VENV, SETUP, engine_versions, serving_python
 from dflashpipe.core.spread import Spread
 from dflashpipe.evaluate import lossless
-from dflashpipe.evaluate.prompts import HELD_OUT, TRAIN, EvalPrompt, eval_prompts
+from dflashpipe.evaluate.prompts import TRAIN
+from dflashpipe.evaluate.prompts_file import DecodedPrompt, read_prompts_file
 from dflashpipe.evaluate.speculative import DFlashProposer
 from dflashpipe.model import DFlashDrafter, TargetHead
 from dflashpipe.serve.engine import Engine, EngineError, EngineRequest, run_engine
@@ -45,6 +50,17 @@ from dflashpipe.target.weights import model_directory
 
 PASSED, FAILED, NOT_RUN = "passed", "failed", "not_run"
 
+DEFINITIONS = {
+    "tau": "per request, 1 + accepted / drafts of vLLM's counters (a draft is one verify step: the proposals it "
+    "accepted and the token the target adds), then the mean over the requests that drafted: evaluate's count, "
+    "except that vLLM counts proposals accepted past a stop token or max_new_tokens, which evaluate does not commit "
+    "(a benchmark of replies a few drafts long reads higher served)",
+    "tau_pooled": "1 + all accepted / all drafts of the requests: vLLM's own mean acceptance length",
+    "acceptance_per_position": "the drafts whose proposal at that position was accepted / all drafts",
+    "ours": "metrics/eval.json benchmarks.<name>.tau: evaluate's tau on the same requests",
+    "agreement": "the verified draft steps (all requests) at which our proposals equal vLLM's, up to a tie",
+}
+
 
 class ServedCheckError(DflashpipeError):
     """The engine served the drafter otherwise than our decoder runs it, or could not serve it."""
@@ -54,15 +70,17 @@ class ServedCheckError(DflashpipeError):
 class ServeInputs:
     serve: ServeParams
     evaluate: EvaluateParams
-    """Which prompts, how many new tokens, how many proposals a step verifies: evaluate's, so the two compare."""
+    """How many new tokens, how many proposals a step verifies: evaluate's, so the two compare."""
     compute: ComputeParams
-    template_kwargs: dict = field(default_factory=dict)
-    """target.chat_template_kwargs: evaluate's prompts are rendered with them, and vLLM is sent their token ids."""
 
 
-def not_run(reason: str) -> dict:
-    """The record of a check that did not run: no figure, so nothing reads as a pass."""
-    return {"served": NOT_RUN, "reason": reason, "engine": None}
+@dataclass(frozen=True)
+class Served:
+    """What the check writes: `metrics` (metrics/serve.json, what a sweep compares) and `detail`
+    (metrics/detail/serve.json, the rest)."""
+
+    metrics: dict
+    detail: dict
 
 
 def sparse_rows(positions: list[dict[str, float]], vocab: int) -> list[torch.Tensor]:
@@ -77,15 +95,28 @@ def sparse_rows(positions: list[dict[str, float]], vocab: int) -> list[torch.Ten
 
 
 def acceptance(counters: list[dict], k: int) -> dict:
-    """vLLM's mean acceptance length (1 + accepted / drafts: its served tau) and per-position acceptance."""
-    drafts = sum(c["drafts"] for c in counters)
+    """vLLM's figures over `counters`, one request's each (DEFINITIONS)."""
+    drafted = [c for c in counters if c["drafts"]]
+    drafts, accepted = sum(c["drafts"] for c in counters), sum(c["accepted"] for c in counters)
     per_position = [sum(c["accepted_per_position"][i] for c in counters) for i in range(k)]
     return {
+        "requests": len(counters),
         "drafts": drafts,
-        "accepted": sum(c["accepted"] for c in counters),
-        "tau": round(1 + sum(c["accepted"] for c in counters) / drafts, 4) if drafts else None,
-        "slot_acceptance": {str(i + 1): round(n / drafts, 4) if drafts else 0.0 for i, n in enumerate(per_position)},
+        "accepted": accepted,
+        "tau": round(sum(1 + c["accepted"] / c["drafts"] for c in drafted) / len(drafted), 4) if drafted else None,
+        "tau_pooled": round(1 + accepted / drafts, 4) if drafts else None,
+        "acceptance_per_position": {
+            str(i + 1): round(n / drafts, 4) if drafts else 0.0 for i, n in enumerate(per_position)
+        },
     }
+
+
+def by_benchmark(prompts: list[DecodedPrompt], counters: list[dict], k: int) -> dict[str, dict]:
+    """`acceptance` per benchmark, in the order the benchmarks first appear."""
+    groups: dict[str, list[dict]] = {}
+    for prompt, c in zip(prompts, counters, strict=True):
+        groups.setdefault(prompt.benchmark, []).append(c)
+    return {name: acceptance(group, k) for name, group in groups.items()}
 
 
 def rates(runs: list[dict]) -> Spread:
@@ -93,22 +124,23 @@ def rates(runs: list[dict]) -> Spread:
     return Spread.of([len(r["tokens"]) / r["seconds"] for r in runs if r["seconds"] > 0] or [0.0])
 
 
-def read_evaluate(metrics: dict) -> dict:
-    """evaluate's figures on the same held-out prompts, beside the served ones."""
-    return {"tau": metrics.get("tau"), "slot_acceptance": metrics.get("slot_acceptance")}
+def ours(evaluation: dict, benchmark: str) -> float | None:
+    """evaluate's tau on `benchmark`'s requests (metrics/eval.json, contract: `benchmarks.<name>.tau`)."""
+    row = (evaluation.get("benchmarks") or {}).get(benchmark)
+    return row.get("tau") if isinstance(row, dict) else None
 
 
 def compare(
-    prompts: list[EvalPrompt],
+    prompts: list[DecodedPrompt],
     result: dict,
     target: Target,
     proposer: DFlashProposer,
     vocab: int,
-    k: int,
 ) -> dict:
-    """The three comparisons of the module docstring, over every prompt (acceptance: held-out ones only)."""
+    """The lossless contract and the proposals (the module docstring's 2 and 3), over every prompt."""
     departures, steps, equal, mismatches = [], 0, 0, []
     for prompt, plain, spec in zip(prompts, result["plain"], result["speculative"], strict=True):
+        where = {"id": prompt.id, "benchmark": prompt.benchmark, "turn": prompt.turn}
         divergence = lossless.judge(
             plain["tokens"],
             sparse_rows(plain["logprobs"], vocab),
@@ -117,16 +149,12 @@ def compare(
             target.dtype,
         )
         if divergence is not None:
-            departures.append(
-                {"id": prompt.sample_id, "split": prompt.split, "source": prompt.source, **divergence.to_json()}
-            )
+            departures.append({**where, "split": prompt.split, **divergence.to_json()})
         engine_steps = [EngineStep(anchor, tuple(p)) for anchor, p in spec["steps"]]
         compared = replay(target, proposer, prompt.prompt_ids, spec["tokens"], engine_steps)
         steps, equal = steps + len(compared.equal), equal + sum(compared.equal)
-        mismatches += [{"id": prompt.sample_id, **m} for m in compared.mismatches]
-    held_out = [s["counters"] for p, s in zip(prompts, result["speculative"], strict=True) if p.split == HELD_OUT]
+        mismatches += [{**where, **m} for m in compared.mismatches]
     return {
-        **acceptance(held_out, k),
         "lossless": not any(d["verdict"] == lossless.BUG for d in departures),
         "contract": {
             "prompts": len(prompts),
@@ -146,16 +174,16 @@ def compare(
     }
 
 
-def verdict(record: dict, serve: ServeParams) -> list[str]:
+def verdict(detail: dict, serve: ServeParams) -> list[str]:
     """What failed the check, one line each (none: it passed)."""
     failures = []
-    contract, proposals = record["contract"], record["proposals"]
+    contract, proposals = detail["contract"], detail["proposals"]
     for d in contract["departures"]:
         if d["verdict"] == lossless.BUG:
             failures.append(
-                f"prompt {d['id']} ({d['split']}): vLLM's speculative output left its plain greedy output at "
-                f"position {d['position']} (token {d['speculative_token']} instead of {d['plain_token']}, plain "
-                f"margin {d['margin']})"
+                f"prompt {d['id']} ({d['benchmark']}, turn {d['turn']}): vLLM's speculative output left its plain "
+                f"greedy output at position {d['position']} (token {d['speculative_token']} instead of "
+                f"{d['plain_token']}, plain margin {d['margin']})"
             )
     agreement = proposals["agreement"]
     if agreement is None:
@@ -172,39 +200,73 @@ def verdict(record: dict, serve: ServeParams) -> list[str]:
     return failures
 
 
+def served_record(prompts: list[DecodedPrompt], result: dict, compared: dict, evaluation: dict, k: int) -> Served:
+    """The two files' contents of a check that served: acceptance over the requests evaluate counts in its rows
+    (all but the training split's), and per benchmark beside evaluate's tau."""
+    measured = [(p, s["counters"]) for p, s in zip(prompts, result["speculative"], strict=True) if p.split != TRAIN]
+    overall = acceptance([c for _, c in measured], k)
+    rows = by_benchmark([p for p, _ in measured], [c for _, c in measured], k)
+    metrics = {
+        "served": PASSED,
+        "tau": overall["tau"],
+        "acceptance_per_position": overall["acceptance_per_position"],
+        "agreement": compared["proposals"]["agreement"],
+        "benchmarks": {name: {"tau": row["tau"], "ours": ours(evaluation, name)} for name, row in rows.items()},
+    }
+    spec_rates, plain_rates = rates(result["speculative"]), rates(result["plain"])
+    detail = {
+        "served": PASSED,
+        "reason": None,
+        "definitions": DEFINITIONS,
+        "all": {key: overall[key] for key in ("requests", "drafts", "accepted", "tau_pooled")},
+        "benchmarks": {
+            name: {key: value for key, value in row.items() if key not in metrics["benchmarks"][name]}
+            for name, row in rows.items()
+        },
+        **compared,
+        "tokens_per_s": {**plain_rates.record("plain"), **spec_rates.record("speculative")},
+    }
+    return Served(metrics, detail)
+
+
+def write_served(served: Served, out: Path | str, detail_out: Path | str) -> Served:
+    write_json_atomic(detail_out, served.detail)
+    write_json_atomic(out, served.metrics)
+    return served
+
+
 def served_check(
     inputs: ServeInputs,
     drafter_dir: Path | str,
     target_dir: Path | str,
-    manifest_dir: Path | str,
+    prompts_file: Path | str,
     evaluation: dict,
     out: Path | str,
+    detail_out: Path | str,
     root: Path | str = ".",
     served_dir: Path | str | None = None,
     engine: Engine | None = None,
-) -> dict:
-    """Write metrics/serve.json (`out`) and return it; raise ServedCheckError when the check failed.
+) -> Served:
+    """Write metrics/serve.json (`out`) and metrics/detail/serve.json (`detail_out`) and return them; raise
+    ServedCheckError when the check failed.
 
-    `evaluation`: metrics/eval.json. `served_dir`: what the engine serves instead of `drafter_dir`'s served files
-    (a test plants a config fault there); our decoder always runs `drafter_dir`. `engine`: a process of the
-    serving environment's interpreter for this check, unless given one (the tests share an `EngineWorker`)."""
+    `prompts_file`: data/eval/prompts.json. `evaluation`: metrics/eval.json. `served_dir`: what the engine serves
+    instead of `drafter_dir`'s served files (a test plants a config fault there); our decoder always runs
+    `drafter_dir`. `engine`: a process of the serving environment's interpreter for this check, unless given one
+    (the tests share an `EngineWorker`)."""
     from dflashpipe.target.chat import load_chat_tokenizer
 
-    chat = load_chat_tokenizer(target_dir, inputs.template_kwargs)
+    prompts = read_prompts_file(prompts_file)
     python = serving_python(root)
     if python is None:
         reason = f"no serving environment ({SERVE_VENV}/ or ${PYTHON_ENV}): set one up with `{SETUP}`"
-        write_json_atomic(out, not_run(reason))
         print(f"serve: not run: {reason}", flush=True)
-        return not_run(reason)
+        return write_served(
+            Served({"served": NOT_RUN}, {"served": NOT_RUN, "reason": reason, "engine": None}), out, detail_out
+        )
     drafter_dir, p = Path(drafter_dir), inputs.evaluate
     fix = f"restore it with `dvc checkout {drafter_dir}` or retrain with `dvc repro -f train`"
     verify_file_listing(drafter_dir, fix, SourceError)
-    prompts = [
-        prompt
-        for split in (HELD_OUT, TRAIN)
-        for prompt in eval_prompts(manifest_dir, chat, p.num_prompts, p.max_prompt_tokens, split)[0]
-    ]
     target = Target.load(target_dir, "cpu", inputs.compute.target_dtype, decoding=True, kind="decode")
     drafter = DFlashDrafter.from_pretrained(
         drafter_dir, TargetHead.of(target.model), dtype=target.dtype, attention="sdpa"
@@ -225,40 +287,36 @@ def served_check(
             k,
             [list(prompt.prompt_ids) for prompt in prompts],
             p.max_new_tokens,
-            target.stop_token_ids(chat.tokenizer),
+            target.stop_token_ids(load_chat_tokenizer(target_dir).tokenizer),
         )
         try:
             serve = engine or functools.partial(run_engine, python)
             result = serve(request, Path(scratch) / "engine", _read_config(served))
         except EngineError as exc:
-            record = {"served": FAILED, "reason": str(exc), "engine": versions, "setup": setup}
-            write_json_atomic(out, record)
+            detail = {"served": FAILED, "reason": str(exc), "engine": versions, "setup": setup}
+            write_served(Served({"served": FAILED}, detail), out, detail_out)
             raise ServedCheckError(str(exc)) from None
-    compared = compare(prompts, result, target, DFlashProposer(drafter), target.model.config.vocab_size, k)
-    spec_rates, plain_rates = rates(result["speculative"]), rates(result["plain"])
-    record = {
-        "served": PASSED,
-        "reason": None,
-        "engine": versions,
-        "setup": {**setup, "prompts": len(prompts), "engine_start_s": result["init_seconds"]},
-        **compared,
-        "evaluate": read_evaluate(evaluation),
-        "tokens_per_s": {**plain_rates.record("plain"), **spec_rates.record("speculative")},
-    }
-    theirs, ours = record["tau"], record["evaluate"]["tau"]
-    record["tau_gap"] = round(theirs - ours, 4) if isinstance(theirs, float) and isinstance(ours, float) else None
-    failures = verdict(record, inputs.serve)
+    compared = compare(prompts, result, target, DFlashProposer(drafter), target.model.config.vocab_size)
+    record = served_record(prompts, result, compared, evaluation, k)
+    record.detail.update(
+        engine=versions, setup={**setup, "prompts": len(prompts), "engine_start_s": result["init_seconds"]}
+    )
+    failures = verdict(record.detail, inputs.serve)
     if failures:
-        record["served"], record["reason"] = FAILED, failures[0]
-    write_json_atomic(out, record)
+        record.metrics["served"] = record.detail["served"] = FAILED
+        record.detail["reason"] = failures[0]
+    write_served(record, out, detail_out)
+    m = record.metrics
     print(
-        f"serve: vLLM {versions.get('vllm')} served tau {theirs} (evaluate {ours}), lossless "
-        f"{compared['contract']['equal_to_plain']}/{len(prompts)} equal to plain greedy, proposals "
-        f"{compared['proposals']['equal']}/{compared['proposals']['steps']} steps equal to ours: {record['served']}",
+        f"serve: vLLM {versions.get('vllm')} served tau {m['tau']}, lossless {compared['contract']['equal_to_plain']}"
+        f"/{len(prompts)} equal to plain greedy, proposals {compared['proposals']['equal']}/"
+        f"{compared['proposals']['steps']} steps equal to ours: {m['served']}",
         flush=True,
     )
+    for name, row in m["benchmarks"].items():
+        print(f"serve:   {name}: vLLM tau {row['tau']}, ours {row['ours']}", flush=True)
     if failures:
-        raise ServedCheckError("the served check failed (metrics/serve.json):\n  " + "\n  ".join(failures))
+        raise ServedCheckError(f"the served check failed ({Path(detail_out).as_posix()}):\n  " + "\n  ".join(failures))
     return record
 
 
