@@ -1,0 +1,89 @@
+"""A stage's metrics as two files: the few figures a sweep compares, and the rest of its record.
+
+DVC lists every key of a metrics file as a column of `dvc exp show` and a row of `dvc metrics diff`, so the file
+dvc.yaml declares as a metric holds only what a sweep compares (`COMPARED`, headline first); the stage's whole
+record less those keys goes to `detail_of(file)`, metrics/detail/<name>.json, an `outs:` with `cache: false`
+(in git, never a DVC metric). `read_record` puts the two back together; a revision from before the split has no
+detail file, and its metrics file, which then held everything, is the record.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dflashpipe.core.artifacts import write_bytes_atomic, write_json_atomic
+from dflashpipe.core.pipeline import METRICS
+from dflashpipe.core.revision import Workspace, read_json
+
+DETAIL = METRICS / "detail"
+
+COMPARED: dict[str, dict[str, str]] = {
+    "manifest": {"train_samples": "train_samples", "eval_samples": "eval_samples"},
+    "regenerate": {"tokens_per_s": "tokens_per_s", "replied": "accounting.replied"},
+    "tokenize": {"supervised_tokens": "supervised_tokens", "samples_out": "samples_out"},
+    "features": {"tokens_per_s": "tokens_per_s"},
+    "train": {
+        "tokens_per_s": "tokens_per_s",
+        "final_loss": "final_loss",
+        "steps": "steps",
+        "heldout_tau": "heldout_acceptance.last.tau",
+    },
+    "bench": {"tokens_per_s": "tokens_per_s"},
+    "proof": {"tau": "tau", "passed": "passed"},
+    "eval_regression": {"verdict": "verdict", "worst": "worst", "worst_change": "worst_change"},
+}
+"""Per metrics file a stage writes through `write_metrics` (by `name_of`): its keys, in order, and the dotted key
+of the stage's record each one copies."""
+
+
+def name_of(metrics_file: Path | str) -> str:
+    """A metrics file's name: its own (metrics/bench.json: bench), or its folder's (metrics/train/metrics.json)."""
+    path = Path(metrics_file)
+    return path.parent.name if path.stem == "metrics" else path.stem
+
+
+def detail_of(metrics_file: Path | str) -> Path:
+    """metrics/detail/<name>.json beside the metrics file (under the same metrics folder, wherever that lies)."""
+    path = Path(metrics_file)
+    folder = path.parent.parent if path.stem == "metrics" else path.parent
+    return folder / DETAIL.name / f"{name_of(path)}.json"
+
+
+def lookup(record: Any, dotted: str) -> Any:
+    """The value at a dotted key of a nested record, None where any part is missing."""
+    for part in dotted.split("."):
+        record = record.get(part) if isinstance(record, Mapping) else None
+    return record
+
+
+def compared(metrics_file: Path | str, record: Mapping) -> dict:
+    """What the metrics file keeps of `record`: the keys COMPARED names for it, in that order."""
+    return {name: lookup(record, dotted) for name, dotted in COMPARED[name_of(metrics_file)].items()}
+
+
+def write_metrics(metrics_file: Path | str, record: Mapping) -> None:
+    """Write the stage's record: the compared figures to `metrics_file`, the rest to its detail file (each
+    atomically; the detail first, so a metrics file on disk always has its detail beside it)."""
+    lean = compared(metrics_file, record)
+    write_json_atomic(detail_of(metrics_file), {k: v for k, v in record.items() if k not in lean})
+    # key order kept: the headline leads the file, as DVC's tables show it
+    text = json.dumps(lean, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+    write_bytes_atomic(metrics_file, text.encode("utf-8"))
+
+
+def read_record(files, metrics_file: Path | str) -> dict | None:
+    """A stage's whole record at `files` (a core.revision Revision or Workspace): its metrics file with its detail
+    file; a revision from before detail files: the metrics file alone (it held everything). None: neither."""
+    lean = read_json(files, Path(metrics_file).as_posix())
+    detail = read_json(files, detail_of(metrics_file).as_posix())
+    if lean is None and detail is None:
+        return None
+    return {**(detail or {}), **(lean or {})}
+
+
+def read_record_at(metrics_file: Path | str) -> dict | None:
+    """`read_record` of the files on disk (`metrics_file` relative to the working directory, or absolute)."""
+    return read_record(Workspace("."), metrics_file)
