@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dflashpipe.core import revision
 from dflashpipe.core.artifacts import write_bytes_atomic, write_json_atomic
 from dflashpipe.core.pipeline import METRICS
 from dflashpipe.core.revision import Workspace, read_json
@@ -87,3 +88,13 @@ def read_record(files, metrics_file: Path | str) -> dict | None:
 def read_record_at(metrics_file: Path | str) -> dict | None:
     """`read_record` of the files on disk (`metrics_file` relative to the working directory, or absolute)."""
     return read_record(Workspace("."), metrics_file)
+
+
+def read_metrics(files, metrics_file: str) -> dict[str, Any]:
+    """`revision.read_metrics` of the whole record: a JSON metrics file with its detail file, flattened to dotted
+    keys, so what explain, history and rerun compare (and the spreads they judge it by) is the same on either side
+    of the split."""
+    if not metrics_file.endswith(".json"):
+        return revision.read_metrics(files, metrics_file)
+    found = read_record(files, metrics_file)
+    return {} if found is None else revision.flatten(found)
