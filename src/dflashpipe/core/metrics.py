@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dflashpipe.core import revision
-from dflashpipe.core.artifacts import write_bytes_atomic, write_json_atomic
+from dflashpipe.core.artifacts import canonical_json, write_bytes_atomic
 from dflashpipe.core.pipeline import METRICS
 from dflashpipe.core.revision import Workspace, read_json
 
@@ -65,14 +65,23 @@ def compared(metrics_file: Path | str, record: Mapping) -> dict:
     return {name: lookup(record, dotted) for name, dotted in COMPARED[name_of(metrics_file)].items()}
 
 
+def metrics_bytes(metrics_file: Path | str, record: Mapping) -> dict[Path, bytes]:
+    """What `write_metrics` writes, in its order: {detail file: the rest of the record, metrics file: the compared
+    figures}."""
+    lean = compared(metrics_file, record)
+    # key order kept in the metrics file: the headline leads it, as DVC's tables show it
+    text = json.dumps(lean, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+    return {
+        detail_of(metrics_file): canonical_json({k: v for k, v in record.items() if k not in lean}),
+        Path(metrics_file): text.encode("utf-8"),
+    }
+
+
 def write_metrics(metrics_file: Path | str, record: Mapping) -> None:
     """Write the stage's record: the compared figures to `metrics_file`, the rest to its detail file (each
     atomically; the detail first, so a metrics file on disk always has its detail beside it)."""
-    lean = compared(metrics_file, record)
-    write_json_atomic(detail_of(metrics_file), {k: v for k, v in record.items() if k not in lean})
-    # key order kept: the headline leads the file, as DVC's tables show it
-    text = json.dumps(lean, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
-    write_bytes_atomic(metrics_file, text.encode("utf-8"))
+    for path, data in metrics_bytes(metrics_file, record).items():
+        write_bytes_atomic(path, data)
 
 
 def read_record(files, metrics_file: Path | str) -> dict | None:
