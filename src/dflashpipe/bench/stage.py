@@ -176,7 +176,7 @@ def run_bench(
         metrics = bench_step(
             model, compile, target_dir, compile_dir, scratch, compile_key, device, threads, target_dtype
         )
-    write_metrics(out, metrics)
+    write_metrics(out, metrics, name="bench")
     ratio = f", compiled/eager {metrics['compiled_over_eager']:.2f}x" if "compiled_over_eager" in metrics else ""
     print(
         f"bench: {metrics['runs']} step {metrics['tokens_per_s']:.1f} tokens/s "

@@ -60,15 +60,16 @@ def lookup(record: Any, dotted: str) -> Any:
     return record
 
 
-def compared(metrics_file: Path | str, record: Mapping) -> dict:
-    """What the metrics file keeps of `record`: the keys COMPARED names for it, in that order."""
-    return {name: lookup(record, dotted) for name, dotted in COMPARED[name_of(metrics_file)].items()}
+def compared(metrics_file: Path | str, record: Mapping, name: str | None = None) -> dict:
+    """What the metrics file keeps of `record`: the keys COMPARED names for it (by `name`, else `name_of` the file),
+    in that order."""
+    return {key: lookup(record, dotted) for key, dotted in COMPARED[name or name_of(metrics_file)].items()}
 
 
-def metrics_bytes(metrics_file: Path | str, record: Mapping) -> dict[Path, bytes]:
+def metrics_bytes(metrics_file: Path | str, record: Mapping, name: str | None = None) -> dict[Path, bytes]:
     """What `write_metrics` writes, in its order: {detail file: the rest of the record, metrics file: the compared
     figures}."""
-    lean = compared(metrics_file, record)
+    lean = compared(metrics_file, record, name)
     # key order kept in the metrics file: the headline leads it, as DVC's tables show it
     text = json.dumps(lean, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
     return {
@@ -77,10 +78,11 @@ def metrics_bytes(metrics_file: Path | str, record: Mapping) -> dict[Path, bytes
     }
 
 
-def write_metrics(metrics_file: Path | str, record: Mapping) -> None:
+def write_metrics(metrics_file: Path | str, record: Mapping, name: str | None = None) -> None:
     """Write the stage's record: the compared figures to `metrics_file`, the rest to its detail file (each
-    atomically; the detail first, so a metrics file on disk always has its detail beside it)."""
-    for path, data in metrics_bytes(metrics_file, record).items():
+    atomically; the detail first, so a metrics file on disk always has its detail beside it). `name`: the stage's
+    entry in COMPARED where the file's own name is not it (train's run inside the proof's scratch)."""
+    for path, data in metrics_bytes(metrics_file, record, name).items():
         write_bytes_atomic(path, data)
 
 

@@ -173,7 +173,7 @@ def compare(
 
 def write(path: Path | str, report: dict) -> None:
     """metrics/eval_regression.json (the verdict and the worst move) and its detail (the comparison)."""
-    write_metrics(path, report)
+    write_metrics(path, report, name="eval_regression")
 
 
 def _evidence(m: dict) -> str:

@@ -39,7 +39,7 @@ def run_proof(
     except ProofDataError as exc:
         # recorded as a failed proof, never a pass and never a silent skip (a random test target answers nothing)
         metrics = {"tau": None, "min_tau": params.min_tau, "passed": False, "failed": str(exc)}
-        write_metrics(metrics_path, metrics)
+        write_metrics(metrics_path, metrics, name="proof")
         print(f"proof: FAILED: {exc}")
         return metrics
     shutil.rmtree(work, ignore_errors=True)
@@ -59,7 +59,7 @@ def run_proof(
         "slot_acceptance": c.slot_acceptance,
         "seconds": {"train": c.train_s, "decode": c.decode_s},
     }
-    write_metrics(metrics_path, metrics)
+    write_metrics(metrics_path, metrics, name="proof")
     verdict = "passed" if passed else "FAILED"
     print(f"proof: tau {c.tau:.3f} after {c.steps} steps (bar {params.min_tau}): {verdict}")
     return metrics

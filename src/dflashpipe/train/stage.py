@@ -187,4 +187,4 @@ def write_outputs(trainer: Trainer, inputs: TrainInputs, paths: TrainPaths, metr
         write_model_card(tmp, target_dir=paths.target, tokens_dir=paths.tokens, params=params)
         write_file_listing(tmp)  # evaluate checks the drafter against it before use
     write_plots(trainer.state.history, paths.metrics)
-    write_metrics(paths.metrics / "metrics.json", metrics)
+    write_metrics(paths.metrics / "metrics.json", metrics, name="train")
