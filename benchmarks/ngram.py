@@ -9,7 +9,7 @@ then the unigram), counted on training samples, is a floor that a drafter which 
 pass. The table is counted on the first N samples of the training shards after the first and scored on
 the first shard's supervised tokens (held out from the table); N = the samples a training run reads
 (max_steps x rows x seq_len / tokens per sample) says what the same data could teach. The drafter's own
-slot-1 training accuracy is printed beside it from metrics/train/metrics.json when present.
+slot-1 training accuracy is printed beside it from train's record (metrics/detail/train.json) when present.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import numpy as np  # noqa: E402
 
+from dflashpipe.core.metrics import read_record_at  # noqa: E402
 from dflashpipe.tokens.shards import read_shard  # noqa: E402
 
 
@@ -75,9 +76,9 @@ def main() -> None:
         train = pool[:n]
         out[f"bigram_{len(train)}"] = round(accuracy(train, test, 2), 4)
         out[f"trigram_{len(train)}"] = round(accuracy(train, test, 3), 4)
-    if args.train_metrics.exists():
-        slots = json.loads(args.train_metrics.read_text()).get("slot_accuracy") or {}
-        out["drafter_slot_1_training_accuracy"] = slots.get("1")
+    record = read_record_at(args.train_metrics)  # slot_accuracy is in its detail file
+    if record is not None:
+        out["drafter_slot_1_training_accuracy"] = (record.get("slot_accuracy") or {}).get("1")
     print(json.dumps(out, indent=1))
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the code DVC hashed
 
-from dflashpipe.core.artifacts import write_json_atomic  # noqa: E402
+from dflashpipe.core.metrics import write_metrics  # noqa: E402
 from dflashpipe.core.pipeline import FEATURES, FEATURES_METRICS, TARGET, TOKENS, reuse_key  # noqa: E402
 from dflashpipe.core.stage import run_stage  # noqa: E402
 from dflashpipe.features.run import compute_features, features_metrics  # noqa: E402
@@ -19,7 +19,7 @@ def features(params) -> None:
     run = compute_features(
         params.features.mode, params.model, device, TOKENS, TARGET, FEATURES, key, params.compute.target_dtype
     )
-    write_json_atomic(FEATURES_METRICS, features_metrics(run))
+    write_metrics(FEATURES_METRICS, features_metrics(run))
 
 
 if __name__ == "__main__":

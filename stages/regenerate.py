@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the code DVC hashed
 
-from dflashpipe.core.artifacts import write_json_atomic  # noqa: E402
+from dflashpipe.core.metrics import write_metrics  # noqa: E402
 from dflashpipe.core.pipeline import MANIFEST, REGENERATE_METRICS, REGENERATED, TARGET, reuse_key  # noqa: E402
 from dflashpipe.core.stage import run_stage  # noqa: E402
 from dflashpipe.regenerate.run import regenerate_manifest, regenerate_metrics  # noqa: E402
@@ -27,7 +27,7 @@ def regenerate(params) -> None:
         target_dtype=params.compute.target_dtype,
         template_kwargs=params.target.chat_template_kwargs,
     )
-    write_json_atomic(REGENERATE_METRICS, regenerate_metrics(run))
+    write_metrics(REGENERATE_METRICS, regenerate_metrics(run))
 
 
 if __name__ == "__main__":

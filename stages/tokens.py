@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run the code DVC hashed
 
-from dflashpipe.core.artifacts import write_json_atomic  # noqa: E402
+from dflashpipe.core.metrics import write_metrics  # noqa: E402
 from dflashpipe.core.pipeline import REGENERATED, TARGET, TOKENIZE_METRICS, TOKENS, reuse_key  # noqa: E402
 from dflashpipe.core.stage import run_stage  # noqa: E402
 from dflashpipe.tokens.run import tokenize_manifest, tokenize_metrics  # noqa: E402
@@ -27,7 +27,7 @@ def tokenize(params) -> None:
         key=reuse_key("tokenize"),
         template_kwargs=params.target.chat_template_kwargs,
     )
-    write_json_atomic(TOKENIZE_METRICS, tokenize_metrics(run))
+    write_metrics(TOKENIZE_METRICS, tokenize_metrics(run))
 
 
 if __name__ == "__main__":

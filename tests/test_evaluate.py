@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dflashpipe.core.errors import DflashpipeError
+from dflashpipe.core.metrics import read_record_at
 from dflashpipe.core.pipeline import METRICS
 from dflashpipe.core.spread import Spread
 from dflashpipe.evaluate import regression
@@ -521,7 +522,8 @@ def test_dvc_repro_evaluate_writes_metrics_that_dvc_shows(pipeline_run, tmp_path
     set_params(dvc_project, evaluate__max_new_tokens=10)
     again = run(["dvc", "repro", "evaluate"], dvc_project).stdout
     assert "Stage 'train' didn't change, skipping" in again and "Running stage 'evaluate'" in again
-    report = json.loads((dvc_project / METRICS / "eval_regression.json").read_text())
+    report = read_record_at(dvc_project / METRICS / "eval_regression.json")
+    assert report["verdict"] in ("passed", "regressed") and report["worst"] in report["metrics"]
     assert report["baseline"] == "HEAD" and len(report["commit"]) == 40
     assert set(report["metrics"]) == set(regression.HEADLINE) and report["metrics"]["tau"]["old"] == metrics["tau"]
     for name in ("decode_tokens_per_s", "train_tokens_per_s", "train_step_tokens_per_s"):

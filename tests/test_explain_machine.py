@@ -16,6 +16,7 @@ import pytest
 
 from dflashpipe.commands.explain import NoiseCall, StageVerdict, explain, print_text, to_json, to_markdown
 from dflashpipe.core import env
+from dflashpipe.core.metrics import read_record_at
 from dflashpipe.core.pipeline import Pipeline
 from tests.conftest import copy_project, run, set_params
 from tests.test_explain import N, invalidated, naming, quiet, verdicts
@@ -152,7 +153,7 @@ def metric(report, file: str, key: str):
 def test_bench_re_measured_with_one_thread_names_the_thread_change(committed, monkeypatch):
     # every timed figure carries what the machine gave the process while it measured
     for file in ("metrics/bench.json", "metrics/train/metrics.json"):
-        facts = json.loads((committed / file).read_text())["tokens_per_s_spread"]["machine"]
+        facts = read_record_at(committed / file)["tokens_per_s_spread"]["machine"]
         assert set(facts) == {"cpu_s", "wall_s", "cpu_over_wall", "cpus", "load_1m", "control_ms"}, file
     run(["dvc", "repro", "bench"], committed, env={"OMP_NUM_THREADS": "1"})
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # explained in the shell that re-measured: the file is current

@@ -19,6 +19,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
+from dflashpipe.core.metrics import read_record_at
 from dflashpipe.train.nodes import RENDEZVOUS_ENV, TIMEOUT_ENV, Rendezvous, RendezvousError, launch
 from tests.conftest import run, set_params, user_env
 from tests.test_train import SCRIPT, assert_same_weights, config, train, weights
@@ -121,7 +122,7 @@ def test_two_nodes_through_dvc_repro_train_the_drafter_of_one_node_and_record_on
     drafter = project / "data" / "drafter" / "model.safetensors"
     run(["dvc", "repro", "train"], project)  # one node, two replicas: the drafter to equal, and explain's baseline
     one_node = load_file(drafter)
-    one_node_metrics = json.loads((project / "metrics" / "train" / "metrics.json").read_text())
+    one_node_metrics = read_record_at(project / "metrics" / "train" / "metrics.json")
     run(["git", "add", "-A"], project)
     run(["git", "commit", "-qm", "one node"], project)
 
@@ -144,7 +145,7 @@ def test_two_nodes_through_dvc_repro_train_the_drafter_of_one_node_and_record_on
     assert_same_weights(one_node, load_file(drafter))
     lock = yaml.safe_load((project / "dvc.lock").read_text())["stages"]["train"]
     assert lock["params"]["params.yaml"]["topology.nodes"] == 2
-    metrics = json.loads((project / "metrics" / "train" / "metrics.json").read_text())
+    metrics = read_record_at(project / "metrics" / "train" / "metrics.json")
     assert metrics["replicas"] == 2  # and what it recorded is the run's, not the head's share
     for key in ("final_loss", "supervised_tokens", "truncated_sequences", "padding_fraction"):
         assert metrics[key] == one_node_metrics[key], key

@@ -10,13 +10,13 @@ forward's blocks against the decoding path's; a layer tapped one off collapses t
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
+from dflashpipe.core.metrics import read_record_at
 from dflashpipe.core.params import load_params
 from dflashpipe.evaluate.speculative import prefill
 from dflashpipe.features.packing import collate
@@ -67,7 +67,7 @@ def test_a_correct_trainer_drafts_what_it_memorised(prepared):
     assert checkpoint.verdict(BLOCK) == "aligned", checkpoint
     # It learned on the way: the trainer's own simulated acceptance rose from its first steps.
     trained = prepared_data(RUN, target, work, ROOT) / "aligned"
-    window = json.loads((trained / "metrics" / "metrics.json").read_text())["acceptance_length"]
+    window = read_record_at(trained / "metrics" / "metrics.json")["acceptance_length"]
     assert window["first"] < 1.5 < 2.5 < window["last"] == checkpoint.train_acceptance
 
 
@@ -103,7 +103,7 @@ def test_the_real_default_target_memorises_its_replies_in_forty_steps(tmp_path_f
     materialise_target(TargetParams(source=SMOLLM2, dtype="bfloat16"), target)
     metrics_path = tmp_path_factory.mktemp("proof") / "proof.json"
     metrics = run_proof(proof, PROJECT["model"], PROJECT["compute"], target, metrics_path, ROOT)
-    assert json.loads(metrics_path.read_text()) == metrics
+    assert read_record_at(metrics_path) == metrics
     assert metrics["lossless"] and metrics["exact_prompts"] == metrics["prompts"] == 3, metrics
     assert metrics["tau"] >= GUARD["min_tau"] and metrics["passed"], metrics
 

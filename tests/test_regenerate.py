@@ -21,6 +21,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from dflashpipe.core.metrics import read_record_at
 from dflashpipe.core.params.sections import RegenerateParams
 from dflashpipe.core.pipeline import REGENERATE_METRICS, REGENERATED, TOKENS, StageKey
 from dflashpipe.regenerate.endpoint import Endpoint, EndpointError
@@ -261,7 +262,7 @@ def test_dvc_repro_regenerates_then_reuses_the_old_shards_when_the_data_grows(pi
     assert "Running stage 'regenerate'" in out.stdout and "Running stage 'tokenize'" in out.stdout
     after = files(project / REGENERATED)
     assert all(after[name] == before[name] for name in shards)
-    metrics = json.loads((project / REGENERATE_METRICS).read_text())
+    metrics = read_record_at(project / REGENERATE_METRICS)
     # each source grows by its weight's share of the 40 (20, 12, 8): one new shard of each, every full one kept
     assert (metrics["regenerated_shards"], metrics["reused_shards"]) == (3, len(shards))
     assert json.loads((project / TOKENS / "summary.json").read_text())["samples_in"] == metrics["samples_out"]

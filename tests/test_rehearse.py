@@ -20,6 +20,7 @@ import yaml
 
 from dflashpipe.commands.rehearse import SCALED, RehearsalError, rehearsal_overrides, rehearse
 from dflashpipe.commands.rehearse.standin import write_standin_target
+from dflashpipe.core.metrics import read_record_at
 from dflashpipe.core.params.profile import profile_overrides
 from dflashpipe.core.pipeline import Pipeline
 
@@ -97,7 +98,7 @@ def check_rehearsal(project: Path, profile: Path, ran: set[str]) -> None:
     the published target layers of a target as deep as Qwen3-8B, a served check that passed."""
     assert ran == set(Pipeline.read(project).names)
     stated = yaml.safe_load(profile.read_text())
-    train = json.loads((project / "metrics" / "train" / "metrics.json").read_text())
+    train = read_record_at(project / "metrics" / "train" / "metrics.json")
     assert train["replicas"] == len(stated["topology"]["drafter_devices"])
     assert train["run_length"]["epochs"] == stated["train"]["epochs"] and train["steps"] >= 1
     served = json.loads((project / "data" / "drafter" / "config.json").read_text())["dflash_config"]

@@ -16,6 +16,7 @@ import yaml
 
 from dflashpipe.core.artifacts import write_file_listing
 from dflashpipe.core.errors import SourceError
+from dflashpipe.core.metrics import read_record_at
 from dflashpipe.core.pipeline import MANIFEST, TARGET, TOKENIZE_METRICS, TOKENS, StageKey, reuse_key
 from dflashpipe.data.manifest import build_manifest
 from dflashpipe.target.chat import TokenizerError, load_chat_tokenizer
@@ -374,7 +375,7 @@ def test_dvc_repro_after_growing_the_data_reuses_the_old_shard_files(pipeline_ru
     after = files(tokens)
     for name in (n for n in before if n.endswith(".arrow")):
         assert after[name] == before[name]
-    metrics = json.loads((project / TOKENIZE_METRICS).read_text())
+    metrics = read_record_at(project / TOKENIZE_METRICS)
     assert (metrics["encoded_shards"], metrics["reused_shards"], metrics["encoded_samples"]) == (3, shards, 40)
     summary = json.loads((tokens / "summary.json").read_text())
     assert summary["samples_in"] == samples + 40 == summary["samples_out"] + sum(summary["skipped"].values())

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from dflashpipe.core.metrics import detail_of
 from dflashpipe.core.pipeline import (
     COMPILE,
     DRAFTER,
@@ -51,25 +52,28 @@ EVAL = METRICS / "eval"
 OUTPUTS = {
     "fingerprint": {FINGERPRINT: FACTS},  # on one machine: it observes the machine, and each clone's target files
     "target": {TARGET: BYTES, TARGET_WEIGHTS: PLACE},  # the tiny target is read in place: each clone's own files
-    "manifest": {MANIFEST: BYTES, MANIFEST_METRICS: BYTES},
-    "regenerate": {REGENERATED: BYTES, REGENERATE_METRICS: TIMED},
-    "tokenize": {TOKENS: BYTES, TOKENIZE_METRICS: TIMED},
-    "features": {FEATURES: BYTES, FEATURES_METRICS: TIMED},
+    "manifest": {MANIFEST: BYTES, MANIFEST_METRICS: BYTES, detail_of(MANIFEST_METRICS): BYTES},
+    "regenerate": {REGENERATED: BYTES, REGENERATE_METRICS: TIMED, detail_of(REGENERATE_METRICS): TIMED},
+    "tokenize": {TOKENS: BYTES, TOKENIZE_METRICS: TIMED, detail_of(TOKENIZE_METRICS): TIMED},
+    "features": {FEATURES: BYTES, FEATURES_METRICS: TIMED, detail_of(FEATURES_METRICS): TIMED},
     "warmup": {COMPILE: KERNELS},  # report.json: graphs, shapes, counters, environment; not seconds
     "train": {
         DRAFTER: BYTES,
         TRAIN_STATE: KERNELS,
         TRAIN_METRICS: TIMED,
+        detail_of(TRAIN_METRICS): TIMED,
         TRAIN_METRICS_DIR / "plots" / "metrics": TIMED,
         TRAIN_METRICS_DIR / "plots" / "images": TIMED,
     },  # loss, lr and accuracy plots (tables and images) are byte-identical
-    "bench": {METRICS / "bench.json": TIMED},
-    "proof": {METRICS / "proof.json": TIMED},  # its tau is exact; its seconds are timings
+    "bench": {METRICS / "bench.json": TIMED, detail_of(METRICS / "bench.json"): TIMED},
+    # its tau is exact; its seconds are timings
+    "proof": {METRICS / "proof.json": TIMED, detail_of(METRICS / "proof.json"): TIMED},
     "evaluate": {
         METRICS / "eval.json": TIMED,
         EVAL_DETAIL: TIMED,
         EVAL_PROMPTS: BYTES,  # the exact token ids decoded: a second turn's holds the target's greedy reply
         METRICS / "eval_regression.json": TIMED,
+        detail_of(METRICS / "eval_regression.json"): TIMED,
         EVAL / "tau_per_source.json": BYTES,
         EVAL / "tau_per_benchmark.json": BYTES,
         EVAL / "tau_per_benchmark.png": BYTES,

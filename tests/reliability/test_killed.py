@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dflashpipe.core.artifacts import FILE_LISTING, PARTIAL, canonical_json
+from dflashpipe.core.artifacts import FILE_LISTING, PARTIAL
+from dflashpipe.core.metrics import detail_of, metrics_bytes
 from dflashpipe.core.params import load_params
 from dflashpipe.core.pipeline import (
     COMPILE,
@@ -93,7 +94,7 @@ def manifest_reference(project: Path, tmp: Path) -> dict[str, bytes]:
     summary = build_manifest(load_params(project)["data"], tmp, root=project, key=reuse_key("manifest", project))
     return {
         **{f"{MANIFEST}/{k}": v for k, v in tree_bytes(tmp).items()},
-        str(MANIFEST_METRICS): canonical_json(manifest_metrics(summary)),
+        **{str(path): data for path, data in metrics_bytes(MANIFEST_METRICS, manifest_metrics(summary)).items()},
     }
 
 
@@ -149,7 +150,7 @@ def test_manifest_killed_at_six_points_loses_nothing(fingerprinted_project, tmp_
         kill_at(cmd, project, tmp_path / "log", point, reached)
         assert_killed_cleanly(project, "manifest", MANIFEST, None, [first], point)
     repro(project, "manifest")
-    assert outputs(project, MANIFEST, MANIFEST_METRICS) == first
+    assert outputs(project, MANIFEST, MANIFEST_METRICS, detail_of(MANIFEST_METRICS)) == first
     recorded = lock_outs(project, "manifest")
 
     set_params(project, data__num_samples=GROWN_SAMPLES)
@@ -168,7 +169,7 @@ def test_manifest_killed_at_six_points_loses_nothing(fingerprinted_project, tmp_
     if lock_outs(project, "manifest") == recorded:  # DVC had not yet written its record: it must not trust it
         assert_killed_cleanly(project, "manifest", MANIFEST, recorded, [grown], "renamed, unrecorded")
     repro(project, "manifest")
-    assert outputs(project, MANIFEST, MANIFEST_METRICS) == grown
+    assert outputs(project, MANIFEST, MANIFEST_METRICS, detail_of(MANIFEST_METRICS)) == grown
     verify_manifest(project / MANIFEST)
 
 
@@ -378,7 +379,7 @@ def test_train_killed_at_two_points_resumes_to_the_same_weights(finished, tmp_pa
             ),
         },
         log,
-        (DRAFTER, TRAIN_METRICS, TRAIN_METRICS_DIR / "plots"),
+        (DRAFTER, TRAIN_METRICS, detail_of(TRAIN_METRICS), TRAIN_METRICS_DIR / "plots"),
         # the finished run's own checkpoints would let the rerun skip steps
         prepare=lambda: [shutil.rmtree(project / TRAIN_STATE / name) for name in (CHECKPOINT, DECAY_START)],
     )
@@ -407,6 +408,7 @@ def test_evaluate_killed_at_three_points_loses_nothing(finished, tmp_path):
             METRICS / "eval.json",
             METRICS / "detail" / "eval.json",  # written before eval.json: the lean file last
             METRICS / "eval_regression.json",
+            detail_of(METRICS / "eval_regression.json"),
             *(EVAL / f"{table}.json" for table in ("tau_per_source", "slot_acceptance", "speedup_per_prompt")),
         ),
     )

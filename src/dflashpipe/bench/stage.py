@@ -19,8 +19,9 @@ import torch
 from tqdm import tqdm
 
 from dflashpipe.compile.warmup import autocast, compiled_step, run_step_once, step_inputs
-from dflashpipe.core.artifacts import PARTIAL, write_json_atomic
+from dflashpipe.core.artifacts import PARTIAL
 from dflashpipe.core.errors import SourceError
+from dflashpipe.core.metrics import write_metrics
 from dflashpipe.core.params import CompileParams, ModelParams
 from dflashpipe.core.pipeline import StageKey
 from dflashpipe.core.spread import Measuring, Spread, clock
@@ -167,7 +168,7 @@ def run_bench(
     threads: ThreadBudget | None = None,
     target_dtype: str = "auto",
 ) -> dict:
-    """Write metrics/bench.json (atomically) and return it."""
+    """Write metrics/bench.json and its detail (core.metrics) and return the whole record."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # the inductor scratch is a partial sibling of bench.json: a killed run's is removed by the next write
@@ -175,7 +176,7 @@ def run_bench(
         metrics = bench_step(
             model, compile, target_dir, compile_dir, scratch, compile_key, device, threads, target_dtype
         )
-    write_json_atomic(out, metrics)
+    write_metrics(out, metrics, name="bench")
     ratio = f", compiled/eager {metrics['compiled_over_eager']:.2f}x" if "compiled_over_eager" in metrics else ""
     print(
         f"bench: {metrics['runs']} step {metrics['tokens_per_s']:.1f} tokens/s "

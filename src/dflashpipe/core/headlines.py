@@ -105,7 +105,7 @@ HEADLINES: list[HeadlineSpec] = [
     HeadlineSpec("lossless (each token the argmax that verified it)", EVAL, "lossless"),
 ]
 SLOT_ACCURACY = (TRAIN, "slot_accuracy")
-"""Per-slot accuracy: one headline row per slot the train metrics carry."""
+"""Per-slot accuracy: one headline row per slot train's record carries (in its detail file: no sweep compares it)."""
 
 
 def checked() -> dict[str, tuple[str, tuple[str, ...], bool]]:

@@ -6,7 +6,6 @@ reruns bench (kernels, shapes) stay apart."""
 
 from __future__ import annotations
 
-import json
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from tqdm import tqdm
 from dflashpipe.core.artifacts import verify_file_listing, write_json_atomic
 from dflashpipe.core.errors import ParamsError, SourceError
 from dflashpipe.core.kernels import rows_first
+from dflashpipe.core.metrics import read_record_at
 from dflashpipe.core.params import ComputeParams, EvaluateParams
 from dflashpipe.core.spread import SUFFIX, Measuring
 from dflashpipe.core.threads import thread_budget
@@ -215,13 +215,13 @@ def check_contract(contract: dict) -> None:
 
 
 def read_train_metrics(path: Path) -> dict:
+    raw = read_record_at(path)  # with its detail file, which holds the spread and the compile facts
+    if raw is None:
+        raise SourceError(f"{path} not found: run `dvc repro train` first")
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
         spread = {key: raw[key] for key in ("tokens_per_s" + SUFFIX,) if key in raw}  # absent in older runs
         return {"tokens_per_s": raw["tokens_per_s"], **spread, "compile": raw["compile"]}
-    except FileNotFoundError:
-        raise SourceError(f"{path} not found: run `dvc repro train` first") from None
-    except (ValueError, KeyError, TypeError) as exc:
+    except (KeyError, TypeError) as exc:
         raise SourceError(f"{path}: not the train stage's metrics ({exc}): run `dvc repro train`") from None
 
 
@@ -337,7 +337,7 @@ def evaluate_drafter(
         write_prompts_file(prompts_out, request_records(results))
     write_json_atomic(metrics_dir / "detail" / "eval.json", detail)
     write_json_atomic(metrics_dir / "eval.json", lean)
-    write_json_atomic(metrics_dir / "eval_regression.json", report)
+    regression.write(metrics_dir / "eval_regression.json", report)
     _print_summary(detail, note)
     for line in regression.regression_lines(report):
         print(line, flush=True)

@@ -9,18 +9,20 @@ and today's threshold rule alone decides, which the report and the printed line 
 
 The baseline is read through git (dflashpipe.core.revision, the one reader of revisions), never by checking
 anything out, so the workspace that DVC is running the stage in stays untouched. The figures compared are
-the headlines the one list (dflashpipe.core.headlines) marks as checked.
+the headlines the one list (dflashpipe.core.headlines) marks as checked, read from each file's whole record
+(core.metrics: with its detail file, where the spreads are). metrics/eval_regression.json keeps the verdict and
+the worst move; the per-figure comparison is its detail.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from dflashpipe.core import headlines, spread
 from dflashpipe.core.artifacts import json_number
 from dflashpipe.core.errors import DflashpipeError, SourceError
-from dflashpipe.core.revision import Revisions, no_commit_reason, read_json
+from dflashpipe.core.metrics import read_record, read_record_at, write_metrics
+from dflashpipe.core.revision import Revisions, no_commit_reason
 
 EVAL_METRICS = "metrics/eval.json"
 EVAL_DETAIL = "metrics/detail/eval.json"
@@ -40,14 +42,13 @@ class RegressionError(DflashpipeError):
 
 
 def read_current(path: Path | str) -> dict | None:
-    """A metrics file of this run (metrics/bench.json), or None when there is none yet."""
+    """A metrics file's whole record in this run (metrics/bench.json with its detail), or None when there is none
+    yet."""
     path = Path(path)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
-    except ValueError as exc:
-        raise SourceError(f"{path}: not JSON ({exc}): rerun the stage that writes it") from None
+        return read_record_at(path)
+    except DflashpipeError as exc:
+        raise SourceError(f"{exc}: rerun the stage that writes it") from None
 
 
 def read_baseline(revision: str, root: Path | str = ".") -> tuple[dict | None, str | None, str]:
@@ -71,7 +72,7 @@ def read_baseline(revision: str, root: Path | str = ".") -> tuple[dict | None, s
         found = {}
         for file in BASELINE_FILES:
             try:
-                content = read_json(at_baseline, file)
+                content = read_record(at_baseline, file)
             except DflashpipeError:
                 return None, commit, f"no baseline: {file} at {at} is not JSON"
             if content is not None:
@@ -130,7 +131,7 @@ def compare(
         "within_noise": [],
     }
     if baseline is None:
-        return report
+        return {"verdict": "no_baseline", "worst": None, "worst_change": None, **report}
     for name, (file, path, throughput) in HEADLINE.items():
         new, new_spread, new_control = _figure(current, file, path)
         old, old_spread, old_control = _figure(baseline, file, path)
@@ -168,7 +169,15 @@ def compare(
         report["regressions"].append(name)
         if throughput:
             report["throughput_regressions"].append(name)
-    return report
+    moves = {name: m["change"] for name, m in report["metrics"].items() if m["change"] is not None}
+    worst = min(moves, key=moves.get, default=None)
+    verdict = "regressed" if report["regressions"] else "passed"
+    return {"verdict": verdict, "worst": worst, "worst_change": moves.get(worst), **report}
+
+
+def write(path: Path | str, report: dict) -> None:
+    """metrics/eval_regression.json (the verdict and the worst move) and its detail (the comparison)."""
+    write_metrics(path, report, name="eval_regression")
 
 
 def _evidence(m: dict) -> str:

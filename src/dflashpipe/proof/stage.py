@@ -1,9 +1,9 @@
 """The `proof` stage: the overfit proof on the pipeline's own target and drafter shape, its figure recorded.
 
-metrics/proof.json leads with what a sweep or a bisection compares: the memorised tau after `proof.steps` steps,
-the bar (`proof.min_tau`) and whether it was met. The proof's data and drafter live in a scratch directory and
-are removed after it: only the figure is an output, and the stage is data-free (growing the training data never
-reruns it), like warmup and bench.
+metrics/proof.json holds what a sweep or a bisection compares: the memorised tau after `proof.steps` steps and
+whether it met the bar (`proof.min_tau`); the rest is in metrics/detail/proof.json. The proof's data and drafter
+live in a scratch directory and are removed after it: only the figure is an output, and the stage is data-free
+(growing the training data never reruns it), like warmup and bench.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from dflashpipe.core.artifacts import write_json_atomic
+from dflashpipe.core.metrics import write_metrics
 from dflashpipe.core.params import ComputeParams, ModelParams
 from dflashpipe.core.params.sections import ProofParams
 from dflashpipe.proof.run import ProofDataError, ProofRun, memorise
@@ -39,7 +39,7 @@ def run_proof(
     except ProofDataError as exc:
         # recorded as a failed proof, never a pass and never a silent skip (a random test target answers nothing)
         metrics = {"tau": None, "min_tau": params.min_tau, "passed": False, "failed": str(exc)}
-        write_json_atomic(Path(metrics_path), metrics)
+        write_metrics(metrics_path, metrics, name="proof")
         print(f"proof: FAILED: {exc}")
         return metrics
     shutil.rmtree(work, ignore_errors=True)
@@ -59,7 +59,7 @@ def run_proof(
         "slot_acceptance": c.slot_acceptance,
         "seconds": {"train": c.train_s, "decode": c.decode_s},
     }
-    write_json_atomic(Path(metrics_path), metrics)
+    write_metrics(metrics_path, metrics, name="proof")
     verdict = "passed" if passed else "FAILED"
     print(f"proof: tau {c.tau:.3f} after {c.steps} steps (bar {params.min_tau}): {verdict}")
     return metrics

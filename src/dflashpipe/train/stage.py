@@ -9,8 +9,9 @@ from pathlib import Path
 
 from dflashpipe.compile.artifact import load_artifact_or_go_cold
 from dflashpipe.compile.guard import COUNTER, CompileGuard, dynamo_counters
-from dflashpipe.core.artifacts import atomic_directory, write_file_listing, write_json_atomic
+from dflashpipe.core.artifacts import atomic_directory, write_file_listing
 from dflashpipe.core.errors import DflashpipeError
+from dflashpipe.core.metrics import write_metrics
 from dflashpipe.core.pipeline import (
     COMPILE,
     DRAFTER,
@@ -186,4 +187,4 @@ def write_outputs(trainer: Trainer, inputs: TrainInputs, paths: TrainPaths, metr
         write_model_card(tmp, target_dir=paths.target, tokens_dir=paths.tokens, params=params)
         write_file_listing(tmp)  # evaluate checks the drafter against it before use
     write_plots(trainer.state.history, paths.metrics)
-    write_json_atomic(paths.metrics / "metrics.json", metrics)
+    write_metrics(paths.metrics / "metrics.json", metrics, name="train")

@@ -26,8 +26,9 @@ from dflashpipe.core import env, pipeline, spread
 from dflashpipe.core.artifacts import json_number
 from dflashpipe.core.errors import DflashpipeError
 from dflashpipe.core.headlines import HEADLINES
+from dflashpipe.core.metrics import read_metrics
 from dflashpipe.core.pipeline import COMPILE, FINGERPRINT, lies_under
-from dflashpipe.core.revision import WORKSPACE, read_metrics
+from dflashpipe.core.revision import WORKSPACE
 
 LISTED_FILES = 5
 """How many changed files of one directory a path names before it says how many more there are."""

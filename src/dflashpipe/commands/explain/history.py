@@ -40,6 +40,7 @@ from dflashpipe.core import spread
 from dflashpipe.core.artifacts import json_number
 from dflashpipe.core.errors import DflashpipeError
 from dflashpipe.core.headlines import HEADLINES
+from dflashpipe.core.metrics import read_metrics
 from dflashpipe.core.pipeline import Pipeline, lies_under
 from dflashpipe.core.pipeline import _param_value as param_value  # the value as the stage keys read it
 from dflashpipe.core.revision import (
@@ -49,7 +50,6 @@ from dflashpipe.core.revision import (
     experiment_refs,
     git,
     no_commit_reason,
-    read_metrics,
     unknown_revision,
 )
 

@@ -45,6 +45,8 @@ from dflashpipe.commands.plan.inputs import (
     target_config,
 )
 from dflashpipe.core.devices import published
+from dflashpipe.core.errors import DflashpipeError
+from dflashpipe.core.metrics import read_record_at
 from dflashpipe.core.params import PARAMS_FILE
 from dflashpipe.core.pipeline import BENCH_METRICS, FEATURES_METRICS, TRAIN_METRICS
 from dflashpipe.train.flops import side_flops
@@ -192,9 +194,10 @@ def measured_run(root: Path) -> Run:
 
 
 def _read_json(path: Path) -> dict | None:
+    """A stage's whole record: its metrics file with its detail file (core.metrics); None where unreadable."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        return read_record_at(path)
+    except DflashpipeError:
         return None
 
 

@@ -18,6 +18,7 @@ import yaml
 
 from dflashpipe.core.devices import GB, PUBLISHED, Device
 from dflashpipe.core.errors import DflashpipeError, ParamsError
+from dflashpipe.core.metrics import read_record_at
 from dflashpipe.core.params import PARAMS_FILE, SECTIONS, build
 from dflashpipe.core.params.loading import _read_yaml
 from dflashpipe.core.params.profile import profile_overrides
@@ -209,10 +210,10 @@ def recorded_control(root: Path) -> tuple[float | None, str]:
     from dflashpipe.core.spread import CONTROL_SHAPE
 
     try:
-        metrics = json.loads((root / TRAIN_METRICS).read_text())
+        metrics = read_record_at(root / TRAIN_METRICS)  # the spread and threads are in its detail file
         control = metrics["tokens_per_s_spread"]["machine"]["control_ms"]
         threads = metrics["threads"]["threads"]["drafter"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (DflashpipeError, KeyError, TypeError):
         return None, ""
     m, k, n = CONTROL_SHAPE
     seconds = (control["before"] + control["after"]) / 2 / 1000
@@ -334,10 +335,10 @@ def data_size(run: Run, root: Path) -> DataSize:
     try:
         if "data.sources" in run.overrides:
             raise ValueError("not the data tokenize measured")
-        measured = json.loads(path.read_text())
+        measured = read_record_at(path)  # tokens: in its detail file
         mean = measured["tokens"] / measured["samples_out"]
         source = f"measured here: {TOKENIZE_METRICS} (tokens / samples_out, for params.yaml's data)"
-    except (OSError, KeyError, ValueError, ZeroDivisionError):
+    except (DflashpipeError, KeyError, TypeError, ValueError, ZeroDivisionError):
         mean = min(run.model.seq_len, run.tokenize.max_length)
         source = "assumed: every sample fills a training row (no metrics/tokenize.json here for this data)"
     return DataSize(run.data.num_samples, float(mean), source)

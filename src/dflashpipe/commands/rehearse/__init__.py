@@ -37,6 +37,7 @@ from dflashpipe.commands.plan.inputs import TARGET_CONFIGS
 from dflashpipe.commands.rehearse.standin import write_standin_source, write_standin_target
 from dflashpipe.commands.rerun.tree import dvc
 from dflashpipe.core.errors import DflashpipeError
+from dflashpipe.core.metrics import read_record_at
 from dflashpipe.core.params.loading import PARAMS_FILE, _read_yaml
 from dflashpipe.core.params.profile import experiment_words, profile_overrides
 from dflashpipe.core.params.sections import USER_SOURCE_KINDS
@@ -308,8 +309,7 @@ def headline_metrics(project: Path) -> dict[str, Any]:
     the served check's verdict."""
 
     def read(rel: str) -> dict[str, Any]:
-        path = project / rel
-        return json.loads(path.read_text()) if path.is_file() else {}
+        return read_record_at(project / rel) or {}  # with its detail file (core.metrics): replicas, run_length
 
     return {
         "train": read("metrics/train/metrics.json"),

@@ -28,6 +28,7 @@ from dflashpipe.core import plots
 from dflashpipe.core.artifacts import write_bytes_atomic
 from dflashpipe.core.errors import DflashpipeError
 from dflashpipe.core.headlines import HEADLINES, SLOT_ACCURACY
+from dflashpipe.core.metrics import read_record_at
 from dflashpipe.core.pipeline import EVAL_DETAIL, EVAL_METRICS, METRICS, SERVE_METRICS, Pipeline
 from dflashpipe.core.revision import commit_of
 
@@ -120,6 +121,14 @@ def _read_json(path: Path) -> Any:
         return None
 
 
+def _read_record(path: Path) -> Any:
+    """A metrics file with its detail file (core.metrics), None where unreadable."""
+    try:
+        return read_record_at(path)
+    except DflashpipeError:
+        return None
+
+
 def _lookup(data: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         if not isinstance(data, dict) or part not in data:
@@ -130,13 +139,13 @@ def _lookup(data: Any, dotted: str) -> Any:
 
 def _headlines(root: Path, explained: Report | None) -> list[Headline]:
     specs = [(h.label, h.file, h.key, h.spread) for h in HEADLINES]
-    slots = _lookup(_read_json(root / SLOT_ACCURACY[0]), SLOT_ACCURACY[1])
+    slots = _lookup(_read_record(root / SLOT_ACCURACY[0]), SLOT_ACCURACY[1])
     for slot in sorted(slots or {}, key=lambda s: (len(s), s)):
         specs.append((f"per-slot accuracy, slot {slot}", SLOT_ACCURACY[0], f"{SLOT_ACCURACY[1]}.{slot}", None))
     deltas = {(m.file, m.key): m for m in explained.metrics} if explained else {}
     out = []
     for label, file, key, spread in specs:
-        data = _read_json(root / file)
+        data = _read_record(root / file)
         value = _lookup(data, key)
         if value is None:
             value = f"missing ({file} not in the workspace)" if data is None else f"missing (no {key} in {file})"

@@ -21,7 +21,8 @@ from dflashpipe.commands.explain.history import Measured
 from dflashpipe.core import spread
 from dflashpipe.core.artifacts import json_number
 from dflashpipe.core.errors import DflashpipeError
-from dflashpipe.core.revision import Workspace, git, read_metrics, run_git
+from dflashpipe.core.metrics import read_metrics
+from dflashpipe.core.revision import Workspace, git, run_git
 
 LINKED = "reflink,hardlink,symlink,copy"
 """DVC's cache types, best first: an output is linked from the shared cache where the filesystem allows."""

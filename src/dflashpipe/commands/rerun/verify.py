@@ -36,8 +36,9 @@ from dflashpipe.commands.rerun.tree import ScratchTree, pooled, shared_cache
 from dflashpipe.core import spread
 from dflashpipe.core.artifacts import json_number
 from dflashpipe.core.errors import DflashpipeError
+from dflashpipe.core.metrics import read_metrics
 from dflashpipe.core.pipeline import FINGERPRINT, upstream_first, upstream_of
-from dflashpipe.core.revision import Revisions, Workspace, commit_of, git, has_file, read_metrics, run_git
+from dflashpipe.core.revision import Revisions, Workspace, commit_of, git, has_file, run_git
 
 MEASURED, FIXED, OVER_BUDGET, FAILED = "measured", "cannot revert here", "over budget", "failed"
 
