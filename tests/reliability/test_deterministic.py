@@ -17,6 +17,7 @@ from dflashpipe.core.pipeline import (
     FEATURES,
     FEATURES_METRICS,
     FINGERPRINT,
+    GATE_METRICS,
     MANIFEST,
     MANIFEST_METRICS,
     METRICS,
@@ -72,6 +73,7 @@ OUTPUTS = {
         EVAL / "speedup_per_prompt.json": TIMED,
     },
     "serve": {SERVE_METRICS: TIMED},  # not run in a clone without a serving environment; served, vLLM's times
+    "gate": {GATE_METRICS: BYTES},  # verdicts on tau and acceptance, which are exact
 }
 
 
