@@ -38,6 +38,11 @@ def test_the_floor_check_passes_only_above_the_floor():
     assert quality_gate(gate(), {"tau": 1.1444, "floor_tau": 1.1444}, None)[0]["gate"] == FAILED  # above, not equal
 
 
+def test_the_floor_is_read_from_evaluates_layout_before_issue_46_until_it_lands():
+    legacy = {"tau": 1.1323, "floor": {"bigram": {"tau": 1.1444, "slot_1_acceptance": 0.0963}}}
+    assert quality_gate(gate(), legacy, None)[0]["floor"] == {"verdict": FAILED, "figure": 1.1323, "bar": 1.1444}
+
+
 def test_the_served_check_holds_every_position_to_its_bar():
     metrics, _ = quality_gate(gate(False, BARS), ABOVE, served(PASSED, 0.31, 0.06, 0.001, 0.0))
     assert metrics == {
