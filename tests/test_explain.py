@@ -64,6 +64,7 @@ def test_growing_the_data_hits_manifest_only_and_costs_are_attributed(committed)
         "train": StageVerdict.DOWNSTREAM,
         "evaluate": StageVerdict.DOWNSTREAM,
         "serve": StageVerdict.DOWNSTREAM,
+        "gate": StageVerdict.DOWNSTREAM,
     }
     assert roots(report) == [("param", "params.yaml:data.num_samples", N, N + 20, ("manifest",))]
     assert report.root_causes[0].evidence == (
@@ -222,13 +223,19 @@ def test_two_experiments_compare_by_name_and_json_is_complete(committed):
         "train": StageVerdict.DIRECT,
         "evaluate": StageVerdict.DOWNSTREAM,
         "serve": StageVerdict.DOWNSTREAM,
+        "gate": StageVerdict.DOWNSTREAM,
     }
     assert roots(report) == [("param", "params.yaml:train.lr", lr, 0.01, ("train",))]
 
     run(["dvc", "exp", "run", "-n", "short", "-S", "evaluate.max_new_tokens=8"], committed)
     report = explain("fast", "short", committed)
     # the served check decodes the same prompts to the same length: it names evaluate's keys
-    expected = {"fingerprint": StageVerdict.ALWAYS, "evaluate": StageVerdict.DIRECT, "serve": StageVerdict.DIRECT}
+    expected = {
+        "fingerprint": StageVerdict.ALWAYS,
+        "evaluate": StageVerdict.DIRECT,
+        "serve": StageVerdict.DIRECT,
+        "gate": StageVerdict.DOWNSTREAM,
+    }
     assert {s: v for s, v in verdicts(report).items() if v != StageVerdict.UNCHANGED} == expected
     old_length = RUN_PROFILE["evaluate__max_new_tokens"]
     assert roots(report) == [("param", "params.yaml:evaluate.max_new_tokens", old_length, 8, ("evaluate", "serve"))]
@@ -289,8 +296,9 @@ def quiet() -> dict[str, str]:
 
 def invalidated(direct: list[str]) -> dict[str, str]:
     """Every stage's verdict when exactly `direct` changed directly and nothing else did: the served check reads
-    evaluate's metrics/eval.json, so it is invalidated downstream of evaluate (direct where it is listed itself)."""
-    after_evaluate = {"serve": StageVerdict.DOWNSTREAM} if "evaluate" in direct else {}
+    evaluate's metrics/eval.json, so it is invalidated downstream of evaluate (direct where it is listed itself), and
+    the gate reads both."""
+    after_evaluate = dict.fromkeys(("serve", "gate"), StageVerdict.DOWNSTREAM) if "evaluate" in direct else {}
     return {**quiet(), **after_evaluate, **dict.fromkeys(direct, StageVerdict.DIRECT)}
 
 
@@ -390,6 +398,7 @@ def test_compare_growing_the_data_invalidates_its_chain_and_never_warmup(dag):
         "train": StageVerdict.DOWNSTREAM,
         "evaluate": StageVerdict.DOWNSTREAM,
         "serve": StageVerdict.DOWNSTREAM,
+        "gate": StageVerdict.DOWNSTREAM,
     }
     assert cause_tuples(found) == [("param", "params.yaml:data.num_samples", 2000, 2400, ("manifest",))]
     by_stage = {v.stage: v for v in found}
@@ -410,6 +419,7 @@ def test_compare_a_train_param_hits_train_and_evaluate_only(dag):
         "train": StageVerdict.DIRECT,
         "evaluate": StageVerdict.DOWNSTREAM,
         "serve": StageVerdict.DOWNSTREAM,
+        "gate": StageVerdict.DOWNSTREAM,
     }
     assert cause_tuples(found) == [("param", "params.yaml:train.lr", 6e-4, 1e-3, ("train",))]
 
@@ -444,6 +454,7 @@ def test_compare_a_dep_inside_an_upstream_output_is_that_upstream_not_a_root_cau
         "evaluate": StageVerdict.DOWNSTREAM,
         "train": StageVerdict.DOWNSTREAM,
         "serve": StageVerdict.DOWNSTREAM,
+        "gate": StageVerdict.DOWNSTREAM,
     }
     assert root_causes(found) == []
     assert {v.stage: v.upstream for v in found if v.upstream} == {
@@ -453,6 +464,7 @@ def test_compare_a_dep_inside_an_upstream_output_is_that_upstream_not_a_root_cau
         "train": ["features", "tokenize"],
         "evaluate": ["manifest", "tokenize", "train"],
         "serve": ["evaluate", "manifest", "train"],
+        "gate": ["evaluate", "serve"],
     }
 
 
@@ -809,7 +821,7 @@ def test_a_stale_fingerprint_names_the_edited_torch_file_and_the_stages_it_inval
     )
     # the header's list is read off the same verdicts, and each change names the stages it hits
     # invalid on this machine: the stages naming the key, and serve, which reads evaluate's metrics
-    assert live.machine.invalid == [*readers, "serve"]
+    assert live.machine.invalid == [*readers, "serve", "gate"]
     assert changes[0].stages == readers and changes[1].stages == []
     first, second = machine_lines(live.machine)
     assert first.startswith(
@@ -1068,7 +1080,7 @@ def test_a_fingerprint_key_the_file_does_not_hold_yet_is_read_off_the_machine(da
     assert (intra.kind, intra.old, intra.new, intra.stages) == ("machine", None, 2, readers)
     assert intra.evidence.endswith("this machine now (observed live; data/env/fingerprint.json lacks it: stale)")
     assert causes["threads.env"].stages == naming("threads.env")
-    assert live.machine.invalid == [*readers, "serve"]
+    assert live.machine.invalid == [*readers, "serve", "gate"]
 
 
 def test_the_control_is_set_aside_only_by_a_fact_that_can_move_it(dag):

@@ -98,7 +98,7 @@ def test_an_edited_torch_file_not_yet_fingerprinted_is_the_machine_cause_of_ever
     )
     assert "this machine now (observed live; data/env/fingerprint.json still says []: stale)" in cause.evidence
     assert f"edited {EDITED} (" in cause.evidence
-    assert report.machine.invalid == [*readers, "serve"]  # serve reads evaluate's metrics
+    assert report.machine.invalid == [*readers, "serve", "gate"]  # serve reads evaluate's metrics, the gate both
     assert [(c.what, c.new) for c in report.machine.changes] == [
         ("torch.files_edited", [EDITED]),
         ("torch.files_ok", False),

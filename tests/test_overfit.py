@@ -20,6 +20,7 @@ from dflashpipe.core.metrics import read_record_at
 from dflashpipe.core.params import load_params
 from dflashpipe.evaluate.speculative import prefill
 from dflashpipe.features.packing import collate
+from dflashpipe.model.mask import dense_mask
 from dflashpipe.proof.misalign import MISALIGNMENTS
 from dflashpipe.proof.run import ProofRun, memorise, prepared_data
 from dflashpipe.target.adapter import Target
@@ -130,6 +131,38 @@ def test_a_block_that_sees_its_own_anchor_in_training_is_caught_by_the_training_
     features, input_ids, _, anchors, _ = random_batch(drafter, num_anchors=4)
     assert block_against_decoding_error(drafter, features, input_ids, anchors) < 1e-5
     with MISALIGNMENTS["context_mask"]():
+        assert block_against_decoding_error(drafter, features, input_ids, anchors) > 1e-2
+
+
+def context_seen(anchors: list[int], context_len: int, block_size: int) -> list[list[int]]:
+    """Per block of one row, the context positions its queries see under the drafter's mask as the trainer builds it
+    (dflashpipe.model.drafter's `dflash_mask_mod`, which a misalignment patches)."""
+    from dflashpipe.model import drafter
+
+    mod = drafter.dflash_mask_mod(torch.tensor([anchors]), context_len, block_size)
+    mask = dense_mask(mod, 1, len(anchors) * block_size, context_len + len(anchors) * block_size, torch.device("cpu"))
+    return [torch.nonzero(mask[0, 0, i * block_size, :context_len]).flatten().tolist() for i in range(len(anchors))]
+
+
+def test_a_block_sees_the_context_before_its_anchor_where_blocks_overlap():
+    """Anchors closer than a block apart (sampled anchors do this): each block still sees exactly the context
+    before its own anchor. Visibility by the block's index in the row (SpecForge #470) shows a block the tokens
+    after its anchor, which are the ones it drafts: abnormally good in training, bad at decoding."""
+    anchors, block = [2, 3, 5, 6], 4
+    assert context_seen(anchors, 16, block) == [list(range(anchor)) for anchor in anchors]
+    with MISALIGNMENTS["block_index"]():
+        leaked = context_seen(anchors, 16, block)
+    assert any(seen and seen[-1] >= anchor for seen, anchor in zip(leaked, anchors, strict=True)), leaked
+
+
+def test_overlapping_blocks_in_training_are_the_blocks_decoding_drafts():
+    """The same leak through the drafter's forward: on densely sampled anchors the training forward's blocks must
+    give decoding's logits; with context by block index they do not."""
+    drafter = tiny_drafter().eval()
+    features, input_ids, _, anchors, _ = random_batch(drafter, num_anchors=16)  # 28 candidates: most closer than 4
+    assert (anchors.diff(dim=1) < BLOCK).any()
+    assert block_against_decoding_error(drafter, features, input_ids, anchors) < 1e-5
+    with MISALIGNMENTS["block_index"]():
         assert block_against_decoding_error(drafter, features, input_ids, anchors) > 1e-2
 
 

@@ -54,7 +54,7 @@ def test_a_clone_that_pulls_the_shared_record_reruns_only_what_its_machine_chang
     assert causes[0].strip().startswith(f"(1) machine threads.env: {moved}"), explained
     assert causes[1].strip().startswith(f"invalidates {', '.join(readers)}") and len(causes) == 2, explained
     rerun = run(["dvc", "repro"], b, env=differing).stdout
-    assert ran(rerun) == ["fingerprint", *readers, "serve"], rerun  # serve reads evaluate's metrics
+    assert ran(rerun) == ["fingerprint", *readers, "serve", "gate"], rerun  # serve reads eval.json, the gate both
 
 
 def test_a_sweep_is_queued_with_its_plan_and_run_two_at_a_time(pipeline_run, tmp_path):

@@ -20,6 +20,7 @@ from dflashpipe.core.pipeline import (
     FEATURES,
     FEATURES_METRICS,
     FINGERPRINT,
+    GATE_METRICS,
     MANIFEST,
     MANIFEST_METRICS,
     METRICS,
@@ -84,6 +85,7 @@ OUTPUTS = {
     },
     # not run in a clone without a serving environment; served, vLLM's times
     "serve": {SERVE_METRICS: TIMED, SERVE_DETAIL: TIMED},
+    "gate": {GATE_METRICS: BYTES},  # verdicts on tau and acceptance, which are exact
 }
 
 

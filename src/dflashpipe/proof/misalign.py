@@ -3,6 +3,8 @@ DFlash trainers were found broken, and a proof trained under it must fail.
 
   labels        slot k learns the token at anchor + k + 1 (labels shifted by one: SpecForge #455)
   context_mask  a block also sees the context at its own anchor (`<=` for `<` in the mask)
+  block_index   block i sees the context before i * block_size, not before its anchor: where anchors lie closer than
+                a block apart a block sees past its anchor, the tokens it must draft (SpecForge #470)
   layer         the trainer taps the output of layer id - 1 (hidden_states[id], not [id + 1])
   mask_token    the trainer fills the block with another token than the one the drafter drafts with
 """
@@ -53,6 +55,23 @@ def _context_mask_sees_anchor():
     return _patched(drafter, "dflash_mask_mod", dflash_mask_mod)
 
 
+def _context_follows_block_index():
+    from dflashpipe.model import drafter
+
+    original = drafter.dflash_mask_mod
+
+    def dflash_mask_mod(anchor_positions, context_len, block_size, document_ids=None):
+        mod = original(anchor_positions, context_len, block_size, document_ids)
+
+        def mask_mod(b, h, q_idx, kv_idx):  # the context a block sees by its index in the row, as if blocks tiled it
+            by_index = (kv_idx < context_len) & (kv_idx < (q_idx // block_size) * block_size)
+            return by_index | ((kv_idx >= context_len) & mod(b, h, q_idx, kv_idx))
+
+        return mask_mod
+
+    return _patched(drafter, "dflash_mask_mod", dflash_mask_mod)
+
+
 def _layer_one_early():
     from dflashpipe.train import loop
 
@@ -83,6 +102,7 @@ def _other_mask_token():
 MISALIGNMENTS: dict[str, Callable[[], AbstractContextManager[None]]] = {
     "labels": _shifted_labels,
     "context_mask": _context_mask_sees_anchor,
+    "block_index": _context_follows_block_index,
     "layer": _layer_one_early,
     "mask_token": _other_mask_token,
 }

@@ -626,6 +626,36 @@ class ProofParams:
             )
 
 
+@dataclass(kw_only=True, frozen=True, slots=True)
+class GateParams:
+    """The quality gate (stage `gate`): the figures a drafter must reach, checked after evaluate and serve into
+    metrics/gate.json. A check that did not run is no pass: the gate then fails."""
+
+    floor: bool
+    """true: the held-out tau (metrics/eval.json `tau`) must be above the bigram floor's (`floor_tau`), a table
+    counted on the same training tokens: below it, the drafter learned less than counting pairs does."""
+    served_acceptance: tuple[float, ...] = ()
+    """Bars on the served per-position acceptance (metrics/serve.json `acceptance_per_position`) at positions
+    1, 2, ...: each must be reached. [] = check off. speculators' nightly DFlash gate on Qwen3-8B (5K samples x 5
+    epochs) is [0.30, 0.05, 0.001]. A served check that did not run (`served: not_run`) leaves this one not_run."""
+    fail: bool = False
+    """false: record the verdict and go on | true: a failed gate fails the stage, after metrics/gate.json is
+    written."""
+
+    def __post_init__(self) -> None:
+        if not self.floor and not self.served_acceptance:
+            raise ParamsError(
+                "params.yaml: gate.floor is false and gate.served_acceptance is []: turn a check on "
+                "(floor: true, or bars such as [0.30, 0.05, 0.001]); a gate that checks nothing passes nothing"
+            )
+        for position, bar in enumerate(self.served_acceptance, 1):
+            if not (0.0 <= bar <= 1.0):
+                raise ParamsError(
+                    f"params.yaml: gate.served_acceptance[{position - 1}] = {bar}: the bar at position {position} "
+                    f"must be a fraction between 0 and 1 (e.g. 0.30)"
+                )
+
+
 SECTIONS: dict[str, type] = {
     "target": TargetParams,
     "compute": ComputeParams,
@@ -640,5 +670,6 @@ SECTIONS: dict[str, type] = {
     "evaluate": EvaluateParams,
     "serve": ServeParams,
     "proof": ProofParams,
+    "gate": GateParams,
 }
 """params.yaml's top-level sections and the dataclass that each one must fit."""
