@@ -17,6 +17,7 @@ import re
 
 import pytest
 import torch
+import yaml
 
 from dflashpipe.core.artifacts import write_file_listing
 from dflashpipe.core.params import ComputeParams, EvaluateParams, ServeParams, build
@@ -164,7 +165,7 @@ def test_vllm_serves_the_drafter_as_our_decoder_runs_it(passed, served):
     assert proposals["steps"] > 10 and metrics["agreement"] == proposals["agreement"] == 1.0
     assert proposals["mismatches"] == []
     # the fitted drafter accepts some: vLLM's own counters, beside evaluate's tau on the same prompts, per benchmark
-    assert metrics["tau"] > 1.0 and detail["all"]["drafts"] > 0
+    assert metrics["tau"] > 1.0 and detail["held_out"]["drafts"] > 0
     assert list(metrics["acceptance_per_position"]) == [str(k) for k in range(1, MODEL.block_size)]
     # vLLM counts the proposals a draft accepted past a stop token, which evaluate does not commit: a row of a few
     # short requests (humaneval's here: two drafts) reads higher served; a row of many drafts reads alike
@@ -188,7 +189,7 @@ def test_vllm_counters_are_read_per_benchmark(passed, served):
     rows = detail["benchmarks"]
     assert [rows[b]["requests"] for b in held_out] == [served["benchmarks"].count(b) for b in held_out]
     for key in ("requests", "drafts", "accepted"):
-        assert sum(row[key] for row in rows.values()) == detail["all"][key]
+        assert sum(row[key] for row in rows.values()) == detail["held_out"][key]  # every row here is held-out
     assert all(row["drafts"] > 0 for row in rows.values())
 
 
@@ -281,11 +282,13 @@ def test_dvc_repro_records_not_run_then_serves_once_the_environment_is_set_up(vl
     assert "bin/setup --serve" in json.loads((project / SERVE_DETAIL).read_text())["reason"]
     with_vllm = {PYTHON_ENV: str(vllm_python)}
     out = run(["dvc", "repro"], project, env=with_vllm).stdout
-    assert re.findall(r"Running stage '(\w+)'", out) == ["fingerprint", "serve"], out
+    assert re.findall(r"Running stage '(\w+)'", out) == ["fingerprint", "serve", "gate"], out  # gate reads serve
     record, detail = json.loads((project / SERVE_METRICS).read_text()), json.loads((project / SERVE_DETAIL).read_text())
     assert record["served"] == "passed" and detail["engine"]["vllm"], detail
     assert record["agreement"] == 1.0 and detail["contract"]["bugs"] == 0
-    assert list(record["benchmarks"]) == ["held_out"] and record["benchmarks"]["held_out"]["tau"] == record["tau"]
+    benchmarks = [b["name"] for b in yaml.safe_load((project / "params.yaml").read_text())["evaluate"]["benchmarks"]]
+    assert sorted(record["benchmarks"]) == sorted(["held_out", *benchmarks]), record
+    assert record["benchmarks"]["held_out"]["tau"] == record["tau"]
     explained = run(["dflashpipe", "explain", "HEAD"], project, env=with_vllm).stdout
     print(explained)
     cause = next(line for line in explained.splitlines() if "param serving:" in line)

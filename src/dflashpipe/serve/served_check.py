@@ -38,7 +38,7 @@ from dflashpipe.core.params import ComputeParams, EvaluateParams, ServeParams
 from dflashpipe.core.serving_env import PYTHON_ENV, SERVE_VENV, SETUP, engine_versions, serving_python
 from dflashpipe.core.spread import Spread
 from dflashpipe.evaluate import lossless
-from dflashpipe.evaluate.prompts import TRAIN
+from dflashpipe.evaluate.prompts import HELD_OUT, TRAIN
 from dflashpipe.evaluate.prompts_file import DecodedPrompt, read_prompts_file
 from dflashpipe.evaluate.speculative import DFlashProposer
 from dflashpipe.model import DFlashDrafter, TargetHead
@@ -51,12 +51,14 @@ from dflashpipe.target.weights import model_directory
 PASSED, FAILED, NOT_RUN = "passed", "failed", "not_run"
 
 DEFINITIONS = {
-    "tau": "per request, 1 + accepted / drafts of vLLM's counters (a draft is one verify step: the proposals it "
+    "tau": "on the held-out requests (as metrics/eval.json's tau; each benchmark's in its row): per request, "
+    "1 + accepted / drafts of vLLM's counters (a draft is one verify step: the proposals it "
     "accepted and the token the target adds), then the mean over the requests that drafted: evaluate's count, "
     "except that vLLM counts proposals accepted past a stop token or max_new_tokens, which evaluate does not commit "
     "(a benchmark of replies a few drafts long reads higher served)",
     "tau_pooled": "1 + all accepted / all drafts of the requests: vLLM's own mean acceptance length",
-    "acceptance_per_position": "the drafts whose proposal at that position was accepted / all drafts",
+    "acceptance_per_position": "on the held-out requests: the drafts whose proposal at that position was accepted / "
+    "all drafts",
     "ours": "metrics/eval.json benchmarks.<name>.tau: evaluate's tau on the same requests",
     "agreement": "the verified draft steps (all requests) at which our proposals equal vLLM's, up to a tie",
 }
@@ -201,10 +203,10 @@ def verdict(detail: dict, serve: ServeParams) -> list[str]:
 
 
 def served_record(prompts: list[DecodedPrompt], result: dict, compared: dict, evaluation: dict, k: int) -> Served:
-    """The two files' contents of a check that served: acceptance over the requests evaluate counts in its rows
-    (all but the training split's), and per benchmark beside evaluate's tau."""
+    """The two files' contents of a check that served: acceptance on the held-out requests (what metrics/eval.json's
+    `tau` covers, so the two headlines compare), and per benchmark beside evaluate's tau."""
     measured = [(p, s["counters"]) for p, s in zip(prompts, result["speculative"], strict=True) if p.split != TRAIN]
-    overall = acceptance([c for _, c in measured], k)
+    overall = acceptance([c for p, c in measured if p.split == HELD_OUT], k)
     rows = by_benchmark([p for p, _ in measured], [c for _, c in measured], k)
     metrics = {
         "served": PASSED,
@@ -218,7 +220,7 @@ def served_record(prompts: list[DecodedPrompt], result: dict, compared: dict, ev
         "served": PASSED,
         "reason": None,
         "definitions": DEFINITIONS,
-        "all": {key: overall[key] for key in ("requests", "drafts", "accepted", "tau_pooled")},
+        "held_out": {key: overall[key] for key in ("requests", "drafts", "accepted", "tau_pooled")},
         "benchmarks": {
             name: {key: value for key, value in row.items() if key not in metrics["benchmarks"][name]}
             for name, row in rows.items()
