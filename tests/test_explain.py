@@ -120,6 +120,7 @@ def test_grown_data_rerun_and_committed_names_the_changed_files_on_each_path(com
                 "evaluate <- data/tokens (tokenize) <- ",
                 "evaluate <- data/drafter (train) <- data/tokens (tokenize) <- ",
                 "evaluate <- metrics/train/metrics.json (train) <- data/tokens (tokenize) <- ",
+                "evaluate <- metrics/detail/train.json (train) <- data/tokens (tokenize) <- ",
             )
         )
         for p in paths["evaluate"]
@@ -252,6 +253,7 @@ def test_a_revision_whose_metrics_are_missing_or_unreadable_still_gets_every_sta
 
     (committed / "metrics/bench.json").write_text("{ not json")
     (committed / "metrics/eval.json").unlink()
+    (committed / "metrics/detail/eval.json").unlink()  # evaluate's whole record: its detail holds tau too
     run(["git", "add", "-A"], committed)
     run(["git", "commit", "-qm", "metrics lost"], committed)
     report = explain("HEAD~1", "HEAD", committed)

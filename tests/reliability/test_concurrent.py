@@ -69,6 +69,13 @@ def experiment_metrics(project) -> dict[str, dict]:
                 walk(value)
 
     walk(json.loads(run(["dvc", "exp", "show", "--json"], project).stdout))
+    for name, metrics in found.items():  # the rest of the manifest's record, at the experiment's own commit
+        detail = run(["git", "show", f"refs/exps/{name}:metrics/detail/manifest.json"], project, check=False)
+        if detail.returncode:  # experiments are kept under refs/exps/<baseline>/<name>
+            ref = run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], project).stdout.split()
+            ref = next(r for r in ref if r.endswith(f"/{name}"))
+            detail = run(["git", "show", f"{ref}:metrics/detail/manifest.json"], project)
+        metrics.update({**json.loads(detail.stdout), **metrics})
     return found
 
 
