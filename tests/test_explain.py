@@ -432,6 +432,7 @@ def test_compare_an_edited_source_file_hits_the_stages_listing_it_and_their_down
         **quiet(),
         **dict.fromkeys(listing("src/dflashpipe/target/adapter.py"), StageVerdict.DIRECT),
         "tokenize": StageVerdict.DOWNSTREAM,
+        "gate": StageVerdict.DOWNSTREAM,  # it reads evaluate's and serve's metrics
     }
     assert cause_tuples(found) == [
         (
@@ -465,7 +466,7 @@ def test_compare_a_dep_inside_an_upstream_output_is_that_upstream_not_a_root_cau
         "features": ["tokenize"],
         "train": ["features", "tokenize"],
         "evaluate": ["manifest", "tokenize", "train"],
-        "serve": ["evaluate", "manifest", "train"],
+        "serve": ["evaluate", "train"],  # it replays evaluate's requests: no manifest file of its own
         "gate": ["evaluate", "serve"],
     }
 
@@ -491,6 +492,7 @@ def test_compare_a_library_version_key_hits_the_stages_naming_it_and_their_downs
         "tokenize": StageVerdict.DIRECT,
         "features": StageVerdict.DIRECT,  # the target's forward is transformers' code
         "proof": StageVerdict.DIRECT,  # it regenerates and tokenizes its own data
+        "gate": StageVerdict.DOWNSTREAM,
     }
     causes = ("target", "regenerate", "tokenize", "features", "proof")
     assert cause_tuples(found) == [("param", key, "5.24.0", "5.25.0", causes)]
@@ -829,7 +831,7 @@ def test_a_stale_fingerprint_names_the_edited_torch_file_and_the_stages_it_inval
     assert first.startswith(
         'the fingerprint file is stale: torch.files_edited now ["torch/fx/_symbolic_trace.py"] (recorded []); '
         "torch.files_ok now false (recorded true); "
-        f"these stages are invalid on this machine: {', '.join([*readers, 'serve'])} (full check"
+        f"these stages are invalid on this machine: {', '.join([*readers, 'serve', 'gate'])} (full check"
     )
     assert second == (
         "edited installed file torch/fx/_symbolic_trace.py: sha256=new (the wheel's RECORD says sha256=old); "
