@@ -421,7 +421,7 @@ def test_adding_a_source_recomputes_only_its_shards_in_every_stage(dvc_project):
 
     def repro() -> tuple[str, dict[str, dict]]:
         out = run(["dvc", "repro", "features"], project).stdout
-        metrics = {s: json.loads((project / f"metrics/{s}.json").read_text()) for s in ("tokenize", "features")}
+        metrics = {s: json.loads((project / f"metrics/detail/{s}.json").read_text()) for s in ("tokenize", "features")}
         return out, metrics
 
     repro()

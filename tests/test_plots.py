@@ -156,6 +156,7 @@ def test_eval_images_are_valid_pngs_and_the_same_bytes_for_the_same_tables(tmp_p
 
     tables = {
         "tau_per_source": [{"source": "chat", "tau": 2.75}, {"source": "code", "tau": 3.5}],
+        "tau_per_benchmark": [{"benchmark": "held_out", "tau": 3.1}, {"benchmark": "mt_bench", "tau": 2.6}],
         "slot_acceptance": [{"slot": k, "acceptance": round(1 / (k + 1), 4)} for k in range(1, 8)],
         "speedup_per_prompt": [{"prompt": 0, "id": "a", "source": "chat", "speedup": 1.5}],
     }

@@ -125,6 +125,8 @@ MEASURED = frozenset(
         "regressions",
         "throughput_regressions",
         "within_noise",
+        "worst",  # eval_regression: which timed figure moved most, and by how much
+        "worst_change",
         "step_profile",  # evaluate: shares of a verify step's time, its cost in plain decode steps
     }
 )

@@ -157,6 +157,8 @@ ACCEPTED = {
     ("model.target_layer_ids", "[]"): "[] means the even spacing",
     ("evaluate.baseline", "''"): "'' means no baseline",
     ("regenerate.endpoints", "[]"): "[] means generating in this process",
+    ("evaluate.benchmarks", "[]"): "[] means the held-out split alone",
+    ("gate.served_acceptance", "[]"): "[] means the served bars off (gate.floor still checks)",
 }
 """(key, repr of value) pairs from out_of_range that are valid on purpose, with the reason."""
 
