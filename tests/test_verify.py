@@ -5,7 +5,8 @@ that run in milliseconds) whose effects are known by construction:
 - without `cache/kernels.json` (the compile cache, deleted in the workspace) every row pays 4 ms more:
   restoring it from the DVC cache is a change;
 - `data.rows` grows 40 -> 60, but throughput is timed on fixed batches: reverting it is within noise;
-- `machine.json` is written by a stage from the machine (cu128 -> cu130): it cannot be reverted here.
+- `machine.json` is written by a stage from the machine (cu128 -> cu130): it cannot be reverted here;
+- `probe` times the same kernel on fixed rows and reads no data: `measure`'s probe, as bench is train's.
 """
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashpipe.commands.rerun.verify import FIXED, MEASURED, OVER_BUDGET, verification_lines, verify
+from dflashpipe.commands.rerun.verify import (
+    FIXED,
+    MEASURED,
+    OUTSIDE,
+    OVER_BUDGET,
+    ranked,
+    verification_lines,
+    verify,
+)
 from tests.conftest import run
 
 FAST, SLOW = 0.00025, 0.004
@@ -39,6 +48,12 @@ STAGES = {
         "deps": ["measure.py", "kernel.py", "data", "cache"],
         "params": [{"machine.json": ["lib"]}],
         "metrics": [{"metrics.json": {"cache": False}}],
+    },
+    "probe": {
+        "cmd": "python measure.py probe",
+        "deps": ["measure.py", "kernel.py", "cache"],
+        "params": [{"machine.json": ["lib"]}],
+        "metrics": [{"probe.json": {"cache": False}}],
     },
 }
 
@@ -59,10 +74,12 @@ SCRIPTS = {
         json.dump({"block": yaml.safe_load(open("params.yaml"))["kernel"]["block"]}, open("cache/kernels.json", "w"))
     """,
     "measure.py": """
-        # rows/s on 4 fixed batches of 8 rows: the data's size cannot reach it, the kernel and its cache can
-        import json, os, statistics, time
+        # rows/s on 4 fixed batches of 8 rows: the data's size cannot reach it, the kernel and its cache can;
+        # `probe`: the same on rows of its own, reading no data
+        import json, os, statistics, sys, time
         import kernel
-        rows = json.load(open("data/rows.json"))
+        probe = sys.argv[1:] == ["probe"]
+        rows = list(range(32)) if probe else json.load(open("data/rows.json"))
         compiled = os.path.exists("cache/kernels.json")
         rates = []
         for b in range(4):
@@ -72,9 +89,12 @@ SCRIPTS = {
                 if not compiled:
                     time.sleep(0.004)  # no compile cache: kernels built on the fly
             rates.append(8 / (time.perf_counter() - start))
-        json.dump({"rows_per_s": statistics.median(rates),
-                   "rows_per_s_spread": {"low": min(rates), "high": max(rates), "repeats": len(rates)}},
-                  open("metrics.json", "w"))
+        wall = sum(8 / r for r in rates)
+        key = "probe_rows_per_s" if probe else "rows_per_s"
+        json.dump({key: statistics.median(rates),
+                   key + "_spread": {"low": min(rates), "high": max(rates), "repeats": len(rates),
+                                     "machine": {"wall_s": wall}}},
+                  open("probe.json" if probe else "metrics.json", "w"))
     """,
 }
 
@@ -189,7 +209,7 @@ def test_budget_caps_the_runs_and_bad_input_is_one_line(incident):
         assert result.exit_code == 2
         assert result.output.strip().splitlines() == [
             "error: no metrics file of workspace or healthy records 'rows_per_sec'; "
-            "nearby keys: rows_per_s (metrics.json)"
+            "nearby keys: rows_per_s (metrics.json), probe_rows_per_s (probe.json)"
         ]
         result = CliRunner().invoke(app, ["explain", "healthy", "--verify", "rows_per_s", "--budget", "0", "--json"])
     finally:
@@ -198,3 +218,78 @@ def test_budget_caps_the_runs_and_bad_input_is_one_line(incident):
     data = json.loads(result.output)
     assert data["baseline"] is None  # nothing ran
     assert sorted(i["status"] for i in data["interventions"]) == [FIXED, OVER_BUDGET, OVER_BUDGET, OVER_BUDGET]
+
+
+PROBE = {"metrics.json:rows_per_s": "probe.json:probe_rows_per_s"}
+
+
+def test_a_probe_measured_in_place_of_the_metric_sees_the_kernel_and_rules_the_data_out(incident):
+    found = verify("rows_per_s", "healthy", "workspace", incident, runs=2, progress=False, probes=PROBE)
+    assert (found.stage, found.measured.stage, found.measured.file) == ("measure", "probe", "probe.json")
+    by_cause = {(i.cause.kind, i.cause.what): i for i in found.interventions}
+    data = by_cause[("param", "params.yaml:data.rows")]
+    assert data.status == OUTSIDE and data.figure is None and "stage probe does not read it" in data.action
+    kernel_fix, cache_fix = by_cause[("dep", "kernel.py")], by_cause[("out", "cache")]
+    assert (kernel_fix.call, cache_fix.call) == ("change", "change"), verification_lines(found)
+    assert "moved together" in found.probe_agreement, found.probe_agreement
+    # said before the first arm: 4 arms (baseline, two causes, together) x 2 runs x the probe's recorded run
+    recorded = json.loads((incident / "probe.json").read_text())["probe_rows_per_s_spread"]["machine"]["wall_s"]
+    assert found.estimate_s == round(4 * 2 * recorded, 1)
+    lines = verification_lines(found)
+    assert lines[1].startswith("answer: ") and ("dep kernel.py" in lines[1] or "output cache" in lines[1])
+    print("\n".join(lines))
+    causes = [line.split(" [", 1)[0] for line in lines if " [" in line and not line.startswith("revert all")]
+    assert causes[-2:] == ["outside the probe", "cannot revert here"], causes  # after the measured ones
+    shares = [i.share for i in ranked(found) if i.status == MEASURED]
+    assert shares == sorted(shares, key=abs, reverse=True), shares  # ranked by measured effect
+
+
+def test_a_verification_over_its_time_budget_is_refused_before_any_run(incident):
+    from typer.testing import CliRunner
+
+    from dflashpipe.cli import app
+
+    before = tree_digest(incident)
+    cwd = os.getcwd()
+    os.chdir(incident)
+    try:
+        result = CliRunner().invoke(app, ["explain", "healthy", "--verify", "rows_per_s", "--time-budget", "0.001"])
+    finally:
+        os.chdir(cwd)
+    assert result.exit_code == 2, result.output
+    (line,) = result.output.strip().splitlines()
+    assert line.startswith("error: --verify rows_per_s: estimated ") and "over --time-budget 0 s" in line, line
+    assert "has no probe: each arm runs stage measure" in line and "pass --time-budget " in line
+    assert tree_digest(incident) == before
+    assert len(run(["git", "worktree", "list"], incident).stdout.splitlines()) == 1  # no arm was opened
+
+
+def causes_of(group: str, changes: dict) -> list:
+    from dflashpipe.commands.explain import Cause
+
+    return [Cause("machine", f"{group}.{k}" if k else group, old, new, "test") for k, (old, new) in changes.items()]
+
+
+@pytest.mark.parametrize(
+    ("group", "changes", "status", "variables", "pristine", "says"),
+    [
+        ("threads", {"env": ({}, {"OMP_NUM_THREADS": "1"}), "torch_intra_op": (2, 1)}, MEASURED,
+         {"OMP_NUM_THREADS": None}, False, "run with OMP_NUM_THREADS unset"),
+        ("env", {"": ({"TORCHINDUCTOR_MAX_AUTOTUNE": "1"}, {})}, MEASURED,
+         {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"}, False, "run with TORCHINDUCTOR_MAX_AUTOTUNE=1"),
+        ("torch", {"files_edited": ([], ["torch/autograd/__init__.py"]), "files_ok": (True, False)}, MEASURED,
+         {}, True, "run in a pristine environment from A's requirements/cpu.lock"),
+        ("torch", {"cpu_capability": ("AVX512", "AVX2")}, FIXED, {}, False, "only a machine with torch.cpu_capability"),
+        ("gpu", {"names": (["NVIDIA H100"], ["NVIDIA H200"])}, FIXED, {}, False, "only a machine with gpu.names"),
+    ],
+)  # fmt: skip
+def test_a_machine_cause_is_reverted_by_a_variable_or_a_pristine_environment_or_named_as_the_machine(
+    group, changes, status, variables, pristine, says
+):
+    from dflashpipe.commands.rerun.verify import _plan_machine
+    from tests.conftest import ROOT
+
+    planned = _plan_machine(causes_of(group, changes), "HEAD", ROOT)
+    assert (planned.status, planned.variables, planned.pristine) == (status, variables, pristine)
+    assert planned.action.startswith(says), planned.action
+    assert len(planned.causes) == len(changes)  # one arm for the group's keys

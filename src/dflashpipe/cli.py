@@ -117,11 +117,21 @@ def explain(
     ),
     budget: int = typer.Option(None, min=0, help="With --verify: run at most this many interventions."),
     runs: int = typer.Option(3, min=1, help="With --verify: measured runs per arm, interleaved across arms."),
+    own_stage: bool = typer.Option(
+        False, "--full", help="With --verify: measure the metric's own stage, not its probe."
+    ),
+    time_budget: float = typer.Option(
+        verifying.TIME_BUDGET_S, help="With --verify: refuse, before any run, a verification estimated to take longer."
+    ),
 ) -> None:
     """What changed between two states, what it invalidated (and what not), what it cost."""
     if since:
         a, b = since, explaining.WORKSPACE
-    result = verifying.verify(verify, a, b, budget=budget, runs=runs) if verify else explaining.explain(a, b)
+    result = (
+        verifying.verify(verify, a, b, budget=budget, runs=runs, full=own_stage, time_budget=time_budget)
+        if verify
+        else explaining.explain(a, b)
+    )
     if as_json:
         typer.echo(verifying.verification_json(result) if verify else explaining.to_json(result))
     elif as_md:

@@ -32,10 +32,19 @@ class RunFailed(DflashpipeError):
     """A `dvc` command failed in a scratch tree; the message is its last line of output."""
 
 
-def dvc(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    """`dvc ARGS` in `cwd` with this interpreter, whose directory comes first on PATH (the stages' `python`)."""
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=cwd, env=env, capture_output=True, text=True)
+def dvc(
+    cwd: Path, *args: str, python: Path | None = None, variables: dict[str, str | None] | None = None
+) -> subprocess.CompletedProcess:
+    """`dvc ARGS` in `cwd` with `python` (default: this interpreter), whose directory comes first on PATH (the
+    stages' `python`), and this process's environment with `variables` set (None: unset)."""
+    python = python or Path(sys.executable)
+    env = {**os.environ, "PATH": f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    for name, value in (variables or {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return subprocess.run([str(python), "-m", "dvc", *args], cwd=cwd, env=env, capture_output=True, text=True)
 
 
 def shared_cache(root: Path) -> Path:
@@ -54,6 +63,11 @@ class ScratchTree:
         self.root, self.rev, self.path, self.cache = root, rev, path, cache
         self.stages_run = 0
         """Stages `dvc repro` ran here so far (0: every output came from the cache or the commit's record)."""
+        self.python: Path | None = None
+        """The interpreter `dvc` and the stages run with here (None: this one); a pristine environment's for an
+        arm that reverts installed packages."""
+        self.variables: dict[str, str | None] = {}
+        """Environment variables set (None: unset) for every `dvc` run here: an arm that reverts a variable."""
 
     def __enter__(self) -> ScratchTree:
         git(self.root, "worktree", "add", "--detach", "--quiet", str(self.path), self.rev)
@@ -68,7 +82,7 @@ class ScratchTree:
 
     def dvc(self, *args: str) -> str:
         """Run `dvc ARGS` here; its standard output, or RunFailed naming the command and its last line."""
-        proc = dvc(self.path, *args)
+        proc = dvc(self.path, *args, python=self.python, variables=self.variables)
         if proc.returncode != 0:
             last = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
             raise RunFailed(f"dvc {' '.join(args)} failed: {last[-1][:200] if last else f'exit {proc.returncode}'}")
