@@ -20,6 +20,7 @@ import platform
 import re
 import subprocess
 import sys
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,13 +193,16 @@ def _record_entries(dist: metadata.Distribution) -> list[tuple[str, str, str, st
     return entries
 
 
-def distribution_integrity(dist: metadata.Distribution, hash_state: Path | None = None) -> Integrity:
-    """Compare an installed distribution's files with the hashes its wheel's RECORD lists.
+def distribution_integrity(
+    dist: metadata.Distribution, hash_state: Path | None = None, only: Collection[str] | None = None
+) -> Integrity:
+    """Compare an installed distribution's files with the hashes its wheel's RECORD lists (`only`: just those of
+    these paths, as RECORD names them).
 
     With `hash_state`, a file whose (size, mtime_ns) match the state's record reuses its digest; the
     state is rewritten atomically afterwards. The result does not depend on the state, only the time.
     """
-    entries = _record_entries(dist)
+    entries = [entry for entry in _record_entries(dist) if only is None or entry[0] in only]
     known = _read_hash_state(hash_state)
     missing, stale, updated = [], [], {}
     # stat everything first (cheap, in order); only files whose size or mtime moved are read, in threads

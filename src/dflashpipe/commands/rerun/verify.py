@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -41,6 +42,7 @@ from typing import Any
 from dflashpipe.commands.explain import RESTORABLE, WORKSPACE, Cause, Report, StageVerdict, cause_line, explain
 from dflashpipe.commands.explain.history import Measured, moved
 from dflashpipe.commands.explain.state import State, read_revision_state
+from dflashpipe.commands.rerun.pristine import LOCKS
 from dflashpipe.commands.rerun.tree import ScratchTree, pooled, shared_cache
 from dflashpipe.core import spread
 from dflashpipe.core.artifacts import json_number
@@ -59,9 +61,6 @@ forward over a corpus, seconds a run."""
 
 TIME_BUDGET_S = 1800.0
 """A verification estimated to cost more than this is refused before any arm starts (`--time-budget`)."""
-
-LOCKS = ("requirements/cpu.lock", "requirements/nodeps.lock")
-"""The lock files a pristine environment is built from (those `bin/setup` installs into .venv)."""
 
 VARIABLE_GROUPS = ("env", "threads.env", "threads.other_env")
 """Fingerprint keys holding environment variables (name -> value): reverted by setting them in the arm."""
@@ -520,7 +519,9 @@ def _enter_pristine(arm: Arm, tree: ScratchTree, root: Path, a_rev: str, edited:
     from dflashpipe.commands.rerun import pristine
 
     env = pristine.build(root, a_rev, tree.path.parent / f"{tree.path.name}-env", tree.path, {"torch": edited})
-    tree.python = env.python
+    wanted = {k: v for k, v in env.environ().items() if k != "PATH"}  # PATH: the tree puts the interpreter first
+    changed = {k: v for k, v in wanted.items() if os.environ.get(k) != v} | {k: None for k in os.environ.keys() - wanted}
+    tree.python, tree.variables = env.python, {**changed, **tree.variables}
     arm.result.note = "; ".join(filter(None, [arm.result.note, f"pristine environment built in {env.seconds:.1f} s"]))
 
 
