@@ -520,7 +520,8 @@ def _enter_pristine(arm: Arm, tree: ScratchTree, root: Path, a_rev: str, edited:
 
     env = pristine.build(root, a_rev, tree.path.parent / f"{tree.path.name}-env", tree.path, {"torch": edited})
     wanted = {k: v for k, v in env.environ().items() if k != "PATH"}  # PATH: the tree puts the interpreter first
-    changed = {k: v for k, v in wanted.items() if os.environ.get(k) != v} | {k: None for k in os.environ.keys() - wanted}
+    changed = {k: v for k, v in wanted.items() if os.environ.get(k) != v}
+    changed |= {k: None for k in os.environ.keys() - wanted}
     tree.python, tree.variables = env.python, {**changed, **tree.variables}
     arm.result.note = "; ".join(filter(None, [arm.result.note, f"pristine environment built in {env.seconds:.1f} s"]))
 
