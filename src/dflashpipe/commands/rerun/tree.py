@@ -85,7 +85,8 @@ class ScratchTree:
         proc = dvc(self.path, *args, python=self.python, variables=self.variables)
         if proc.returncode != 0:
             last = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
-            raise RunFailed(f"dvc {' '.join(args)} failed: {last[-1][:200] if last else f'exit {proc.returncode}'}")
+            last = [line for line in last if ": error: " in line] or last  # a stage's own one line says why
+            raise RunFailed(f"dvc {' '.join(args)} failed: {last[-1][:300] if last else f'exit {proc.returncode}'}")
         return proc.stdout
 
     def repro(self, *args: str) -> None:

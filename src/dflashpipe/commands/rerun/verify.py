@@ -248,7 +248,10 @@ def _agreement(own: Target, probe: Target, sa: State, sb: State) -> str:
             return f"the records do not hold {t.metric} on both sides: no check of the probe against the metric"
         went, call = moved(t.key, ra, rb)
         moves.append((went, f"{t.metric} {(json_number(rb.value) / json_number(ra.value) - 1):+.0%} ({call})"))
-    together = "moved together" if moves[0][0] == moves[1][0] else "did not move together: trust --full over the probe"
+    if moves[0][0] != moves[1][0]:
+        together = "they did not move together: trust --full over the probe"
+    else:
+        together = "they moved together" if moves[0][0] else "neither moved between the two records"
     return f"recorded A -> B: {moves[0][1]}, probe {moves[1][1]}: {together}"
 
 
@@ -477,8 +480,10 @@ def _as_figure(m: Measured) -> dict | None:
 
 
 def _upstream(stage: str, stages) -> list[str]:
-    """The stages `stage` reads outputs of, directly or not, upstream first."""
-    ups = upstream_of({n: s.deps for n, s in stages.items()}, {n: s.outs for n, s in stages.items()})
+    """The stages `stage` reads outputs of, directly or not, upstream first: as deps, or as params files (the
+    fingerprint stage writes the machine's, which the arm's interpreter and variables must be recorded in)."""
+    deps = {n: [*s.deps, *s.params] for n, s in stages.items()}
+    ups = upstream_of(deps, {n: s.outs for n, s in stages.items()})
     found, todo = set(), [stage]
     while todo:
         for producer in ups[todo.pop()]:
@@ -521,7 +526,7 @@ def _enter_pristine(arm: Arm, tree: ScratchTree, root: Path, a_rev: str, edited:
     env = pristine.build(root, a_rev, tree.path.parent / f"{tree.path.name}-env", tree.path, {"torch": edited})
     wanted = {k: v for k, v in env.environ().items() if k != "PATH"}  # PATH: the tree puts the interpreter first
     changed = {k: v for k, v in wanted.items() if os.environ.get(k) != v}
-    changed |= {k: None for k in os.environ.keys() - wanted}
+    changed |= {k: None for k in os.environ.keys() - wanted - {"PATH"}}
     tree.python, tree.variables = env.python, {**changed, **tree.variables}
     arm.result.note = "; ".join(filter(None, [arm.result.note, f"pristine environment built in {env.seconds:.1f} s"]))
 
