@@ -1160,8 +1160,13 @@ def test_the_first_screen_is_the_causes_the_stages_and_the_headlines(dag):
     assert heads[0][1].startswith("train tokens/s  52 -> 16 (-69%)") and heads[0][1].endswith(
         "machine: control 3.16x slower"
     )
-    assert heads[1][1].startswith("final loss") and heads[1][1].endswith("differs: (1)")
-    assert heads[2] == (ITEM, "the same: tau")
+    # the loss is deterministic: it differs, its one cause under it, and how to measure that cause's effect
+    assert heads[1][1].startswith("final loss") and heads[1][1].endswith("differs")
+    assert heads[2:5] == [
+        (DETAIL, "on its path: (1) param data.num_samples"),
+        (DETAIL, "not verified: dflashpipe explain HEAD new --verify metrics/train/metrics.json:final_loss"),
+        (ITEM, "the same: tau"),
+    ]
     # the 40 other figures that moved are behind --all, counted; nothing of them is on the first screen
     assert heads[-1][0] == FOOTER and "40 more metrics that differ" in heads[-1][1]
     assert not any("step_profile" in text for _, text in lines)
@@ -1199,7 +1204,8 @@ def test_evaluate_and_train_records_reach_the_first_screen_only_through_the_head
     speedup = next(i for i, text in enumerate(heads) if text.startswith("speedup"))
     said = " ".join(heads[speedup : speedup + 2])
     assert "against baseline.dtype float32 -> bfloat16" in said and "baseline.decoding" not in said
-    assert any(t.startswith("lossless") and "true -> false" in t and "differs: (1)" in t for t in heads), heads
+    lossless = next(i for i, t in enumerate(heads) if t.startswith("lossless"))
+    assert "true -> false" in heads[lossless] and heads[lossless + 1] == "on its path: (1) param compute.target_dtype"
     assert heads[-2] == "the same: tau, final loss"
     assert not any(word in text for _, text in lines for word in ("balance", "floor", "contract", "bound_by"))
     # floor (2), contract (3: exact, bugs, departures) and balance (4 busy figures) behind --all, counted
@@ -1285,3 +1291,120 @@ def test_a_live_machine_cause_is_blamed_for_no_recorded_figure(dag):
     assert {c.kind for c in root_causes(found)} == {"machine"}
     (m,) = (d for d in metric_deltas(sa, sb, workspace, found) if d.key == "tokens_per_s")
     assert (m.call, m.causes) == (NoiseCall.MACHINE, [])
+
+
+def slowed_train(dag, **report_fields):
+    """The data grown and the compile package edited, train's rate fallen beyond its control, the loss moved: two
+    causes on the rate's path, (1) upstream of (2) in the DAG. train's record of its run is in its detail file."""
+    quiet = {"low": 50.0, "high": 53.0, "repeats": 5, "machine": controlled(1.95, 0.4, 3.0, 3.2)}
+    slow = {"low": 15.0, "high": 17.0, "repeats": 5, "machine": controlled(1.9, 0.5, 3.1, 3.2)}
+    run = {
+        "compile": {
+            "source": "artifact",
+            "warmup_s": 41.234,
+            "new_graphs_in_workers": 1,
+            "replicas": {"0": {"recompiles_in_thread": 0}, "1": {"recompiles_in_thread": 2}},
+        },
+        "busy_s": {"target": 1.04, "drafter": 498.539},
+    }
+    old, new = headline_metrics(52.0, quiet, 9.70), headline_metrics(16.0, slow, 9.71)
+    new["metrics/detail/train.json"] = run
+    edited = {"src/dflashpipe/compile": "md5(edited)"} | {
+        p: f"new md5({p})" for p in ("data/manifest", "data/regenerated", "data/tokens", "data/drafter")
+    }
+    return answer_of(
+        dag,
+        (lock_of(dag, values={"data.num_samples": 2000}), old),
+        (lock_of(dag, edited, {"data.num_samples": 2400}), new),
+        **report_fields,
+    )
+
+
+def headline_block(lines, label: str) -> list[str]:
+    """A headline's line and the detail lines under it, a wrapped detail joined back into one."""
+    from dflashpipe.commands.explain.render import DETAIL
+
+    start = next(i for i, (_, text) in enumerate(lines) if text.startswith(label))
+    block = [lines[start][1]]
+    for level, text in lines[start + 1 :]:
+        if level != DETAIL:
+            break
+        if text.startswith(("on its path:", "by measured effect:", "not verified:", "new ran:", "workspace ran:")):
+            block.append(text)
+        else:
+            block[-1] += f" {text}"
+    return block
+
+
+def test_a_moved_headline_lists_the_causes_on_its_path_in_dag_order_and_how_to_verify_them(dag):
+    """Without --verify, no effect is measured: the causes on the rate's path go under it in the order of the
+    Causes, and the line after gives the exact command that would measure them (B named only when it is not the
+    workspace, --verify's default)."""
+    from dflashpipe.commands.explain.answer import answer
+    from dflashpipe.commands.explain.render import INDENT, WIDTH, answer_lines
+
+    report, lines = slowed_train(dag)
+    causes = [text for _, text in lines if text.startswith("(")]
+    assert causes[0].startswith("(1) param data.num_samples") and causes[1].startswith("(2) dep src/dflashpipe/compile")
+    block = headline_block(lines, "train tokens/s")
+    assert block[0].startswith("train tokens/s  52 -> 16 (-69%)") and " change" in block[0]
+    assert block[1:3] == [
+        "on its path: (1) param data.num_samples, (2) dep src/dflashpipe/compile",
+        "not verified: dflashpipe explain HEAD new --verify metrics/train/metrics.json:tokens_per_s",
+    ]
+    assert all(INDENT[level] + len(text) <= WIDTH for level, text in lines) and len(lines) <= 25
+    report.b = "workspace"
+    block = headline_block(answer_lines(answer(report)), "train tokens/s")
+    assert block[2] == "not verified: dflashpipe explain HEAD --verify metrics/train/metrics.json:tokens_per_s"
+
+
+def test_a_rate_headline_carries_the_later_runs_own_record_of_how_it_ran(dag):
+    """Beside train's rate, one line of what train recorded of its run: where its kernels came from, the warm-up's
+    seconds, what compiled while timed, the recompiles, each side's busy time. A record without those facts (the
+    loss's line, or a run that recorded none) says nothing of them."""
+    from dflashpipe.commands.explain import Report
+    from dflashpipe.commands.explain.answer import answer
+    from dflashpipe.commands.explain.render import answer_lines
+
+    report, lines = slowed_train(dag)
+    (rate,) = (m for m in report.metrics if m.key == "tokens_per_s")
+    assert rate.ran["compile.source"] == "artifact" and rate.ran["busy_s.drafter"] == 498.539
+    assert headline_block(lines, "train tokens/s")[3] == (
+        "new ran: kernels from the compile cache; warm-up 41.2 s; 1 graph, 2 recompiles while timed; "
+        "busy target 1.04 s, drafter 499 s"
+    )
+    assert not any(" ran:" in text for text in headline_block(lines, "final loss"))
+    # bench's record: a cold compile, nothing compiled while timed, no sides to split
+    rate.file, rate.ran = (
+        "metrics/bench.json",
+        {"compile_source": "cold compile: no report", "graphs_compiled_while_timed": 0},
+    )
+    bench = Report(report.a, report.b, report.root_causes, report.stages, [rate])
+    block = headline_block(answer_lines(answer(bench)), "train-step tokens/s")
+    assert block[-1] == "new ran: kernels compiled here; no compiles while timed"
+    rate.ran = {}
+    assert not any(" ran:" in text for _, text in answer_lines(answer(bench)))
+
+
+def test_measured_effects_rank_a_headlines_causes_and_replace_the_call_to_verify(dag):
+    """What --verify measured (the fraction of the way back to A that reverting each cause alone went) ranks the
+    causes under the rate by its size, against their DAG order, each with its effect; the rate's `not verified`
+    line goes. A cause is named as the first screen names it or by the root cause --verify reverted; a headline
+    nothing was measured for keeps its call to verify."""
+    from dflashpipe.commands.explain.answer import answer
+    from dflashpipe.commands.explain.render import answer_lines
+
+    report, _ = slowed_train(dag)
+    measured = {"param data.num_samples": 0.04, "src/dflashpipe/compile": -0.91}
+    lines = answer_lines(answer(report, {"metrics/train/metrics.json:tokens_per_s": measured}))
+    block = headline_block(lines, "train tokens/s")
+    assert block[1] == (
+        "by measured effect: (2) dep src/dflashpipe/compile -91% measured, (1) param data.num_samples +4% measured"
+    )
+    assert not any(text.startswith("not verified") for text in block)
+    assert any(text.startswith("not verified") for text in headline_block(lines, "final loss"))
+    # a cause on the path with no measurement (over the budget, or not revertible here) is last, said to be so
+    lines = answer_lines(answer(report, {"metrics/train/metrics.json:tokens_per_s": {"param data.num_samples": 0.04}}))
+    assert headline_block(lines, "train tokens/s")[1] == (
+        "by measured effect: (1) param data.num_samples +4% measured, (2) dep src/dflashpipe/compile not measured"
+    )

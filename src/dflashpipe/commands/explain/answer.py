@@ -4,6 +4,8 @@ A Report holds every fact explain found; a person asking "what changed, and what
 the root causes (what changed, from what to what, read from where) with the stages each one invalidates, what
 `dvc repro` will do with each stage, and what happened to the headline figures (`headlines.HEADLINES`, the one
 list) with their verdict. `answer` picks those out; everything else stays in the Report for `--all` and `--json`.
+Under a headline that moved go the causes on its path, in DAG order with the command that would measure them, or
+ranked by what `--verify` measured (`answer`'s `measured`), and its run's own record of how it ran.
 
 Invariant: pure, like comparison.py: it reads only the Report. Facts are shortened where they are printed
 (`env.fact_change`), never here: a CauseLine keeps the Causes it stands for.
@@ -12,13 +14,16 @@ Invariant: pure, like comparison.py: it reads only the Report. Facts are shorten
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from dflashpipe.commands.explain.records import RESTORABLE, Cause, MetricDelta, NoiseCall, Report, StageVerdict, Verdict
 from dflashpipe.core import env
+from dflashpipe.core.artifacts import json_number
 from dflashpipe.core.headlines import HEADLINES
 from dflashpipe.core.pipeline import FINGERPRINT, PARAMS_FILE
+from dflashpipe.core.revision import WORKSPACE
 
 
 @dataclass
@@ -38,6 +43,23 @@ class CauseLine:
     note: str = ""
     causes: list[Cause] = field(default_factory=list)
 
+    @property
+    def key(self) -> str:
+        """The cause as the first screen names it, without its change: `param data.num_samples`, `machine
+        threads`, `output data/compile` (what `answer`'s `measured` is keyed by)."""
+        return UNRECORDED if self.kind == UNRECORDED else f"{'output' if self.kind == 'out' else self.kind} {self.what}"
+
+
+@dataclass
+class PathCause:
+    """A root cause on a headline's path, as the headline lists it."""
+
+    number: int | None
+    """Its number among the Causes (None: on the path but no line of its own)."""
+    key: str
+    effect: float | None = None
+    """What --verify measured reverting it alone did to the figure (the fraction of the way back to A)."""
+
 
 @dataclass
 class HeadlineLine:
@@ -51,6 +73,15 @@ class HeadlineLine:
     """change, noise, machine or unmeasured for a timed figure (the control applied to a rate); differs for
     any other, whose stages are deterministic."""
     why: str
+    causes: list[PathCause] = field(default_factory=list)
+    """The root causes on its path (MetricDelta.causes) when it moved: in DAG order, or by |effect| when measured."""
+    measured: bool = False
+    """Whether `causes` carry --verify's measured effects."""
+    verify: str = ""
+    """The command that would measure them, while they are not measured."""
+    ran: list[str] = field(default_factory=list)
+    """What the later side's run recorded of itself (MetricDelta.ran), fact by fact: where its kernels came from,
+    what compiled, the target's and drafter's busy time; none when its record says none of it."""
 
 
 @dataclass
@@ -82,7 +113,10 @@ class Answer:
     notes: list[str] = field(default_factory=list)
 
 
-def answer(report: Report) -> Answer:
+def answer(report: Report, measured: Mapping[str, Mapping[str, float]] | None = None) -> Answer:
+    """The first screen of `report`. `measured`: what --verify measured, per headline figure (`file:key`), per
+    cause (`CauseLine.key`, or a root cause's `Cause.what`), as the fraction of the way back to A that reverting
+    it alone went; a measured headline ranks its causes by that, largest first, instead of asking for --verify."""
     by_stage = {v.stage: v for v in report.stages}
     order = [v.stage for v in report.stages]
     rerun = [v.stage for v in report.stages if v.verdict in (StageVerdict.DIRECT, StageVerdict.DOWNSTREAM)]
@@ -94,7 +128,7 @@ def answer(report: Report) -> Answer:
         if line.kind == "machine" and line.what.startswith("torch.files") and edited:
             line.note = "; ".join(f"{f.path}: {_definitions(f.functions)}" for f in edited)
     numbers = {c.what: n for n, line in enumerate(causes, 1) for c in line.causes}
-    headlines, same, shown = _headlines(report, numbers)
+    headlines, same, shown = _headlines(report, numbers, causes, measured or {})
     machine = report.machine
     return Answer(
         a=report.a,
@@ -228,9 +262,11 @@ def _downstream(hit: list[str], by_stage: dict[str, Verdict], order: list[str]) 
     return [s for s in order if s in reached and s not in hit]
 
 
-def _headlines(report: Report, numbers: dict[str, int]) -> tuple[list[HeadlineLine], list[str], set[tuple[str, str]]]:
-    """The headline figures that moved (with their verdicts, naming causes by their number on the screen), those
-    recorded equal on both sides (labels), and the (file, key) of the moved ones."""
+def _headlines(
+    report: Report, numbers: dict[str, int], lines: list[CauseLine], measured: Mapping[str, Mapping[str, float]]
+) -> tuple[list[HeadlineLine], list[str], set[tuple[str, str]]]:
+    """The headline figures that moved (with their verdicts and the causes on their paths), those recorded equal
+    on both sides (labels), and the (file, key) of the moved ones."""
     deltas = {(m.file, m.key): m for m in report.metrics}
     moved, same, shown = [], [], set()
     for h in HEADLINES:
@@ -244,7 +280,10 @@ def _headlines(report: Report, numbers: dict[str, int]) -> tuple[list[HeadlineLi
         if m.old is None or m.new is None:
             line = HeadlineLine(label, m.name, m.old, m.new, None, "differs", "recorded on one side only")
         else:
-            line = HeadlineLine(label, m.name, m.old, m.new, m.change, *_verdict(m, numbers))
+            line = HeadlineLine(label, m.name, m.old, m.new, m.change, *_verdict(m))
+            if line.verdict in MOVED:
+                _path_causes(line, m, numbers, lines, measured.get(f"{m.file}:{m.key}"), report)
+                line.ran = _ran(m.ran)
         # measured against another thing on each side (speedup's baseline): said on the line, not like for like; a
         # side that records none (an older revision) is no claim either way, and stays behind --all
         against = [a for key in h.against if (a := deltas.get((h.file, key))) and None not in (a.old, a.new)]
@@ -254,10 +293,41 @@ def _headlines(report: Report, numbers: dict[str, int]) -> tuple[list[HeadlineLi
     return moved, same, shown
 
 
-def _verdict(m: MetricDelta, numbers: dict[str, int]) -> tuple[str, str]:
-    """(verdict, why): the noise call with the control's factor, and the causes on the figure's path by number."""
-    listed = _numbered(sorted({numbers[c] for c in m.causes if c in numbers}))
-    causes = " ".join(listed + [named(c) for c in m.causes if c not in numbers]) or "no cause above"
+MOVED = ("differs", NoiseCall.CHANGE, NoiseCall.MACHINE)
+"""The verdicts of a headline that moved: its causes and its run's own record are listed under it."""
+
+
+def _path_causes(
+    line: HeadlineLine,
+    m: MetricDelta,
+    numbers: dict[str, int],
+    lines: list[CauseLine],
+    measured: Mapping[str, float] | None,
+    report: Report,
+) -> None:
+    """The causes on `m`'s path under its headline: in DAG order (their numbers) with the command that would
+    measure them, or with `measured` ranked by the size of their effect, the unmeasured last."""
+    on_path = sorted({numbers[c] for c in m.causes if c in numbers})
+    line.causes = [PathCause(n, lines[n - 1].key) for n in on_path]
+    line.causes += [PathCause(None, named(c)) for c in m.causes if c not in numbers]
+    if not line.causes:
+        return
+    if measured is None:
+        # verify reverts to A, a recorded state; B is named only where it is not its default, the workspace
+        sides = report.a if report.b == WORKSPACE else f"{report.a} {report.b}"
+        line.verify = "" if report.a == WORKSPACE else f"dflashpipe explain {sides} --verify {m.file}:{m.key}"
+        return
+    for cause in line.causes:
+        members = lines[cause.number - 1].causes if cause.number else []
+        found = [measured[k] for k in (cause.key, *(c.what for c in members)) if k in measured]
+        cause.effect = max(found, key=abs) if found else None
+    line.measured = True
+    line.causes.sort(key=lambda c: -abs(c.effect) if c.effect is not None else 1)  # stable: DAG order in ties
+
+
+def _verdict(m: MetricDelta) -> tuple[str, str]:
+    """(verdict, why): the noise call with the control's factor; the causes go under the line (_path_causes)."""
+    causes = "" if m.causes else "no cause above"
     if m.call is None:  # deterministic: any move is a change of its inputs
         return "differs", causes
     if m.call == NoiseCall.MACHINE:
@@ -268,21 +338,42 @@ def _verdict(m: MetricDelta, numbers: dict[str, int]) -> tuple[str, str]:
         return "unmeasured", "no spread recorded"
     assert m.call == NoiseCall.CHANGE
     if m.control.startswith("control not applied"):
-        return NoiseCall.CHANGE, f"{causes}, the control set aside"
+        return NoiseCall.CHANGE, ", ".join(filter(None, [causes, "the control set aside"]))
     if m.slowdown is not None:
-        return NoiseCall.CHANGE, f"{causes}, beyond the control's {_factor(m.slowdown)}"
+        return NoiseCall.CHANGE, ", ".join(filter(None, [causes, f"beyond the control's {_factor(m.slowdown)}"]))
     return NoiseCall.CHANGE, causes
 
 
-def _numbered(numbers: list[int]) -> list[str]:
-    """Cause numbers as the screen names them, a run of three or more as one range: (1)-(4) (6)."""
-    runs: list[list[int]] = []
-    for n in numbers:
-        if runs and n == runs[-1][-1] + 1:
-            runs[-1].append(n)
-        else:
-            runs.append([n])
-    return [f"({r[0]})-({r[-1]})" if len(r) > 2 else " ".join(f"({n})" for n in r) for r in runs]
+KERNELS = {"artifact": "kernels from the compile cache", "cold compile": "kernels compiled here", "eager": "eager"}
+"""Where a run's kernels came from, by the start of what its record says (compile.artifact's
+`load_artifact_or_go_cold`, or eager); the rest (why a compile went cold) is in --json."""
+
+
+def _ran(facts: dict[str, Any]) -> list[str]:
+    """One line of what a run recorded of itself (MetricDelta.ran): where its kernels came from, the warm-up's
+    seconds, the graphs compiled and recompiled while it was timed, each side's busy time. Only what it holds."""
+    said = []
+    source = facts.get("compile.source", facts.get("compile_source"))
+    if isinstance(source, str):
+        said.append(next((w for k, w in KERNELS.items() if source.startswith(k)), f"kernels: {source}"))
+    if (warm := json_number(facts.get("compile.warmup_s"))) is not None:
+        said.append(f"warm-up {_seconds(warm)} s")
+    graphs = json_number(facts.get("compile.new_graphs_in_workers", facts.get("graphs_compiled_while_timed")))
+    recompiles = [json_number(v) for k, v in facts.items() if k.endswith(".recompiles_in_thread")]
+    timed = [] if graphs is None else [f"{graphs:.0f} graph{'' if graphs == 1 else 's'}"]
+    timed += [f"{sum(recompiles):.0f} recompiles"] if recompiles and None not in recompiles else []
+    if timed:
+        nothing = graphs in (None, 0) and not any(recompiles)
+        said.append("no compiles while timed" if nothing else f"{', '.join(timed)} while timed")
+    busy = [json_number(facts.get(f"busy_s.{side}")) for side in ("target", "drafter")]
+    if None not in busy:
+        said.append(f"busy target {_seconds(busy[0])} s, drafter {_seconds(busy[1])} s")
+    return said
+
+
+def _seconds(value: float) -> str:
+    """Three significant digits, never an exponent (499, 1234, 41.2, 1.04)."""
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
 def _factor(slowdown: float | None) -> str:

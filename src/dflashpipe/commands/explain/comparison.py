@@ -30,6 +30,10 @@ from dflashpipe.core.metrics import read_metrics
 from dflashpipe.core.pipeline import COMPILE, FINGERPRINT, lies_under
 from dflashpipe.core.revision import WORKSPACE
 
+RAN = ("compile", "compile_source", "graphs_compiled_while_timed", "busy_s")
+"""The parts of a timing stage's record that say how its run went (train's `compile` and `busy_s`, bench's
+`compile_source` and `graphs_compiled_while_timed`): carried with a timed headline's delta (MetricDelta.ran)."""
+
 LISTED_FILES = 5
 """How many changed files of one directory a path names before it says how many more there are."""
 
@@ -303,6 +307,7 @@ def metric_deltas(sa: State, sb: State, new: dict[str, StageState], verdicts: li
         return recorded
 
     deltas, keys_recorded = [], []
+    headline_keys = {(h.file, h.key) for h in HEADLINES}
     for st in new.values():
         reaching = causes_reaching(st.name) if st.metrics else []
         for path in st.metrics:
@@ -338,6 +343,8 @@ def metric_deltas(sa: State, sb: State, new: dict[str, StageState], verdicts: li
                         delta.causes = []  # within the repeats' range, or the machine's move: no input to blame
                     if not delta.causes:
                         delta.machine = _machine_facts(st.name, key, old, cur, ran_with())
+                    if (path, key) in headline_keys:
+                        delta.ran = {k: v for k, v in cur.items() if k.split(".", 1)[0] in RAN}
                 deltas.append(delta)
     names = display_names(keys_recorded)
     for delta in deltas:

@@ -99,6 +99,9 @@ class MetricDelta:
     """The control's factor (`spread.slowdown`, after over before) when it was applied to this rate."""
     name: str = ""
     """How it is printed: its key, or `file:key` where another metrics file records the same key."""
+    ran: dict[str, Any] = field(default_factory=dict)
+    """For a timed headline: what the later side's own record says of how it ran, flattened (`comparison.RAN`:
+    where its kernels came from, what compiled, each side's busy time), so the first screen can say it."""
 
 
 def display_names(recorded: Iterable[tuple[str, str]]) -> dict[tuple[str, str], str]:

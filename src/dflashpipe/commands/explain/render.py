@@ -15,7 +15,7 @@ import textwrap
 from dataclasses import asdict
 from typing import Any
 
-from dflashpipe.commands.explain.answer import UNRECORDED, Answer, answer, no_causes
+from dflashpipe.commands.explain.answer import UNRECORDED, Answer, HeadlineLine, PathCause, answer, no_causes
 from dflashpipe.commands.explain.records import Cause, Machine, MetricDelta, NoiseCall, Report, StageVerdict, Verdict
 
 
@@ -136,16 +136,16 @@ def answer_lines(found: Answer, full: bool = False, width: int | None = WIDTH) -
     lines: list[tuple[int, str]] = [(TITLE, f"What changed: {found.a} -> {found.b}"), (SECTION, "Causes")]
 
     def add(level: int, text: str, wrap: bool = False) -> None:
-        if width is None:
-            lines.append((level, text))
-            return
-        room = width - INDENT[level]
-        if not wrap:
-            lines.append((level, text if len(text) <= room else text[: room - 3] + "..."))
-            return
-        first, *rest = textwrap.wrap(text, room, break_on_hyphens=False) or [text]
-        lines.append((level, first))
-        lines.extend((DETAIL if level == ITEM else level, part) for part in textwrap.wrap(" ".join(rest), room - 2))
+        room = None if width is None else width - INDENT[level]
+        if room is None or len(text) <= room:
+            parts = [(level, text)]
+        elif not wrap:
+            parts = [(level, text[: room - 3] + "...")]
+        else:
+            first, *rest = textwrap.wrap(text, room, break_on_hyphens=False)
+            more = textwrap.wrap(" ".join(rest), room - 2)
+            parts = [(level, first), *((DETAIL if level == ITEM else level, part) for part in more)]
+        lines.extend((at, part.replace(UNBROKEN, " ")) for at, part in parts)
 
     if not found.causes:
         add(ITEM, found.no_causes)
@@ -191,7 +191,13 @@ def answer_lines(found: Answer, full: bool = False, width: int | None = WIDTH) -
     labels = max((len(h.label) for h in found.headlines), default=0)
     widest = max((len(move) for move in moves), default=0)
     for h, move in zip(found.headlines, moves, strict=True):
-        add(ITEM, f"{h.label:<{labels}}  {move:<{widest}}  {h.verdict}: {h.why}", wrap=True)
+        add(ITEM, f"{h.label:<{labels}}  {move:<{widest}}  {h.verdict}{': ' * bool(h.why)}{h.why}", wrap=True)
+        if h.causes:
+            add(DETAIL, _path(h), wrap=True)
+        if h.verify:
+            add(DETAIL, f"not verified: {h.verify}", wrap=True)
+        if h.ran:
+            add(DETAIL, f"{found.b} ran: {'; '.join(_unbroken(fact) for fact in h.ran)}", wrap=True)
     if found.same:
         add(ITEM, f"the same: {', '.join(found.same)}", wrap=True)
     for note in found.notes:
@@ -207,6 +213,28 @@ def answer_lines(found: Answer, full: bool = False, width: int | None = WIDTH) -
             more.append(f"{len(found.unread_facts)} machine {facts} no stage reads ({', '.join(named)}{others})")
         add(FOOTER, f"--all: {', '.join(more)}, the evidence in full; --json: all of it", wrap=True)
     return lines
+
+
+def _path(h: HeadlineLine) -> str:
+    """The causes on a headline's path: by their number (DAG order), or ranked by --verify's measured effect."""
+    if not h.measured:
+        return "on its path: " + ", ".join(_unbroken(_numbered(c)) for c in h.causes)
+    effects = [f"{c.effect:+.0%} measured" if c.effect is not None else "not measured" for c in h.causes]
+    ranked = [_unbroken(f"{_numbered(c)} {e}") for c, e in zip(h.causes, effects, strict=True)]
+    return "by measured effect: " + ", ".join(ranked)
+
+
+UNBROKEN = "\u00a0"
+"""A space a wrapped line is not broken at (textwrap breaks at ASCII whitespace only), printed as a space: a cause
+keeps its effect, a fact its figure and unit."""
+
+
+def _unbroken(text: str) -> str:
+    return text.replace(" ", UNBROKEN)
+
+
+def _numbered(c: PathCause) -> str:
+    return f"({c.number}) {c.key}" if c.number else c.key
 
 
 def _move(old: Any, new: Any, change: float | None) -> str:
