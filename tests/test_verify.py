@@ -211,10 +211,15 @@ def test_budget_caps_the_runs_and_bad_input_is_one_line(incident):
             "error: no metrics file of workspace or healthy records 'rows_per_sec'; "
             "nearby keys: rows_per_s (metrics.json), probe_rows_per_s (probe.json)"
         ]
+        text = CliRunner().invoke(app, ["explain", "healthy", "--verify", "rows_per_s", "--budget", "0"])
         result = CliRunner().invoke(app, ["explain", "healthy", "--verify", "rows_per_s", "--budget", "0", "--json"])
     finally:
         os.chdir(cwd)
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 0 and text.exit_code == 0, result.output + text.output
+    # the first screen (the causes, the stages, the headlines) first, then the arms
+    screen, arms = text.output.split("\nverify rows_per_s (metrics.json, stage measure): ")
+    assert screen.startswith("What changed: healthy -> workspace\nCauses\n") and "Headlines" in screen
+    assert "not run (over --budget)" in arms
     data = json.loads(result.output)
     assert data["baseline"] is None  # nothing ran
     assert sorted(i["status"] for i in data["interventions"]) == [FIXED, OVER_BUDGET, OVER_BUDGET, OVER_BUDGET]

@@ -138,8 +138,9 @@ def explain(
         typer.echo(
             verifying.verification_markdown(result) if verify else explaining.to_markdown(result, full), nl=False
         )
-    elif verify:
-        typer.echo("\n".join(verifying.verification_lines(result)))
+    elif verify:  # the first screen, the metric's causes ranked by what the arms measured; then the arms
+        explaining.print_text(result.report, measured=verifying.measured_effects(result))
+        typer.echo("\n" + "\n".join(verifying.verification_lines(result)))
     else:
         explaining.print_text(result, full)
 

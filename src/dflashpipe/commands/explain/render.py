@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -248,14 +249,15 @@ def _move(old: Any, new: Any, change: float | None) -> str:
     return f"{texts[0]} -> {texts[1]}" + (f" ({change:+.0%})" if change is not None else "")
 
 
-def print_text(report: Report, full: bool = False) -> None:
-    """The answer; with `full` (`--all`), every verdict, metric and piece of evidence after it."""
+def print_text(report: Report, full: bool = False, measured: Mapping[str, Mapping[str, float]] | None = None) -> None:
+    """The answer (a headline's causes ranked by `measured` effects where given: `answer`); with `full` (`--all`),
+    every verdict, metric and piece of evidence after it."""
     from rich.console import Console
     from rich.markup import escape
 
     console = Console(highlight=False, soft_wrap=True)  # the lines fit WIDTH: a narrower terminal wraps them itself
     style = {TITLE: "bold", SECTION: "bold", FOOTER: "dim"}
-    for level, text in answer_lines(answer(report), full):
+    for level, text in answer_lines(answer(report, measured), full):
         line = " " * INDENT[level] + escape(text)
         console.print(f"[{style[level]}]{line}[/{style[level]}]" if level in style else line)
     if full:

@@ -738,6 +738,12 @@ def verification_lines(v: Verification) -> list[str]:
     return lines
 
 
+def measured_effects(v: Verification) -> dict[str, dict[str, float]]:
+    """Each measured cause's share of the way back to A, for the first screen's ranking of the metric's causes."""
+    shares = {c.what: i.share for i in v.interventions if i.share is not None for c in i.causes}
+    return {f"{v.file}:{v.key}": shares}
+
+
 def verification_markdown(v: Verification) -> str:
     head, *rest = verification_lines(v)
     return "\n".join([f"## {head}", "", *[f"- {line}" for line in rest]]) + "\n"
