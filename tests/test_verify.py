@@ -194,6 +194,7 @@ def test_each_cause_reverted_alone_gives_its_known_effect_and_the_workspace_is_u
         line.startswith("revert param data.rows in params.yaml to 40 [") and "within noise" in line for line in lines
     )
     assert any(line.startswith("restore kernel.py from A (") and ", change" in line for line in lines)
+    assert any(line.startswith("no probe for rows_per_s: each arm runs stage measure (timed run as") for line in lines)
     assert any(line.startswith("cannot revert here [param machine.json:lib: cu128 -> cu130]") for line in lines)
 
 

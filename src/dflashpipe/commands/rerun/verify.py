@@ -701,6 +701,9 @@ def verification_lines(v: Verification) -> list[str]:
             f"probe: {m.metric} (stage {m.stage}), measured in each arm in place of a {v.stage} run (timed run as "
             f"recorded: {took}); {v.probe_agreement}"
         )
+    elif v.own is not None:
+        took = _seconds(m.seconds)
+        lines.append(f"no probe for {v.metric}: each arm runs stage {v.stage} (timed run as recorded: {took})")
     order = ranked(v)
     answer = _answer(v, order)
     if answer:
