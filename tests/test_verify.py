@@ -299,3 +299,15 @@ def test_a_machine_cause_is_reverted_by_a_variable_or_a_pristine_environment_or_
     assert (planned.status, planned.variables, planned.pristine) == (status, variables, pristine)
     assert planned.action.startswith(says), planned.action
     assert len(planned.causes) == len(changes)  # one arm for the group's keys
+
+
+def test_a_figure_that_is_not_timed_costs_its_runs_longest_timed_part_not_a_copied_stages():
+    from dflashpipe.commands.rerun.verify import _timed_parts
+
+    record = {
+        "tau": 2.1,
+        "decode_tokens_per_s": {"target_spread": {"machine": {"wall_s": 30.0}}, "x_spread": {"machine": {}}},
+        "train": {"tokens_per_s_spread": {"machine": {"wall_s": 900.0}}},  # train's run, copied: not evaluate's
+    }
+    assert _timed_parts(record, {"train"}) == [30.0]
+    assert sorted(_timed_parts(record, set())) == [30.0, 900.0]

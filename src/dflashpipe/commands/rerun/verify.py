@@ -211,16 +211,36 @@ def _target(metric: str, sa: State, sb: State, stages) -> Target:
     for state in (sb, sa):  # B's run first: the one the arms repeat
         record = read_record(state, file) or {}
         seconds = json_number(lookup(record, f"{key}{spread.SUFFIX}.machine.wall_s"))
+        if seconds is None:  # a figure that is not timed (tau): the longest timed part of the same run
+            seconds = max(_timed_parts(record, set(stages) - {stage}), default=None)
         if seconds is not None:
             break
     return Target(f"{file}:{key}", file, key, stage, seconds)
+
+
+def _timed_parts(record: Any, others: set[str]) -> list[float]:
+    """The wall seconds of every spread in a stage's record, but those it copies from another stage (kept under
+    that stage's name: evaluate's `train`)."""
+    if not isinstance(record, dict):
+        return []
+    found = []
+    for name, value in record.items():
+        if name in others:
+            continue
+        wall = json_number(lookup(value, "machine.wall_s")) if name.endswith(spread.SUFFIX) else None
+        found += [wall] if wall is not None else _timed_parts(value, others)
+    return found
 
 
 def _check_cost(found: Verification, arms: int, time_budget: float) -> None:
     """The estimate, said before anything runs; over `time_budget`, a refusal that names what allows it."""
     m = found.measured
     if m.seconds is None:
-        found.estimate_s = None
+        if time_budget != float("inf"):
+            raise DflashpipeError(
+                f"--verify {found.metric}: no record of stage {m.stage} says how long a run takes, so the cost of "
+                f"{arms} arms x {found.runs} runs is unknown: pass --time-budget inf to run it anyway"
+            )
         return
     found.estimate_s = round(arms * found.runs * m.seconds, 1)
     if found.estimate_s > time_budget:
