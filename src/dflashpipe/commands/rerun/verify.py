@@ -690,7 +690,9 @@ def ranked(v: Verification) -> list[Intervention]:
 def _answer(v: Verification, order: list[Intervention]) -> str:
     moved_ = [i for i in order if i.status == MEASURED and i.moved]
     if not moved_:
-        return "answer: no cause reverted alone moved it beyond noise" if v.baseline else ""
+        skipped = sum(i.status in (OVER_BUDGET, FAILED) for i in v.interventions)
+        left = f" ({skipped} not measured: over --budget or failed)" if skipped else ""
+        return f"answer: no cause reverted alone moved it beyond noise{left}" if v.baseline else ""
     lead = moved_[0]
     share = f", {lead.share:.0%} of the way back to {v.a}" if lead.share is not None else ""
     return f"answer: {_what(lead)} ({lead.change:+.0%}{share}, measured)"
