@@ -100,6 +100,17 @@ def build(
     return Pristine(dest / "bin" / "python", time.perf_counter() - start, list(locks))
 
 
+def pinned(root: Path, rev: str | None) -> set[str]:
+    """The distributions `LOCKS` pin at `rev` (normalised names): what a pristine environment of it reverts; none
+    where a lock is missing there (no pristine environment of that revision)."""
+    try:
+        locks, _ = _read_locks(root, rev)
+    except DflashpipeError:
+        return set()
+    lines = (line.strip() for text in locks.values() for line in text.splitlines())
+    return {line.split("==", 1)[0].lower().replace("_", "-") for line in lines if "==" in line and line[0] not in "#-"}
+
+
 def _read_locks(root: Path, rev: str | None) -> tuple[dict[str, str], str]:
     """`LOCKS`' texts at `rev` (None: the working tree), and how that revision is named in messages."""
     if rev is None:

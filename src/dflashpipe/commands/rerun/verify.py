@@ -42,7 +42,7 @@ from typing import Any
 from dflashpipe.commands.explain import RESTORABLE, WORKSPACE, Cause, Report, StageVerdict, cause_line, explain
 from dflashpipe.commands.explain.history import Measured, moved
 from dflashpipe.commands.explain.state import State, read_revision_state
-from dflashpipe.commands.rerun.pristine import LOCKS
+from dflashpipe.commands.rerun.pristine import LOCKS, pinned
 from dflashpipe.commands.rerun.tree import ScratchTree, pooled, shared_cache
 from dflashpipe.core import spread
 from dflashpipe.core.artifacts import json_number
@@ -65,8 +65,8 @@ TIME_BUDGET_S = 1800.0
 VARIABLE_GROUPS = ("env", "threads.env", "threads.other_env")
 """Fingerprint keys holding environment variables (name -> value): reverted by setting them in the arm."""
 
-MACHINE_ONLY = ("torch.cpu_capability", "threads.affinity", "threads.cpu_quota", "threads.runtimes")
-"""Fingerprint keys of a locked package's group that the package does not decide: the CPU and the process's CPUs."""
+MACHINE_ONLY = ("torch.cpu_capability",)
+"""Fingerprint keys of a locked package's group that the package does not decide: the CPU's."""
 
 
 @dataclass
@@ -343,19 +343,6 @@ def _variables(key: str, old: Any, new: Any) -> dict[str, str | None] | None:
     return {name: None if old is None else str(old)} if group in VARIABLE_GROUPS else None
 
 
-def _locked(root: Path, rev: str) -> set[str]:
-    """The distributions A's lock files pin (normalised names)."""
-    names = set()
-    for lock in LOCKS:
-        if not has_file(root, rev, lock):
-            continue
-        for line in git(root, "show", f"{rev}:{lock}").splitlines():
-            name = line.split("==", 1)[0].strip().lower().replace("_", "-")
-            if "==" in line and name and not name.startswith(("#", "-")):
-                names.add(name)
-    return names
-
-
 def _plan(group: list[Cause], a_rev: str, root: Path, producers: dict[str, str]) -> Intervention:
     """What reverting the group's cause(s) means, and whether an arm can do it here."""
     cause = group[0]
@@ -391,7 +378,7 @@ def _plan_machine(group: list[Cause], a_rev: str, root: Path) -> Intervention:
     A's lock (a pristine environment); what neither restores (the CPU, the GPU) needs a machine like A's."""
     keys = {_fingerprint_key(c): c for c in group}
     variables: dict[str, str | None] = {}
-    pristine, stays = False, []
+    pristine, stays, locked = False, [], pinned(root, a_rev)
     for key, c in keys.items():
         found = _variables(key, c.old, c.new)
         if found is not None:
@@ -400,7 +387,7 @@ def _plan_machine(group: list[Cause], a_rev: str, root: Path) -> Intervention:
             continue  # torch's intra-op threads follow OMP_NUM_THREADS, reverted with threads.env
         elif key == "threads.torch_intra_op" and isinstance(c.old, int):
             variables["OMP_NUM_THREADS"] = str(c.old)
-        elif key.split(".")[0] in _locked(root, a_rev) and key not in MACHINE_ONLY:
+        elif key.split(".")[0] in locked and key not in MACHINE_ONLY:
             pristine = True
         else:
             stays.append(f"{key} {_short(c.old)}")
