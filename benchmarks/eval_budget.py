@@ -49,7 +49,7 @@ def main() -> None:
 
     device = torch.device("cpu")
     thread_budget({"decode": 1}).apply("decode", device)
-    target = Target.load(args.data / "target", device, "auto", decoding=True, kind="decode")
+    target = Target.load(args.data / "target", device, "auto", decoding=True)
     chat = load_chat_tokenizer(args.data / "target")
     drafter = DFlashDrafter.from_pretrained(
         args.data / "drafter", TargetHead.of(target.model), dtype=target.dtype, attention="sdpa"

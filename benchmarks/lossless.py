@@ -35,7 +35,7 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    target = Target.load(args.data / "target", "cpu", args.dtype, decoding=True, kind="decode")
+    target = Target.load(args.data / "target", "cpu", args.dtype, decoding=True)
     chat = load_chat_tokenizer(args.data / "target")
     drafter = DFlashDrafter.from_pretrained(
         args.data / "drafter", TargetHead.of(target.model), dtype=target.dtype, attention="sdpa"

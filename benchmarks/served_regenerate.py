@@ -42,7 +42,7 @@ def main() -> None:
     from dflashpipe.core.threads import thread_budget
     from dflashpipe.evaluate.prompts import TRAIN, eval_prompts
     from dflashpipe.regenerate.endpoint import Endpoint
-    from dflashpipe.regenerate.run import REPLY_KIND, EndpointReplier, InProcessReplier
+    from dflashpipe.regenerate.run import EndpointReplier, InProcessReplier
     from dflashpipe.target.adapter import Target
     from dflashpipe.target.chat import load_chat_tokenizer
     from tests.vllm_server import VllmServer
@@ -61,7 +61,7 @@ def main() -> None:
         f"{engine_versions(python)}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs",
         flush=True,
     )
-    target = Target.load(target_dir, "cpu", "auto", decoding=True, kind=REPLY_KIND)
+    target = Target.load(target_dir, "cpu", "auto", decoding=True)
     here = InProcessReplier(target, thread_budget({"target": 1}), chat, params)
     log = Path(tempfile.mkdtemp(prefix="served-regenerate-")) / "server.log"
     began = time.perf_counter()

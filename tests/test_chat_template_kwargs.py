@@ -15,6 +15,7 @@ import json
 import re
 import shutil
 import threading
+from dataclasses import astuple, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -87,6 +88,7 @@ class ThinkingServer:
 
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         self.prompts: list[str] = []
+        self.asked: list[tuple[int, ...]] = []
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -112,6 +114,7 @@ class ThinkingServer:
                     return
                 prompt = tokenizer.decode(body["prompt"], skip_special_tokens=False)
                 server.prompts.append(prompt)
+                server.asked.append(tuple(body["prompt"]))
                 text = ANSWER if prompt.endswith("</think>\n\n") else THOUGHT + ANSWER
                 tokens = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
                 self.reply({"choices": [{"index": 0, "text": text, "token_ids": tokens, "finish_reason": "stop"}]})
@@ -131,7 +134,20 @@ def manifest(root: Path) -> Path:
     return out
 
 
-def regenerate_and_tokenize(root: Path, target: Path, kwargs: dict | None):
+@dataclass
+class Made:
+    prompts: list[str]
+    """What the server was asked, decoded."""
+    rows: list[str]
+    supervised: list[str]
+    """Each row's supervised tokens, decoded."""
+    asked: list[tuple[int, ...]]
+    """What the server was asked, as the ids it read."""
+    sequences: list[tuple[np.ndarray, np.ndarray]]
+    """Each row's ids and loss mask."""
+
+
+def regenerate_and_tokenize(root: Path, target: Path, kwargs: dict | None) -> Made:
     """What the server was asked, the replies it gave, and the token rows tokenize made of them."""
     server = ThinkingServer(target)
     try:
@@ -151,15 +167,15 @@ def regenerate_and_tokenize(root: Path, target: Path, kwargs: dict | None):
     assert run.summary["samples_out"] > 0
     chat = load_chat_tokenizer(target)
     data, rows, supervised = load_tokens(root / "tokens"), [], []
-    for i in range(len(data)):
-        ids, mask = (np.asarray(a, dtype=np.int64) for a in data.sequence(i))
+    sequences = [tuple(np.asarray(a, dtype=np.int64) for a in data.sequence(i)) for i in range(len(data))]
+    for ids, mask in sequences:
         rows.append(chat.tokenizer.decode(ids.tolist(), skip_special_tokens=False))
         supervised.append(chat.tokenizer.decode(ids[mask.astype(bool)].tolist(), skip_special_tokens=False))
-    return server.prompts, rows, supervised
+    return Made(server.prompts, rows, supervised, server.asked, sequences)
 
 
 def test_thinking_off_reaches_the_endpoints_prompts_the_replies_and_the_token_rows(tmp_path, thinking_target):
-    prompts, rows, supervised = regenerate_and_tokenize(tmp_path / "off", thinking_target, OFF)
+    prompts, rows, supervised = astuple(regenerate_and_tokenize(tmp_path / "off", thinking_target, OFF))[:3]
     assert prompts and all(p.endswith(CLOSED) for p in prompts)
     assert not any(filled_blocks(text) for text in prompts + rows)
     # the last reply follows an empty block, as its prompt did; earlier replies lose theirs, as in Qwen3's template
@@ -169,9 +185,32 @@ def test_thinking_off_reaches_the_endpoints_prompts_the_replies_and_the_token_ro
     assert settings["chat_template_kwargs"] == OFF
 
     # Unset, the prompt leaves thinking to the target, and the rows hold its thoughts: the test can fail.
-    prompts, rows, supervised = regenerate_and_tokenize(tmp_path / "unset", thinking_target, None)
+    prompts, rows, supervised = astuple(regenerate_and_tokenize(tmp_path / "unset", thinking_target, None))[:3]
     assert prompts and not any(p.endswith(CLOSED) for p in prompts)
     assert all(filled_blocks(row) for row in rows) and all("<think>" in text for text in supervised)
+
+
+def supervised_runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True))
+
+
+def test_every_supervised_reply_follows_the_ids_its_target_answered_after(tmp_path, thinking_target, tiny_target_dir):
+    """Qwen3's template renders a finished turn without the think block its generation prompt opened, so a row made
+    from the conversation's rendering would train an earlier reply after a context the target never read (and a
+    server never shows). Each supervised reply must follow exactly the ids the server was asked with for it; the
+    multi-turn chats keep their last reply (one row, no token more: docs/pipeline.md)."""
+    made = regenerate_and_tokenize(tmp_path / "off", thinking_target, OFF)
+    asked = set(made.asked)
+    assert len(asked) > len(made.sequences), "no multi-turn chat: nothing to tell the two contexts apart"
+    for ids, mask in made.sequences:
+        runs = supervised_runs(mask)
+        assert runs and all(tuple(ids[:start].tolist()) in asked for start, _ in runs), made.rows
+    # where the template renders each turn as its generation prompt read it (ChatML), every reply of a multi-turn
+    # chat is supervised in its one row
+    made = regenerate_and_tokenize(tmp_path / "chatml", tiny_target_dir, None)
+    assert max(len(supervised_runs(mask)) for _, mask in made.sequences) == 2
+    assert all(tuple(ids[:s].tolist()) in set(made.asked) for ids, m in made.sequences for s, _ in supervised_runs(m))
 
 
 def test_evaluate_renders_its_prompts_with_the_kwargs(tmp_path, thinking_target):

@@ -179,8 +179,18 @@ def test_your_own_run_as_the_usage_docs_give_it_runs_line_by_line_on_a_stand_in(
     assert words[:2] == ["vllm", "serve"] and words[3] == "--speculative-config"
     speculative = json.loads(words[4])
     speculative["model"] = str(project / speculative["model"])
+    # served as trained: the card export wrote passes the template arguments the docs' line passes, and the dtype the
+    # drafter learnt in (on this CPU the rehearsal's, where the docs' line names the GPU run's)
+    flags = dict(zip(words[5::2], words[6::2], strict=True))
+    assert set(flags) == {"--dtype", "--default-chat-template-kwargs"}, flags
+    card = (project / "dist" / "drafter" / "README.md").read_text()
+    kwargs = flags["--default-chat-template-kwargs"]
+    assert f"--default-chat-template-kwargs '{kwargs}'" in card
+    trained_in = read_record_at(project / "metrics" / "train" / "metrics.json")["target_dtype"]
+    assert f"--dtype {trained_in}" in card
     with VllmServer(
-        vllm_python, clone / words[2], "target", tmp_path / "vllm.log",
+        vllm_python, clone / words[2], "target", tmp_path / "vllm.log", dtype=trained_in,
+        chat_template_kwargs=json.loads(flags["--default-chat-template-kwargs"]),
         speculative_config=speculative, in_process_worker=True, max_model_len=1024,
     ) as server:  # fmt: skip
         import urllib.request

@@ -58,7 +58,7 @@ def served(tmp_path_factory, smollm2_tokenizer_dir) -> dict:
         manifest_params(8, 8, source("chitchat", eval=6), source("humaneval", weight=0.0, eval=3)), work / "manifest"
     )
     chat = load_chat_tokenizer(work / "target")
-    target = Target.load(work / "target", "cpu", "float32", decoding=True, kind="decode")
+    target = Target.load(work / "target", "cpu", "float32", decoding=True)
     p = INPUTS.evaluate
     prompts = [
         prompt

@@ -261,8 +261,7 @@ def test_every_stage_that_declares_target_dtype_refuses_a_file_whose_target_dtyp
 
     live = env.observe(project / env.HASH_STATE, project=project).facts
     other = json.loads(json.dumps(live))
-    was = live["target_dtype"]["cpu"]["batched"]
-    other["target_dtype"]["cpu"]["batched"] = "bfloat16" if was != "bfloat16" else "float32"
+    other["target_dtype"]["cpu"] = "bfloat16" if live["target_dtype"]["cpu"] != "bfloat16" else "float32"
     record = project / pipeline.FINGERPRINT
     record.parent.mkdir(parents=True)
     record.write_text(json.dumps(other))

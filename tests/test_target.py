@@ -91,18 +91,16 @@ def test_the_embedded_smollm2_gguf_becomes_a_deterministic_reloadable_model(tmp_
     assert "Paris" in tokenizer.decode(out[0, prompt["input_ids"].shape[1] :])
 
 
-def test_compute_target_dtype_is_the_devices_native_dtype_per_kind_of_work_and_the_fingerprint_records_it(tmp_path):
+def test_compute_target_dtype_is_the_devices_native_dtype_and_the_fingerprint_records_it(tmp_path):
     from dflashpipe.core.env import observe
-    from dflashpipe.core.kernels import bfloat16_native
     from dflashpipe.target.dtype import compute_dtype
 
-    native = bfloat16_native("cpu")  # AMX or AVX512-BF16 (an AVX2-only CPU emulates bfloat16)
-    assert compute_dtype("cpu", "auto", "batched") == (torch.bfloat16 if native else torch.float32)
-    assert compute_dtype("cpu", "auto", "decode") == torch.float32  # one sequence: float32 measured faster
-    assert compute_dtype("cpu", "bfloat16", "decode") == torch.bfloat16  # an explicit choice holds for every kind
+    # every CPU, AMX or not: one numerics for every kind of work, and the same on whichever CPU runs it
+    assert compute_dtype("cpu", "auto") == torch.float32
+    assert compute_dtype("cpu", "bfloat16") == torch.bfloat16
     assert compute_dtype("cuda:3", "float32") == torch.float32
     recorded = observe(project=tmp_path).facts["target_dtype"]  # a project without a serving environment
-    assert recorded["cpu"] == {kind: str(compute_dtype("cpu", "auto", kind))[6:] for kind in ("batched", "decode")}
+    assert recorded["cpu"] == str(compute_dtype("cpu", "auto")).removeprefix("torch.")
     assert ("cuda" in recorded) == torch.cuda.is_available()
 
 

@@ -47,6 +47,8 @@ class VllmServer:
     max_model_len: int | None = None
     """None: the model's own (its config's max_position_embeddings)."""
     speculative_config: dict | None = None
+    chat_template_kwargs: dict | None = None
+    """vLLM's --default-chat-template-kwargs: what its chat requests render with."""
     in_process_worker: bool = False
     """The model's worker in the engine's process (vLLM's "uni" executor, as the served check runs its offline
     engine) instead of a process of its own: one vLLM import fewer to start, for a test that starts servers
@@ -70,6 +72,8 @@ class VllmServer:
             cmd += ["--api-key", self.api_key]
         if self.speculative_config is not None:
             cmd += ["--speculative-config", json.dumps(self.speculative_config)]
+        if self.chat_template_kwargs is not None:
+            cmd += ["--default-chat-template-kwargs", json.dumps(self.chat_template_kwargs)]
         if self.in_process_worker:
             cmd += ["--distributed-executor-backend", "uni"]
         return cmd

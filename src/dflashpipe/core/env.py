@@ -331,7 +331,7 @@ def _loaded_facts() -> dict[str, Any]:
     threads = _torch_threads()  # first: it knows whether this process imported torch before
     import torch
 
-    from dflashpipe.core.kernels import native_dtypes  # imports torch: here, where torch is imported anyway
+    from dflashpipe.core.kernels import native_dtype  # imports torch: here, where torch is imported anyway
 
     if torch.version.cuda:
         build = f"cuda-{torch.version.cuda}"
@@ -356,7 +356,7 @@ def _loaded_facts() -> dict[str, Any]:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
     devices = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
-    dtypes = {device: native_dtypes(device) for device in devices}
+    dtypes = {device: native_dtype(device) for device in devices}
     threads = {**threads, "runtimes": _runtimes(torch)}
     return {"torch": torch_facts, "gpu": _gpu_facts(), "threads": threads, "target_dtype": dtypes}
 
@@ -568,7 +568,7 @@ def observe(
         "gpu": loaded["gpu"],
         "env": compile_environment(),
         "threads": {**threads, **thread_facts(threads.get("runtimes", {}).get("torch"))},
-        # what compute.target_dtype: auto computes the target in, per device type and kind of work
+        # what compute.target_dtype: auto computes the target in, per device type (every kind of work)
         "target_dtype": loaded["target_dtype"],
     }
     for package in VERSIONED_PACKAGES:

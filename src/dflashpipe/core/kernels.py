@@ -45,13 +45,6 @@ def rows_first(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-WORK_KINDS = ("batched", "decode")
-"""The kinds of work the target does, each with its own best dtype: `batched`, forwards over many rows at once
-(the features stage, train's online target, the drafter's training step that borrows the target's modules);
-`decode`, the target's own greedy tokens (evaluate's plain decode steps and verify forwards, and regenerate's
-replies, which must be the tokens decoding gives: a reply made in another dtype is another reply)."""
-
-
 def bfloat16_native(device_type: str) -> bool:
     """Whether a device of this type computes bfloat16 in hardware: a CUDA GPU that supports it, or a CPU with
     AMX or AVX512-BF16 instructions. Elsewhere torch emulates it (on an AVX2-only CPU, 3-7x float32's time)."""
@@ -62,11 +55,11 @@ def bfloat16_native(device_type: str) -> bool:
     return False
 
 
-def native_dtypes(device_type: str) -> dict[str, str]:
-    """What `compute.target_dtype: auto` computes each kind of work in on a device of this type (WORK_KINDS):
-    bfloat16 where the hardware computes it, except decoding on a CPU, where bfloat16 measured slower than float32
-    for one sequence even with AVX512-BF16 (benchmarks/target_dtype.py; docs/measurements.md). Recorded by the
-    fingerprint (`target_dtype`), so a stage's lock names the dtype it ran in."""
-    if not bfloat16_native(device_type):
-        return dict.fromkeys(WORK_KINDS, "float32")
-    return {"batched": "bfloat16", "decode": "bfloat16" if device_type == "cuda" else "float32"}
+def native_dtype(device_type: str) -> str:
+    """What `compute.target_dtype: auto` computes in on a device of this type, one dtype for every kind of work
+    (regenerating, features, the trainer's borrowed modules, decoding), so the drafter learns from the numerics it is
+    judged and served on: bfloat16 on a GPU that computes it, float32 on every CPU. Every CPU computes float32 the
+    same, so a CPU run's verdicts (the proof, lossless, the gate) do not depend on which CPU ran it; bfloat16 makes
+    other replies, so other data (docs/measurements.md), and stays a choice (`bfloat16`) where AMX makes it faster.
+    Recorded by the fingerprint (`target_dtype`), so a stage's lock names the dtype it ran in."""
+    return "bfloat16" if device_type == "cuda" and bfloat16_native(device_type) else "float32"

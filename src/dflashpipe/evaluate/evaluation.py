@@ -220,9 +220,23 @@ def read_train_metrics(path: Path) -> dict:
         raise SourceError(f"{path} not found: run `dvc repro train` first")
     try:
         spread = {key: raw[key] for key in ("tokens_per_s" + SUFFIX,) if key in raw}  # absent in older runs
-        return {"tokens_per_s": raw["tokens_per_s"], **spread, "compile": raw["compile"]}
+        trained_in = {"target_dtype": raw["target_dtype"]} if "target_dtype" in raw else {}  # absent in older runs
+        return {"tokens_per_s": raw["tokens_per_s"], **spread, "compile": raw["compile"], **trained_in}
     except (KeyError, TypeError) as exc:
         raise SourceError(f"{path}: not the train stage's metrics ({exc}): run `dvc repro train`") from None
+
+
+AS_TRAINED = "as trained"
+
+
+def numerics_note(trained_in: str | None, judged_in: str) -> str:
+    """`as trained` when the drafter is judged in the dtype it learnt in, else what differs: a drafter trained in
+    bfloat16 and decoded in float32 drafts for numerics it never saw, and its tau says less about either."""
+    if trained_in == judged_in:
+        return AS_TRAINED
+    if trained_in is None:
+        return f"trained in an unrecorded dtype, judged in {judged_in}"
+    return f"trained in {trained_in}, judged in {judged_in}: not the numerics it learnt in"
 
 
 def verify_drafter(drafter_dir: Path | str) -> None:
@@ -263,11 +277,11 @@ def evaluate_drafter(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     threads = thread_budget({"decode": 1})  # one decoding thread: every core this process may use
     threads.apply("decode", device)
-    # one sequence at a time: the decode kind's dtype (target.dtype); speedup divides by the fastest plain decoding
-    # this device has (compute.target_dtype: auto's decode dtype), loaded a second time only when it differs
-    target = Target.load(target_dir, device, inputs.compute.target_dtype, decoding=True, kind="decode")
-    fastest_dtype = compute_dtype(device, "auto", "decode")
-    fastest = None if fastest_dtype == target.dtype else Target.load(target_dir, device, "auto", True, "decode")
+    # the dtype the drafter was trained in (target.dtype); speedup divides by the fastest plain decoding this device
+    # has (compute.target_dtype: auto's), loaded a second time only when it differs
+    target = Target.load(target_dir, device, inputs.compute.target_dtype, decoding=True)
+    fastest_dtype = compute_dtype(device, "auto")
+    fastest = None if fastest_dtype == target.dtype else Target.load(target_dir, device, "auto", True)
     # sdpa for decoding: every step has a new context length, which a compiled flex kernel would recompile for.
     # Drafts in the target's dtype, as engines serve it: bf16 on CUDA; on the CPU the bf16 weights in float32.
     drafter = DFlashDrafter.from_pretrained(
@@ -303,6 +317,10 @@ def evaluate_drafter(
         held_out = [r.target.tokens for r in results if r.prompt.split == HELD_OUT]
         decoding_metrics["floor"] = {"bigram": bigram_floor(*bigram_table(tokens_dir), held_out, verified)}
     thinking = thinking_setting(inputs.template_kwargs)
+    judged_in = str(target.dtype).removeprefix("torch.")
+    numerics = numerics_note(train.get("target_dtype"), judged_in)
+    if numerics != AS_TRAINED:
+        print(f"evaluate: {numerics}")
     for name, row in decoding_metrics["benchmarks"].items():
         row["thinking"] = thinking
         counts = {**inputs.benchmark_skipped.get(name, {}), **bench_skipped.get(name, {})}
@@ -319,7 +337,8 @@ def evaluate_drafter(
             "max_new_tokens": p.max_new_tokens,
             "num_prompts_per_source": p.num_prompts,
             "device": device.type,
-            "target_dtype": str(target.dtype).removeprefix("torch."),
+            "target_dtype": judged_in,
+            "numerics": numerics,
             "temperature": 0,
             "thinking": thinking,
         },

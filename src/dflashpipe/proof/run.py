@@ -17,6 +17,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
+
 from dflashpipe.core.errors import DflashpipeError
 from dflashpipe.core.params import (
     CompileParams,
@@ -139,12 +141,13 @@ def prepare(run: ProofRun, target_dir: Path, work: Path) -> None:
     source = SourceSpec(name="chitchat", kind="chitchat", weight=1.0, eval=0, path=None)
     data = DataParams(num_samples=run.samples, shard_size=run.samples, on_bad_record="skip", sources=(source,))
     build_manifest(data, work / "manifest")
-    # a turn is answered only when its prompt and reply fit one training row: what cannot be packed is not memorised
+    # a turn is answered only when its prompt and reply fit one training row: what cannot be packed is not memorised.
+    # One prompt at a time, as the proof decodes them: in bfloat16 a reply decoded beside others can be another reply.
     regenerate = RegenerateParams(
         enabled=True,
         max_new_tokens=run.max_new_tokens,
         max_prompt_tokens=run.seq_len - run.max_new_tokens,
-        batch_size=16,
+        batch_size=1,
         devices=("cpu",),
     )
     regenerate_manifest(
@@ -159,6 +162,21 @@ def prepare(run: ProofRun, target_dir: Path, work: Path) -> None:
         max_length=2048, truncation="turn", assistant_turns="all", min_supervised_tokens=2, num_proc=1
     )
     tokenize_manifest(tokenize, work / "regenerated", target_dir, work / "tokens", template_kwargs=run.template_kwargs)
+    # The replies are the target's in this numerics, so their lengths are too (a bfloat16 target answered a turn
+    # that float32's did not): the longest conversation loses its last turns until all of them fit one row.
+    while sum(lengths := _token_lengths(work / "tokens")) > run.seq_len:
+        tokenize = replace(tokenize, max_length=max(lengths) - 1)
+        tokenize_manifest(
+            tokenize, work / "regenerated", target_dir, work / "tokens", template_kwargs=run.template_kwargs
+        )
+
+
+def _token_lengths(tokens: Path) -> list[int]:
+    from dflashpipe.tokens.shards import load_tokens
+
+    if not json.loads((tokens / "summary.json").read_text()).get("samples_out"):
+        return []
+    return [int(n) for n in load_tokens(tokens).lengths]
 
 
 class ProofDataError(DflashpipeError):
@@ -170,8 +188,6 @@ def memorised_lengths(run: ProofRun, data: Path) -> list[int]:
     """The memorised sequences' token counts, refused (ProofDataError) when there are none or they do not fit one
     training row: each step trains one row, so data spread over two rows is trained on half as often and memorised
     at half the speed, a slower proof with nothing wrong in the trainer."""
-    from dflashpipe.tokens.shards import load_tokens
-
     tokens = data / "tokens"
     if not json.loads((tokens / "summary.json").read_text()).get("samples_out"):
         counts = json.loads((data / "regenerated" / "summary.json").read_text())["counts"]
@@ -180,7 +196,7 @@ def memorised_lengths(run: ProofRun, data: Path) -> list[int]:
             f"{data / 'regenerated'}: the target answered none of the proof's {run.samples} conversations "
             f"with a reply to train on ({', '.join(f'{k} {v}' for k, v in why.items()) or 'no replies'})"
         )
-    lengths = [int(n) for n in load_tokens(tokens).lengths]
+    lengths = _token_lengths(tokens)
     if sum(lengths) > run.seq_len:
         raise ProofDataError(
             f"{tokens}: the proof's {len(lengths)} memorised sequences hold {sum(lengths)} tokens "
@@ -249,43 +265,46 @@ def train(run: ProofRun, target_dir: Path, tokens_dir: Path, out: Path, steps: i
     return train_drafter(inputs, paths, key, None)
 
 
-def trained_reply(data, prompt_ids: list[int]) -> list[int]:
-    """The supervised tokens right after `prompt_ids` in the training sequence that begins with them."""
+def memorised_replies(data) -> list[tuple[list[int], list[int]]]:
+    """Each training row's last reply (its last supervised run, end of turn included) and the ids before it, as the
+    row holds them: the proof decodes after exactly the context it trained that reply in, never a rendering of it."""
+    out = []
     for i in range(len(data)):
         ids, mask = data.sequence(i)
-        n = len(prompt_ids)
-        if len(ids) > n and ids[:n].tolist() == list(prompt_ids):
-            end = n
-            while end < len(ids) and mask[end]:
-                end += 1
-            return ids[n:end].tolist()
-    return []
+        supervised = np.flatnonzero(mask)
+        if not supervised.size:
+            continue
+        end = start = int(supervised[-1]) + 1
+        while start > 0 and mask[start - 1]:
+            start -= 1
+        out.append((ids[:start].tolist(), ids[start:end].tolist()))
+    return out
 
 
-def decode(run: ProofRun, target_dir: Path, drafter_dir: Path, prompts_dir: Path, tokens_dir: Path) -> dict:
-    """The evaluate stage's decoding and metrics on the training prompts in `prompts_dir`, and the same figures on
-    the `exact` prompts alone: those whose greedy reply is token for token what the drafter was trained on."""
+def decode(run: ProofRun, target_dir: Path, drafter_dir: Path, tokens_dir: Path) -> dict:
+    """The evaluate stage's decoding and metrics on the memorised rows' last replies (memorised_replies), and the
+    same figures on the `exact` prompts alone: those whose greedy reply is token for token the trained one."""
     from dflashpipe.core.kernels import rows_first
     from dflashpipe.evaluate.evaluation import decode_prompts
     from dflashpipe.evaluate.metrics import eval_metrics
-    from dflashpipe.evaluate.prompts import HELD_OUT, TRAIN, eval_prompts
+    from dflashpipe.evaluate.prompts import HELD_OUT, EvalPrompt
     from dflashpipe.model import DFlashDrafter, TargetHead
     from dflashpipe.target.adapter import Target
     from dflashpipe.target.chat import load_chat_tokenizer
     from dflashpipe.tokens.shards import load_tokens
 
-    # as evaluate decodes: the decode kind's dtype, with the decoding form of the linear layers
-    target = Target.load(target_dir, "cpu", run.compute.target_dtype, decoding=True, kind="decode")
+    # as evaluate decodes: the dtype it trained in, with the decoding form of the linear layers
+    target = Target.load(target_dir, "cpu", run.compute.target_dtype, decoding=True)
     chat = load_chat_tokenizer(target_dir, run.template_kwargs)
     stop = frozenset(target.stop_token_ids(chat.tokenizer))
     head = TargetHead.of(target.model)
     drafter = rows_first(DFlashDrafter.from_pretrained(drafter_dir, head, dtype=target.dtype, attention="sdpa").eval())
-    prompts, _ = eval_prompts(prompts_dir, chat, run.samples, 1024, TRAIN)
+    replies = memorised_replies(load_tokens(tokens_dir))
     # eval_metrics' headline figures are the held-out split's: here the memorised prompts stand in that place.
-    prompts = [replace(p, split=HELD_OUT) for p in prompts]
+    prompts = [EvalPrompt(f"row-{i}", "proof", context, HELD_OUT) for i, (context, _) in enumerate(replies)]
     results = decode_prompts(target, drafter, prompts, run.max_new_tokens, sorted(stop))
-    data = load_tokens(tokens_dir)
-    exact = [r for r in results if _is_prefix(r.target.tokens, trained_reply(data, r.prompt.prompt_ids), stop)]
+    trained = {p.sample_id: reply for p, (_, reply) in zip(prompts, replies, strict=True)}
+    exact = [r for r in results if _is_prefix(r.target.tokens, trained[r.prompt.sample_id], stop)]
     block_size = drafter.config.block_size
     return {"all": eval_metrics(results, block_size)[0], "exact": eval_metrics(exact, block_size)[0]}
 
@@ -315,7 +334,7 @@ def memorise(
         with MISALIGNMENTS[arm]() if arm != ALIGNED else contextlib.nullcontext():
             metrics = train(run, target_dir, data / "tokens", out, count, root)
         trained = time.perf_counter()
-        decoded = decode(run, target_dir, out / "drafter", data / "regenerated", data / "tokens")
+        decoded = decode(run, target_dir, out / "drafter", data / "tokens")
         checkpoints.append(
             Checkpoint(
                 steps=count,

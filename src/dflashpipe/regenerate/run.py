@@ -9,10 +9,11 @@ one device (a device answers whole shards, so a shard's batches never depend on 
 through endpoints one prompt a request, `concurrency` in flight per endpoint, each reply put back in its place.
 
 A reply is kept as the token ids the target produced (the shard's `reply_ids` column), and a later turn's
-prompt is those ids followed by the template's text after the reply, encoded: the prompt is the very sequence
-tokenize will train on, with no reply decoded to text and encoded again into other tokens. Where that cannot be
-(a template that rewrites a reply) the conversation is kept as text alone and
-tokenize encodes it as it encodes the manifest's.
+prompt is those ids followed by the template's text after the reply, encoded (ChatTokenizer.generation_prompt,
+which tokenize builds its rows with): the prompt is the very sequence tokenize will train on, with no reply decoded
+to text and encoded again into other tokens. A template that renders an earlier turn otherwise than it was read
+(Qwen3's think blocks) starts the sequence again from its generation prompt; an endpoint that returns no ids keeps
+the conversation as text, which tokenize encodes as it encodes the manifest's.
 
 What cannot be answered ends the conversation there, counted by reason: leading assistant turns with no
 prompt are dropped (`no_prompt`); a turn whose prompt exceeds max_prompt_tokens (`prompt_too_long`) or
@@ -62,9 +63,6 @@ from dflashpipe.target.chat import ChatTokenizer, load_chat_tokenizer
 from dflashpipe.target.weights import weights_sha256
 
 SKIPPED_TURNS = ("no_prompt", "prompt_too_long", "empty_reply", "refused")
-REPLY_KIND = "decode"
-"""The kind of work (kernels.WORK_KINDS) whose dtype replies are made in here: decoding's, so that they are the
-replies the decoding target gives. The shards record the dtype (`settings.dtype`)."""
 DROPPED_SAMPLES = ("no_assistant_turn", "no_reply", "refused")
 """`refused`: the endpoint refused the conversation's first prompt (HTTP 400, e.g. over its max_model_len): the
 samples that *failed*; the other reasons are samples *skipped*. Every sample is one of replied (samples_out),
@@ -259,17 +257,11 @@ class _Conversation:
     """The template's rendering through the last reply's text: where the next prompt's own text starts."""
 
     def prompt(self, chat: ChatTokenizer) -> list[int]:
-        """The next turn's prompt: the sequence so far, then the template's text after it, encoded; or, for a
-        conversation kept as text, its rendering encoded whole (as tokenize encodes a text conversation)."""
-        text = chat.render(self.turns[: self.next_turn], add_generation_prompt=True)
-        encode = chat.backend.encode
-        if self.reply_ids and text.startswith(self.through):
-            ids = self.ids + encode(text[len(self.through) :], add_special_tokens=False).ids
-        else:
-            if self.reply_ids:  # the template rewrote an earlier reply: the conversation goes on as text
-                self.reply_ids = None
-            ids = encode(text, add_special_tokens=False).ids
-        self.through = text
+        """The next turn's prompt (ChatTokenizer.generation_prompt): the sequence so far extended, or the generation
+        prompt encoded whole; for a conversation kept as text, always whole (as tokenize encodes a text one)."""
+        ids, self.through, _ = chat.generation_prompt(
+            self.ids if self.reply_ids else [], self.through, self.turns[: self.next_turn]
+        )
         return ids
 
     def answered(self, prompt: list[int], answer: Answer) -> None:
@@ -493,7 +485,7 @@ def regenerate_manifest(
         from dflashpipe.target.dtype import compute_dtype  # torch, only where replies are made here
 
         devices = regenerate_devices(params.devices)
-        dtype = str(compute_dtype(devices[0], target_dtype, REPLY_KIND)).removeprefix("torch.")
+        dtype = str(compute_dtype(devices[0], target_dtype)).removeprefix("torch.")
         generator = {"engine": "in_process", "device_type": devices[0].partition(":")[0], "dtype": dtype}
     else:
         generator = {"engine": "endpoint", **served.to_json()}
@@ -532,7 +524,7 @@ def regenerate_manifest(
 
                 # one worker thread per target copy, sharing the cores with the others on the CPU
                 threads = thread_budget({"target": sum(d == "cpu" for d in devices)})
-                load = partial(Target.load, target_dir, target_dtype=target_dtype, decoding=True, kind=REPLY_KIND)
+                load = partial(Target.load, target_dir, target_dtype=target_dtype, decoding=True)
                 repliers = [InProcessReplier(load(d), threads, chat, params) for d in devices]
         # whole shards to each replier (a device, or the endpoints together): a shard's replies never depend on
         # how many there are; each shard is written here, in this thread, as it comes back

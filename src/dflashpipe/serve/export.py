@@ -16,7 +16,7 @@ def export_drafter(out_dir: Path | str, root: Path | str = ".") -> Path:
     files.json of what was written."""
     from dflashpipe.core.artifacts import atomic_directory, verify_file_listing, write_file_listing
     from dflashpipe.core.pipeline import EVAL_DETAIL, EVAL_METRICS, TARGET, TOKENS
-    from dflashpipe.train.card import LOCK_FILE, locked_train_params, provenance, read_json, write_model_card
+    from dflashpipe.train.card import LOCK_FILE, provenance, read_json, write_model_card
 
     root = Path(root)
     drafter = root / DRAFTER
@@ -31,9 +31,22 @@ def export_drafter(out_dir: Path | str, root: Path | str = ".") -> Path:
             tmp,
             target_dir=root / TARGET,
             tokens_dir=root / TOKENS,
-            params=locked_train_params(root),
+            params=trained_params(root),
             origin=provenance(root),
             evaluation=evaluation,
         )
         write_file_listing(tmp)
     return Path(out_dir)
+
+
+def trained_params(root: Path) -> dict:
+    """train's params as dvc.lock records them, with the dtype its record says it learnt in (the card's serve line)."""
+    from dflashpipe.core.metrics import read_record_at
+    from dflashpipe.core.pipeline import TRAIN_METRICS
+    from dflashpipe.train.card import locked_train_params
+
+    params = locked_train_params(root)
+    record = read_record_at(root / TRAIN_METRICS) or {}
+    if "target_dtype" in record:
+        params["compute"] = {**params.get("compute", {}), "trained_in": record["target_dtype"]}
+    return params

@@ -269,7 +269,7 @@ def served_check(
     drafter_dir, p = Path(drafter_dir), inputs.evaluate
     fix = f"restore it with `dvc checkout {drafter_dir}` or retrain with `dvc repro -f train`"
     verify_file_listing(drafter_dir, fix, SourceError)
-    target = Target.load(target_dir, "cpu", inputs.compute.target_dtype, decoding=True, kind="decode")
+    target = Target.load(target_dir, "cpu", inputs.compute.target_dtype, decoding=True)
     drafter = DFlashDrafter.from_pretrained(
         drafter_dir, TargetHead.of(target.model), dtype=target.dtype, attention="sdpa"
     ).eval()

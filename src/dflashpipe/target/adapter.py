@@ -62,14 +62,12 @@ class Target:
         self._decoder_cache = cache_keyword(self.decoder)
 
     @classmethod
-    def load(
-        cls, target_dir: Path | str, device: Any, target_dtype: str, decoding: bool = False, kind: str = "batched"
-    ) -> Target:
-        """data/target/ on `device`, computing as `compute.target_dtype` = `target_dtype` says there for `kind` of
-        work (target.dtype.compute_dtype: `decode` for one sequence at a time, `batched` for the rest). `decoding`:
+    def load(cls, target_dir: Path | str, device: Any, target_dtype: str, decoding: bool = False) -> Target:
+        """data/target/ on `device`, computing as `compute.target_dtype` = `target_dtype` says there
+        (target.dtype.compute_dtype: one dtype per device, for every kind of work). `decoding`:
         it only decodes (regenerate, evaluate), so its linear layers take their fast form for few rows
         (kernels.rows_first); training, warmup and features keep torch's, and so their compiled graphs."""
-        model = load_materialised_target(target_dir, device, compute_dtype(device, target_dtype, kind))
+        model = load_materialised_target(target_dir, device, compute_dtype(device, target_dtype))
         return cls(rows_first(model) if decoding else model)
 
     @classmethod

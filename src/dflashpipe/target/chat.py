@@ -70,6 +70,23 @@ class ChatTokenizer:
         )
         return rendered[0]
 
+    def generation_prompt(
+        self, ids: list[int], through: str, turns: list[dict[str, str]]
+    ) -> tuple[list[int], str, bool]:
+        """The ids the target reads before answering after `turns`, their text (the generation prompt), and whether
+        they extend `ids`.
+
+        `ids` is the sequence so far (the last prompt and reply, as the target read and wrote them) and `through`
+        its text. Where the generation prompt starts with `through`, it extends `ids` by its text after it, encoded;
+        where the template renders the earlier turns otherwise than the target read them (Qwen3 drops the think
+        block it opened after an earlier generation prompt), it is encoded whole and the sequence starts again.
+        regenerate asks with these ids and tokenize builds its rows with them: one rule for both."""
+        text = self.render(turns, add_generation_prompt=True)
+        encode = self.backend.encode
+        if ids and text.startswith(through):
+            return ids + encode(text[len(through) :], add_special_tokens=False).ids, text, True
+        return encode(text, add_special_tokens=False).ids, text, False
+
 
 def load_chat_tokenizer(target_dir: Path | str, template_kwargs: dict[str, Any] | None = None) -> ChatTokenizer:
     """The target's tokenizer and template, rendering with `template_kwargs` (target.chat_template_kwargs)."""
@@ -141,6 +158,32 @@ class ReplyLocator:
     def __init__(self, chat: ChatTokenizer) -> None:
         self.chat = chat
         self.skeletons: dict[tuple[str, ...], list[str] | None] = {}
+        self.as_read: dict[tuple[str, ...], bool] = {}
+
+    def reads_as_prompted(self, roles: tuple[str, ...]) -> bool:
+        """Whether the rendering puts each reply right after the generation prompt the target answered it after
+        (ChatML: yes; Qwen3 with enable_thinking false: no, its history drops the think block its generation prompt
+        opens). Learnt once per role sequence from the skeleton; a template the skeleton cannot read: no."""
+        if roles not in self.as_read:
+            pieces = self._skeleton(roles)
+            turns = [{"role": r, "content": SENTINEL.format(j)} for j, r in enumerate(roles)]
+            self.as_read[roles] = pieces is not None and all(
+                self._prompt_is(
+                    turns[:a], "".join(p + t["content"] for p, t in zip(pieces[:a], turns[:a], strict=True)) + pieces[a]
+                )
+                for a, role in enumerate(roles)
+                if role == "assistant"
+            )
+        return self.as_read[roles]
+
+    def _prompt_is(self, turns: list[dict[str, str]], text: str) -> bool:
+        """The generation prompt after `turns` is `text`; a template with no generation prompt (it renders the same
+        without) has only its rendering to be read by, so it counts as read as rendered."""
+        try:
+            prompt = self.chat.render(turns, add_generation_prompt=True)
+            return prompt == text or prompt == self.chat.render(turns)
+        except template_errors():
+            return False
 
     def spans(self, conversation: list[dict[str, str]], text: str) -> tuple[list[tuple[int, int]], str] | None:
         """The spans and how they were found (`skeleton` or `prefix`); None if the template hides a reply."""
@@ -152,7 +195,7 @@ class ReplyLocator:
                 start = pos + len(pieces[j])
                 pos = start + len(turn["content"])
                 if turn["role"] == "assistant":
-                    spans.append((start, pos + self._end_of_turn(pieces[j + 1], 0)))
+                    spans.append((start, pos + self.end_of_turn(pieces[j + 1], 0)))
             parts.append(pieces[-1])
             if "".join(parts) == text:
                 return spans, "skeleton"
@@ -199,11 +242,11 @@ class ReplyLocator:
             shown = next(
                 (c for c in (content, content.strip(), content.rstrip(), content.lstrip()) if reply.startswith(c)), ""
             )
-            end = self._end_of_turn(reply, len(shown))
+            end = self.end_of_turn(reply, len(shown))
             spans.append((len(head), len(head) + (end if end > len(shown) else len(reply))))
         return spans
 
-    def _end_of_turn(self, text: str, after: int) -> int:
+    def end_of_turn(self, text: str, after: int) -> int:
         """Where the end-of-turn token after `after` ends: the first special token, if only
         whitespace precedes it; else `after` (the reply has no end-of-turn token)."""
         match = self.chat.special.search(text, after)

@@ -174,10 +174,12 @@ class SampleEncoder:
         for (sample_id, source, text, conversation, replies, spans, method), encoding in zip(
             pending, encodings, strict=True
         ):
-            if replies and method == "skeleton" and len(replies) == len(spans):
-                ids, token_spans = self._carried(text, conversation, replies, spans)
-                stats.retokenized_differently += ids != encoding.ids
-                self._add_row(rows, stats, sample_id, source, ids, token_spans, "carried")
+            carried = bool(replies) and len(replies) == len(spans)
+            roles = tuple(turn["role"] for turn in conversation)
+            if method == "skeleton" and (carried or not self.locator.reads_as_prompted(roles)):
+                ids, token_spans = self._as_read(text, conversation, replies if carried else None, spans)
+                stats.retokenized_differently += carried and ids != encoding.ids
+                self._add_row(rows, stats, sample_id, source, ids, token_spans, "carried" if carried else "as_read")
                 continue
             length = len(encoding)
             # Token ranges of the replies, [first, last + 1): the tokens holding a reply's first and
@@ -190,22 +192,44 @@ class SampleEncoder:
             self._add_row(rows, stats, sample_id, source, encoding.ids, token_spans, method)
         return rows, stats
 
-    def _carried(
-        self, text: str, conversation: list[dict[str, str]], replies: list[list[int]], spans: list[tuple[int, int]]
+    def _as_read(
+        self,
+        text: str,
+        conversation: list[dict[str, str]],
+        replies: list[list[int]] | None,
+        spans: list[tuple[int, int]],
     ) -> tuple[list[int], list[tuple[int, int]]]:
-        """The row of a sample whose replies are the target's ids: the text around them encoded piece by piece,
-        and each reply's token range with its end-of-turn token (the piece after it, as far as the span goes)."""
+        """The row as the target read it: each reply after its generation prompt (ChatTokenizer.generation_prompt,
+        regenerate's rule), as its ids (the target's own, or its text encoded) with its end-of-turn token, then the
+        rendering's text after the last reply. Where a generation prompt starts the sequence again (the template
+        renders an earlier turn otherwise than it was read), the replies before it are no longer in the row: a
+        server never shows the drafter the context they were written in. One row, the last reply's context: no
+        token more than the rendering; the cost is those replies' supervision (docs/pipeline.md)."""
         encode = self.chat.backend.encode
-        contents = [turn["content"] for turn in conversation if turn["role"] == "assistant"]
-        ids = list(encode(text[: spans[0][0]], add_special_tokens=False).ids)
-        token_spans = []
-        for k, ((start, end), content, reply) in enumerate(zip(spans, contents, replies, strict=True)):
-            stop = start + len(content)  # the skeleton placed the reply's text verbatim here
-            after = encode(text[stop : spans[k + 1][0] if k + 1 < len(spans) else len(text)], add_special_tokens=False)
-            end_of_turn = sum(1 for first, _ in after.offsets if first < end - stop)
-            token_spans.append((len(ids), len(ids) + len(reply) + end_of_turn))
-            ids += [*reply, *after.ids]
-        return ids, token_spans
+        assistant = [i for i, turn in enumerate(conversation) if turn["role"] == "assistant"]
+        ids: list[int] = []
+        through, token_spans = "", []
+        for k, i in enumerate(assistant):
+            ids, prompt, extends = self.chat.generation_prompt(ids, through, conversation[:i])
+            if not extends:
+                token_spans = []
+            elif token_spans:  # the previous reply's end-of-turn token opens the text after it
+                self._end_turn(token_spans, prompt[len(through) :])
+            content = conversation[i]["content"]
+            reply = list(replies[k]) if replies is not None else encode(content, add_special_tokens=False).ids
+            token_spans.append((len(ids), len(ids) + len(reply)))
+            ids += reply
+            through = prompt + content
+        after = text[spans[-1][0] + len(conversation[assistant[-1]]["content"]) :]
+        self._end_turn(token_spans, after)
+        return ids + encode(after, add_special_tokens=False).ids, token_spans
+
+    def _end_turn(self, token_spans: list[tuple[int, int]], after: str) -> None:
+        """The last span, through the end-of-turn token that opens `after` (none: as it is)."""
+        end = self.locator.end_of_turn(after, 0)
+        if end:
+            first, stop = token_spans[-1]
+            token_spans[-1] = (first, stop + len(self.chat.backend.encode(after[:end], add_special_tokens=False).ids))
 
     def _add_row(self, rows, stats, sample_id, source, ids, token_spans, method) -> None:
         params = self.params

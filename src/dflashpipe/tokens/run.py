@@ -223,7 +223,13 @@ def tokenize_manifest(
 
     total = output.total(empty_stats())
     entries = output.entries(lambda stats: stats.samples_out)
-    summary = {"length_histogram_max_tokens": length_edges(params.max_length), **total.to_json(), "shards": entries}
+    summary = {
+        "length_histogram_max_tokens": length_edges(params.max_length),
+        **total.to_json(),
+        # what the rows were rendered with: a server must render its prompts with the same (the drafter's card)
+        "chat_template_kwargs": chat.chosen_kwargs,
+        "shards": entries,
+    }
     output.finish(summary)
     run = TokenizeRun(
         summary,

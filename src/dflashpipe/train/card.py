@@ -121,6 +121,7 @@ def model_card(
         for name, c in sorted(per_source.items())
     )
     spec_tokens = block_size - 1 if isinstance(block_size, int) else "BLOCK_SIZE - 1"
+    served = _served_as_trained(tokens, params)
     lines = [
         "---",
         _yaml(front),
@@ -183,13 +184,27 @@ def model_card(
         "python -m vllm.entrypoints.openai.api_server --model TARGET --speculative-config \\",
         "    '"
         + json.dumps({"method": "dflash", "model": "path/to/this/directory", "num_speculative_tokens": spec_tokens})
-        + "'",
+        + "'"
+        + "".join(f" \\\n    {flag}" for flag in served),
         "python -m sglang.launch_server --model-path TARGET --speculative-algorithm DFLASH \\",
         f"    --speculative-draft-model-path path/to/this/directory --speculative-num-draft-tokens {block_size}",
         "```",
         "",
     ]
     return "\n".join(lines)
+
+
+def _served_as_trained(tokens: dict[str, Any], params: dict[str, Any]) -> list[str]:
+    """vLLM's flags that serve the drafter as it was trained: the numerics it learnt in and the chat template's
+    arguments its rows were rendered with (a Qwen3 served without `enable_thinking: false` thinks, and its drafter,
+    trained on replies without thinking, drafts for another text)."""
+    flags = []
+    trained_in = (params.get("compute") or {}).get("trained_in")
+    if trained_in:
+        flags.append(f"--dtype {trained_in}")
+    if tokens.get("chat_template_kwargs"):
+        flags.append(f"--default-chat-template-kwargs '{json.dumps(tokens['chat_template_kwargs'], sort_keys=True)}'")
+    return flags
 
 
 def _evaluation_lines(evaluation: dict[str, Any] | None) -> list[str]:

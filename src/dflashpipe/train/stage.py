@@ -130,6 +130,8 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
     metrics["compile"]["replicas"] = trainer.replica_compiles(by_replica)
     metrics["threads"] = trainer.threads.to_json()
     metrics["run_length"] = length.to_json()
+    # the numerics the drafter learnt in (compute.target_dtype resolved here): evaluate says when it judges in others
+    metrics["target_dtype"] = str(trainer.targets[0].dtype).removeprefix("torch.")
     if mismatches:  # before any output: a drafter from diverged replicas is no result
         raise diverged(mismatches)
     if topology.rank == 0:
@@ -184,6 +186,7 @@ def write_outputs(trainer: Trainer, inputs: TrainInputs, paths: TrainPaths, metr
         # train's inputs decide (no revision, no dvc.lock hash), so the same inputs give the same bytes
         trainer.replicas[0].drafter.save_pretrained(tmp, dtype=PUBLISHED_DTYPE)
         params = {name: asdict(getattr(inputs, name)) for name in ("model", "train", "compile", "topology")}
+        params["compute"] = {**asdict(inputs.compute), "trained_in": metrics["target_dtype"]}
         write_model_card(tmp, target_dir=paths.target, tokens_dir=paths.tokens, params=params)
         write_file_listing(tmp)  # evaluate checks the drafter against it before use
     write_plots(trainer.state.history, paths.metrics)
