@@ -42,10 +42,11 @@ def main() -> None:
     from dflashpipe.evaluate.evaluation import Decoding
     from dflashpipe.evaluate.metrics import bootstrap_interval, tau_paper, tau_per_request, tau_pooled
     from dflashpipe.evaluate.prompts import eval_prompts
-    from dflashpipe.evaluate.speculative import DFlashProposer, prefill, speculative_generate
+    from dflashpipe.evaluate.speculative import DFlashProposer, speculative_generate
     from dflashpipe.model import DFlashDrafter, TargetHead
     from dflashpipe.target.adapter import Target
     from dflashpipe.target.chat import load_chat_tokenizer
+    from dflashpipe.target.prefill import prefill
 
     device = torch.device("cpu")
     thread_budget({"decode": 1}).apply("decode", device)

@@ -17,15 +17,10 @@ from dflashpipe.evaluate import regression
 from dflashpipe.evaluate.evaluation import decode_prompts
 from dflashpipe.evaluate.metrics import slot_acceptance
 from dflashpipe.evaluate.prompts import eval_prompts
-from dflashpipe.evaluate.speculative import (
-    STEP_PARTS,
-    DFlashProposer,
-    prefill,
-    speculative_generate,
-    target_generate,
-)
+from dflashpipe.evaluate.speculative import STEP_PARTS, DFlashProposer, speculative_generate, target_generate
 from dflashpipe.model import DFlashDrafter, TargetHead, sample_anchor_positions, target_features
 from dflashpipe.target.adapter import stop_token_ids
+from dflashpipe.target.prefill import prefill
 from tests.conftest import copy_project, run, set_params
 from tests.tiny import manifest_params, source, tiny_model_params
 

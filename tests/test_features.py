@@ -3,6 +3,7 @@ shard under the incremental protocol, and train refuses features that do not fit
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -17,6 +18,7 @@ from dflashpipe.core.pipeline import StageKey
 from dflashpipe.features.packing import collate
 from dflashpipe.features.run import check_disk, compute_features
 from dflashpipe.features.shards import FeatureLayout, FeatureStore
+from dflashpipe.target.dtype import compute_dtype
 from dflashpipe.tokens.shards import load_tokens
 from dflashpipe.train.data import BatchPlan
 from tests.tiny import model_params
@@ -36,7 +38,7 @@ def offline(train_inputs, tmp_path_factory):
 def layout_for(train_inputs, model=MODEL) -> FeatureLayout:
     from transformers import AutoConfig
 
-    return FeatureLayout.of(AutoConfig.from_pretrained(train_inputs / "target"), model)
+    return FeatureLayout.of(AutoConfig.from_pretrained(train_inputs / "target"), model, compute_dtype("cpu", "auto"))
 
 
 def test_stored_features_are_what_the_online_trainer_computes_for_the_same_rows(train_inputs, offline):
@@ -116,7 +118,7 @@ def test_features_of_other_layers_are_refused_naming_the_shard_shapes_and_fix(tr
     message = str(caught.value)
     assert str(out / "train-chitchat-00000.safetensors") in message and "run `dvc repro features`" in message
     assert f"for layers {list(want.layer_ids)}" in message and "features of shape [" in message
-    longer = FeatureLayout(layout_for(train_inputs).layer_ids, want.hidden_size, MODEL.seq_len * 2)
+    longer = dataclasses.replace(layout_for(train_inputs), seq_len=MODEL.seq_len * 2)
     cut = rf"cut at {MODEL.seq_len} tokens, but the drafter reads .* cut at {MODEL.seq_len * 2}:"
     with pytest.raises(SourceError, match=cut):
         FeatureStore.load(out, train_inputs / "tokens", data, longer)
@@ -160,7 +162,9 @@ def test_the_summary_states_the_layout_and_the_bytes_a_token(train_inputs, offli
     data = load_tokens(train_inputs / "tokens")
     assert summary["layout"] == layout.to_json()
     assert summary["tokens"] == int(np.minimum(data.lengths, MODEL.seq_len).sum())
-    assert summary["bytes"] == summary["tokens"] * len(layout.layer_ids) * layout.hidden_size * 2
+    assert (
+        summary["bytes"] == summary["tokens"] * len(layout.layer_ids) * layout.hidden_size * layout.torch_dtype.itemsize
+    )
 
 
 def test_offline_training_trains_like_online_on_the_same_rows(train_inputs, offline):

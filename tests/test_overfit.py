@@ -18,12 +18,12 @@ import torch
 
 from dflashpipe.core.metrics import read_record_at
 from dflashpipe.core.params import load_params
-from dflashpipe.evaluate.speculative import prefill
 from dflashpipe.features.packing import collate
 from dflashpipe.model.mask import dense_mask
 from dflashpipe.proof.misalign import MISALIGNMENTS
 from dflashpipe.proof.run import ProofRun, memorise, prepared_data
 from dflashpipe.target.adapter import Target
+from dflashpipe.target.prefill import prefill
 from dflashpipe.train import loop
 from tests.conftest import ROOT
 from tests.tiny import VOCAB, random_batch, tiny_drafter, tiny_model_params, tiny_target, write_talking_target

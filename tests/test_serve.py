@@ -66,7 +66,8 @@ def served(tmp_path_factory, smollm2_tokenizer_dir) -> dict:
         for prompt in eval_prompts(work / "manifest", chat, p.num_prompts, p.max_prompt_tokens, split)[0]
     ]
     stop = target.stop_token_ids(chat.tokenizer)
-    from dflashpipe.evaluate.speculative import prefill, target_generate
+    from dflashpipe.evaluate.speculative import target_generate
+    from dflashpipe.target.prefill import prefill
 
     greedy = [target_generate(target, prefill(target, q.prompt_ids), MAX_NEW, ()).tokens for q in prompts]
     drafter = DFlashDrafter.for_target(target.model, chat.tokenizer, MODEL, torch.Generator().manual_seed(0))

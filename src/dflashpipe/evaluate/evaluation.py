@@ -36,16 +36,12 @@ from dflashpipe.evaluate.prompts import (
     render_prompt,
 )
 from dflashpipe.evaluate.prompts_file import DecodedPrompt, write_prompts_file
-from dflashpipe.evaluate.speculative import (
-    DFlashProposer,
-    prefill,
-    speculative_generate,
-    target_generate,
-)
+from dflashpipe.evaluate.speculative import DFlashProposer, speculative_generate, target_generate
 from dflashpipe.model import DFlashDrafter, TargetHead
 from dflashpipe.target.adapter import Target
 from dflashpipe.target.chat import ChatTokenizer
 from dflashpipe.target.dtype import compute_dtype
+from dflashpipe.target.prefill import prefill
 
 
 @dataclass(frozen=True)

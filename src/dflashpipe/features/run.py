@@ -24,7 +24,6 @@ from dflashpipe.core.errors import DflashpipeError
 from dflashpipe.core.incremental import SUMMARY_FILE, InputShard, ShardedOutput
 from dflashpipe.features.packing import collate, pack_rows
 from dflashpipe.features.shards import (
-    STORED_DTYPE,
     FeatureLayout,
     kept_lengths,
     refuse_distillation,
@@ -57,12 +56,13 @@ class FeaturesRun:
 def shard_features(
     target, data: TokenData, shard: int, layout: FeatureLayout, bar: tqdm | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
-    """Token shard `shard`'s features [tokens, width] bf16 and per-sequence offsets, with each forward's rate."""
+    """Token shard `shard`'s features [tokens, width] in the layout's dtype and per-sequence offsets, with each
+    forward's rate."""
 
     first, end = int(data.starts[shard]), int(data.starts[shard + 1])
     kept = kept_lengths(data.lengths[first:end], layout.seq_len)
     offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(kept)]).astype(np.int64))
-    out = torch.zeros(int(offsets[-1]), layout.width, dtype=STORED_DTYPE)
+    out = torch.zeros(int(offsets[-1]), layout.width, dtype=layout.torch_dtype)
     rows = pack_rows(range(first, end), data.lengths, layout.seq_len)
     rates = []
     device = target.device
@@ -79,7 +79,7 @@ def shard_features(
                 layout.layer_ids,
                 batch.document_ids.to(device),
                 batch.position_ids.to(device),
-            ).to("cpu", STORED_DTYPE)
+            ).to("cpu", layout.torch_dtype)
         real = sum(int(kept[i - first]) for row in chunk for i in row)
         rates.append(real / max(time.perf_counter() - began, 1e-9))
         for r, row in enumerate(chunk):
@@ -116,7 +116,7 @@ def compute_features(
 ) -> FeaturesRun:
     """Bring `out_dir` to one features shard per token shard (none when `mode` is online), then summary.json,
     then files.json. `key`: the stage's reuse key (pipeline.reuse_key("features")); None reuses nothing.
-    `target_dtype`: compute.target_dtype, what the target computes the features in (stored bf16 either way)."""
+    `target_dtype`: compute.target_dtype, what the target computes the features in and they are stored in."""
     from dflashpipe.tokens.shards import load_tokens
 
     began = time.perf_counter()
@@ -138,7 +138,9 @@ def compute_features(
     )
     from transformers import AutoConfig
 
-    layout = FeatureLayout.of(AutoConfig.from_pretrained(target_dir), model)
+    from dflashpipe.target.dtype import compute_dtype
+
+    layout = FeatureLayout.of(AutoConfig.from_pretrained(target_dir), model, compute_dtype(device, target_dtype))
     todo = [i for i, n in enumerate(names) if n in set(output.todo)]
 
     def kept(i: int) -> int:

@@ -3,13 +3,13 @@
 What is stored, for each sequence of a token shard, is exactly what the online trainer hands the
 drafter for it: the chosen layers' hidden states (`dflashpipe.target.hidden_states.target_layer_features`) of its
 first `model.seq_len` tokens (train cuts a longer sequence there), the document attending only
-within itself, computed in the target's compute dtype and stored as bfloat16 (2 bytes x layers x
-hidden a token: 2,304 bytes on SmolLM2-135M with 2 layers; 40 KB on Qwen3-8B with 5, which is why
-the 8-GPU profile stays online). Sequences are packed into rows of `seq_len` to compute them, as
-train packs them (dflashpipe.features.packing); each document sees only itself, so how they were packed does not
-decide what is stored for it.
+within itself, computed and stored in the target's compute dtype (compute.target_dtype), the numerics decoding
+hands the drafter too (bfloat16 on a GPU: 2 bytes x layers x hidden a token, 40 KB on Qwen3-8B with 5 layers, which
+is why the 8-GPU profile stays online; float32 on a CPU). Sequences are packed into rows of `seq_len` to compute
+them, as train packs them (dflashpipe.features.packing); each document sees only itself, so how they were packed
+does not decide what is stored for it.
 
-A shard is a safetensors file: `features` [tokens, layers x hidden] bfloat16 and `offsets`
+A shard is a safetensors file: `features` [tokens, layers x hidden] in the layout's dtype and `offsets`
 [sequences + 1] int64, with the key, the input token shard, the layout and the sha256 of both
 tensors in its metadata. It follows the incremental protocol (dflashpipe.core.incremental): a shard is
 reused only under the key it was written for and only if it hashes to what it stored, so growing
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from dflashpipe.core.params import ModelParams
     from dflashpipe.tokens.shards import TokenData
 
-STORED_DTYPE = torch.bfloat16
+SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float32": "F32"}
 METADATA_KEY = "dflashpipe.features"
 FIX = "run `dvc repro features`"
 
@@ -52,14 +52,19 @@ class FeatureLayout:
     hidden_size: int
     seq_len: int
     dtype: str = "bfloat16"
+    """The target's compute dtype, stored as computed."""
 
     @property
     def width(self) -> int:
         return len(self.layer_ids) * self.hidden_size
 
     @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
     def bytes_per_token(self) -> int:
-        return self.width * STORED_DTYPE.itemsize
+        return self.width * self.torch_dtype.itemsize
 
     def to_json(self) -> dict:
         return {**asdict(self), "layer_ids": list(self.layer_ids)}
@@ -69,12 +74,12 @@ class FeatureLayout:
         return cls(tuple(int(i) for i in raw["layer_ids"]), int(raw["hidden_size"]), int(raw["seq_len"]), raw["dtype"])
 
     @classmethod
-    def of(cls, target_config: Any, model: ModelParams) -> FeatureLayout:
-        """The layout the drafter that `model` describes reads from this target."""
+    def of(cls, target_config: Any, model: ModelParams, dtype: torch.dtype) -> FeatureLayout:
+        """The layout the drafter that `model` describes reads from this target computing in `dtype`."""
         from dflashpipe.model.config import target_layer_ids_for, text_config
 
         ids = target_layer_ids_for(target_config, model)
-        return cls(tuple(ids), text_config(target_config).hidden_size, model.seq_len)
+        return cls(tuple(ids), text_config(target_config).hidden_size, model.seq_len, str(dtype).removeprefix("torch."))
 
 
 def refuse_distillation(model: ModelParams) -> None:
@@ -100,7 +105,7 @@ def kept_lengths(lengths: np.ndarray, seq_len: int) -> np.ndarray:
 def _tensors_sha256(features: torch.Tensor, offsets: torch.Tensor) -> str:
     h = hashlib.sha256()
     h.update(np.ascontiguousarray(offsets.numpy()))
-    h.update(np.ascontiguousarray(features.view(torch.int16).numpy()))
+    h.update(np.ascontiguousarray(features.view({2: torch.int16, 4: torch.int32}[features.element_size()]).numpy()))
     return h.hexdigest()
 
 
@@ -185,11 +190,12 @@ class FeatureStore:
             shape = handle.get_slice("features").get_shape()
             kept = kept_lengths(data.lengths[int(data.starts[k]) : int(data.starts[k + 1])], layout.seq_len)
             want = [int(kept.sum()), layout.width]
-            if found != layout or list(shape) != want or handle.get_slice("features").get_dtype() != "BF16":
+            stored = handle.get_slice("features").get_dtype()
+            if found != layout or list(shape) != want or stored != SAFETENSORS_DTYPES[layout.dtype]:
                 raise SourceError(
-                    f"{path}: features of shape {list(shape)} ({handle.get_slice('features').get_dtype()}) for target "
-                    f"layers {list(found.layer_ids)} cut at {found.seq_len} tokens, but the drafter reads {want} "
-                    f"(BF16) for layers {list(layout.layer_ids)} cut at {layout.seq_len}: {FIX}"
+                    f"{path}: features of shape {list(shape)} ({stored}) for target layers {list(found.layer_ids)} cut "
+                    f"at {found.seq_len} tokens, but the drafter reads {want} ({SAFETENSORS_DTYPES[layout.dtype]}) for "
+                    f"layers {list(layout.layer_ids)} cut at {layout.seq_len}: {FIX}"
                 )
             if meta["input"]["sha256"] != tokens["sha256"]:
                 raise SourceError(f"{path}: computed from another {tokens['file']} than data/tokens holds: {FIX}")

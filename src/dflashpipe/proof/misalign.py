@@ -99,6 +99,16 @@ def _other_mask_token():
     return _patched(DFlashDrafter, "_block_ids", _block_ids)
 
 
+@contextlib.contextmanager
+def trained_misaligned(name: str) -> Iterator[None]:
+    """Train under misalignment `name` with train's parity check off: the proof judges a broken trainer by what its
+    drafter decodes, a guard of its own beside parity, which would stop most of them before their first step."""
+    from dflashpipe.train import parity, stage
+
+    with MISALIGNMENTS[name](), _patched(stage, "check_parity", lambda trainer: parity.Parity(checked=False)):
+        yield
+
+
 MISALIGNMENTS: dict[str, Callable[[], AbstractContextManager[None]]] = {
     "labels": _shifted_labels,
     "context_mask": _context_mask_sees_anchor,

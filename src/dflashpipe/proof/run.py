@@ -323,7 +323,7 @@ def memorise(
     """Train to each of `steps` in turn and decode after each. The data is prepared once per data key
     (prepared_data) and shared by every arm; each arm trains beside it, in `work/data-<key>/<arm>`, a misaligned
     one under its patch (proof.misalign), which breaks training alone: decoding stays the evaluate stage's."""
-    from dflashpipe.proof.misalign import MISALIGNMENTS
+    from dflashpipe.proof.misalign import trained_misaligned
 
     data = prepared_data(run, target_dir, work, root)
     lengths = memorised_lengths(run, data)
@@ -331,7 +331,7 @@ def memorise(
     checkpoints = []
     for count in steps:
         began = time.perf_counter()
-        with MISALIGNMENTS[arm]() if arm != ALIGNED else contextlib.nullcontext():
+        with trained_misaligned(arm) if arm != ALIGNED else contextlib.nullcontext():
             metrics = train(run, target_dir, data / "tokens", out, count, root)
         trained = time.perf_counter()
         decoded = decode(run, target_dir, out / "drafter", data / "tokens")

@@ -18,14 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflashpipe.evaluate.speculative import (
-    DFlashProposer,
-    accepted_proposals,
-    captured_features,
-    layer_capture,
-    prefill,
-)
+from dflashpipe.evaluate.speculative import DFlashProposer, accepted_proposals
 from dflashpipe.target.adapter import Target
+from dflashpipe.target.prefill import captured_features, layer_capture, prefill
 
 
 @dataclass(frozen=True)

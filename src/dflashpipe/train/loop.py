@@ -139,6 +139,17 @@ class Trainer:
             rep.optimizer.load_state_dict(copy.deepcopy(checkpoint.optimizer))
         self.state = checkpoint.state
 
+    def target_side(
+        self, rows: list[list[int]], batch: Batch, anchors: torch.Tensor, target: Target | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What training hands the drafter from the target for the collated `rows`: what the features stage stored
+        for their sequences (offline), or `target`'s pass over them (online), with distillation's targets."""
+        drafter = self.replicas[0].drafter
+        if self.features is not None:
+            return self.features.rows(rows, drafter.feature_dtype), None
+        layer_ids = drafter.config.target_layer_ids
+        return target_inputs(target or self.targets[0], batch, anchors, layer_ids, self.inputs.model)
+
     def held_out(self) -> HeldOut | None:
         """The held-out sequences' step inputs on replica 0's device, their features computed now (in the main
         thread, before any worker starts), or None when none are held out."""
@@ -156,11 +167,7 @@ class Trainer:
             anchors, valid = sample_anchor_positions(
                 batch.loss_mask, p.model.num_anchors, generator, batch.document_ids
             )
-            if self.features is not None:
-                features, target_hidden = self.features.rows(part, drafter.feature_dtype), None
-            else:
-                layer_ids = drafter.config.target_layer_ids
-                features, target_hidden = target_inputs(self.targets[0], batch, anchors, layer_ids, p.model)
+            features, target_hidden = self.target_side(part, batch, anchors)
             inputs = step_inputs(batch, features, anchors, valid, target_hidden)
             chunks.append(inputs.to(device, drafter.feature_dtype))
         return HeldOut(chunks, len(ids))
@@ -232,7 +239,6 @@ class Trainer:
         target = self.targets[t]
         self.threads.apply("target", target.device)
         p = self.inputs
-        layer_ids = self.replicas[0].drafter.config.target_layer_ids
         for step, r, release in run.target_items(t):
             rows = self.plan.rows(step, self.topology.rank, r)
             batch = collate(self.data, rows, p.model.seq_len, self.pad_id)
@@ -244,10 +250,7 @@ class Trainer:
                 batch.document_ids,
             )
             dtype = self.replicas[r].drafter.feature_dtype
-            if self.features is None:
-                features, target_hidden = target_inputs(target, batch, anchors, layer_ids, p.model)
-            else:  # offline: what the features stage stored for these rows' sequences
-                features, target_hidden = self.features.rows(rows, dtype), None
+            features, target_hidden = self.target_side(rows, batch, anchors, target)
             drafter_device = self.replicas[r].device
             features = features.to(drafter_device, dtype)
             if target_hidden is not None:

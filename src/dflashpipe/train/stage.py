@@ -32,6 +32,7 @@ from dflashpipe.train.data import run_length
 from dflashpipe.train.loop import Trainer, decay_start, lr_at
 from dflashpipe.train.metrics import LiveCurves, train_metrics, write_plots
 from dflashpipe.train.nodes import join
+from dflashpipe.train.parity import check_parity
 from dflashpipe.train.state import TrainInputs
 from dflashpipe.train.topology import Topology, check_topology, train_threads
 
@@ -61,7 +62,9 @@ def offline_features(inputs: TrainInputs, paths: TrainPaths, data, target) -> Fe
     refuse_distillation(inputs.model)
     if paths.features is None:
         raise DflashpipeError("features.mode is offline, but no features directory was given")
-    return FeatureStore.load(paths.features, paths.tokens, data, FeatureLayout.of(target.config, inputs.model))
+    return FeatureStore.load(
+        paths.features, paths.tokens, data, FeatureLayout.of(target.config, inputs.model, target.dtype)
+    )
 
 
 def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, compile_key: StageKey | None) -> dict:
@@ -75,6 +78,7 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
     key = checkpoint_key(key, topology.world_size, [*topology.targets, *topology.drafters])
     paths.state.mkdir(parents=True, exist_ok=True)  # a declared output, even when no checkpoint is due
     trainer, compile_note = load_trainer(inputs, paths, topology, key, compile_key)
+    parity = check_parity(trainer)  # before any step: a drafter taught other inputs than decoding's is no result
     length = run_length(inputs.train, trainer.plan)
     if length.epochs and topology.rank == 0:
         print(
@@ -130,6 +134,7 @@ def train_drafter(inputs: TrainInputs, paths: TrainPaths, key: StageKey | None, 
     metrics["compile"]["replicas"] = trainer.replica_compiles(by_replica)
     metrics["threads"] = trainer.threads.to_json()
     metrics["run_length"] = length.to_json()
+    metrics["parity"] = parity.to_json()
     # the numerics the drafter learnt in (compute.target_dtype resolved here): evaluate says when it judges in others
     metrics["target_dtype"] = str(trainer.targets[0].dtype).removeprefix("torch.")
     if mismatches:  # before any output: a drafter from diverged replicas is no result

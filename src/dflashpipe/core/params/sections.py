@@ -365,8 +365,8 @@ class FeaturesParams:
     mode: Literal["online", "offline"]
     """`online`: train runs the target on every batch, every epoch (no disk; the 8-GPU profile's choice, where
     the features of 1.1M samples would take ~45 TB). `offline`: the features stage computes them once per
-    token shard, stored bf16 in data/features (bytes a token: 2 x layers x hidden), and train reads them:
-    the target's cost is paid once, not once an epoch; growing the data computes only the new shards."""
+    token shard, stored as computed (compute.target_dtype: 2 or 4 bytes x layers x hidden a token), and train reads
+    them: the target's cost is paid once, not once an epoch; growing the data computes only the new shards."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
