@@ -504,6 +504,10 @@ def test_dvc_repro_evaluate_writes_metrics_that_dvc_shows(pipeline_run, tmp_path
     contract = metrics["contract"]  # float32: every prompt exact and equal to plain greedy decoding
     assert contract["departures"] == [] and contract["exact"] == contract["equal_to_plain"] == contract["prompts"] > 0
     assert "train_step" not in metrics  # the bench stage times the step now (tests/test_bench.py)
+    # judged in the numerics it learnt in, and train's parity held before its first step
+    trained = read_record_at(dvc_project / METRICS / "train" / "metrics.json")
+    assert metrics["setup"]["numerics"] == "as trained" and trained["target_dtype"] == metrics["setup"]["target_dtype"]
+    assert trained["parity"]["passed"] and trained["parity"]["labels_checked"] > 0
     for path in ("target", "speculative"):
         decode = Spread.read(metrics["decode_tokens_per_s"], path)
         assert decode is not None and decode.repeats >= 2, metrics["decode_tokens_per_s"]
@@ -524,6 +528,15 @@ def test_dvc_repro_evaluate_writes_metrics_that_dvc_shows(pipeline_run, tmp_path
     for name in ("decode_tokens_per_s", "train_tokens_per_s", "train_step_tokens_per_s"):
         figure = report["metrics"][name]  # both sides measured with repeats: the spreads (and controls) decide
         assert figure["verdict"] != "unmeasured" and min(figure["repeats"].values()) >= 2, (name, figure)
+
+
+def test_a_drafter_judged_in_other_numerics_than_it_learnt_in_is_said():
+    from dflashpipe.evaluate.evaluation import AS_TRAINED, numerics_note
+
+    assert numerics_note("float32", "float32") == AS_TRAINED
+    split = numerics_note("bfloat16", "float32")
+    assert split == "trained in bfloat16, judged in float32: not the numerics it learnt in"
+    assert numerics_note(None, "float32").startswith("trained in an unrecorded dtype")
 
 
 def test_a_proposal_accepted_too_many_fails_evaluate_naming_prompt_position_and_tokens(tiny, tmp_path, monkeypatch):

@@ -107,6 +107,27 @@ def test_a_template_that_rewrites_contents_is_masked_from_prefix_renders(smollm2
     assert stats.mask_method == {"prefix": 1}
 
 
+def test_a_reply_whose_generation_prompt_the_template_cannot_render_skips_its_sample_naming_the_turn(
+    smollm2_tokenizer_dir, tmp_path
+):
+    """A reply carried as the target's ids is trained after its generation prompt: a template that cannot render that
+    prompt (here for one conversation's second question) skips the sample, counted, with its id and turn."""
+    refusing = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{% if messages[-1]['content'] == 'boom' %}{{ raise_exception('no prompt') }}"
+        "{% endif %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    chat = load_chat_tokenizer(with_template(smollm2_tokenizer_dir, tmp_path / "tok", refusing))
+    ids = chat.backend.encode("fine, thanks", add_special_tokens=False).ids
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "fine, thanks"}]
+    boom = [*turns, {"role": "user", "content": "boom"}, {"role": "assistant", "content": "fine, thanks"}]
+    samples = [("a/ok", "a", turns, [ids]), ("a/boom", "a", boom, [ids, ids])]
+    rows, stats = SampleEncoder(chat, PARAMS).encode(samples)
+    assert rows.ids == ["a/ok"] and stats.skipped == {"template_error": 1}
+    assert stats.skipped_examples["template_error"][0].startswith("a/boom: turn 3: the template renders no generation")
+    assert stats.samples_in == stats.samples_out + sum(stats.skipped.values()) == 2
+
+
 def test_every_skipped_sample_is_counted_by_reason(smollm2_tokenizer_dir, tmp_path):
     raising = (
         "{% for m in messages %}{% if m['content'] == 'boom' %}{{ raise_exception('no boom') }}{% endif %}"

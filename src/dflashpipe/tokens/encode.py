@@ -32,6 +32,10 @@ SKIP_REASONS = (
 EXAMPLES_PER_REASON = 3
 
 
+class UnrenderedPrompt(Exception):
+    """The template cannot render the generation prompt before a reply: the sample is skipped, counted."""
+
+
 def length_edges(max_length: int) -> list[int]:
     """Upper bounds of the length histogram's bins: powers of two from 64, then max_length."""
     edges, edge = [], 64
@@ -176,9 +180,15 @@ class SampleEncoder:
         ):
             carried = bool(replies) and len(replies) == len(spans)
             roles = tuple(turn["role"] for turn in conversation)
-            if method == "skeleton" and (carried or not self.locator.reads_as_prompted(roles)):
-                ids, token_spans = self._as_read(text, conversation, replies if carried else None, spans)
-                stats.retokenized_differently += carried and ids != encoding.ids
+            as_rendered = self.locator.reads_as_prompted(roles)
+            if method == "skeleton" and (carried or not as_rendered):
+                try:
+                    ids, token_spans = self._as_read(text, conversation, replies if carried else None, spans)
+                except UnrenderedPrompt as exc:
+                    stats.skip(source, "template_error", f"{sample_id}: {exc}")
+                    continue
+                # against the rendering encoded whole, where the row is that rendering (not started again)
+                stats.retokenized_differently += carried and as_rendered and ids != encoding.ids
                 self._add_row(rows, stats, sample_id, source, ids, token_spans, "carried" if carried else "as_read")
                 continue
             length = len(encoding)
@@ -210,7 +220,10 @@ class SampleEncoder:
         ids: list[int] = []
         through, token_spans = "", []
         for k, i in enumerate(assistant):
-            ids, prompt, extends = self.chat.generation_prompt(ids, through, conversation[:i])
+            try:
+                ids, prompt, extends = self.chat.generation_prompt(ids, through, conversation[:i])
+            except template_errors() as exc:
+                raise UnrenderedPrompt(f"turn {i}: the template renders no generation prompt ({exc})") from None
             if not extends:
                 token_spans = []
             elif token_spans:  # the previous reply's end-of-turn token opens the text after it
