@@ -131,6 +131,8 @@ MEASURED = frozenset(
     }
 )
 """Keys (at any depth of a JSON output) and plot names whose values are measurements of time."""
+TIMED_VERDICTS = ("metrics/eval_regression.json", "metrics/detail/eval_regression.json")
+"""Files whose `verdict` judges timed figures (a throughput regression beyond noise): measured too."""
 
 COMPILED_KERNELS = ("data/compile/inductor/", "data/train-state/inductor-cache/")
 """Inductor caches: the same cache keys from the same inputs, but not the same bytes (the C++ compiler's
@@ -155,7 +157,9 @@ def comparable(name: str, data: bytes):
         return None if Path(name).stem in MEASURED else data
     if name.endswith(".json"):
         value = json.loads(data)
-        return sorted({cache_key(k) for k in value}) if name.endswith("/files.json") else _without_measured(value)
+        if name.endswith("/files.json"):
+            return sorted({cache_key(k) for k in value})
+        return _without_measured(value, MEASURED | {"verdict"} if name.endswith(TIMED_VERDICTS) else MEASURED)
     return data
 
 
@@ -164,13 +168,13 @@ def comparable_outputs(files: dict[str, bytes]) -> dict:
     return {cache_key(name): comparable(name, data) for name, data in files.items()}
 
 
-def _without_measured(value):
+def _without_measured(value, measured: frozenset[str] = MEASURED):
     if isinstance(value, dict) and set(value) == {"stage", "digest", "inputs"}:
         return _recorded_key(value)
     if isinstance(value, dict):
-        return {k: _without_measured(v) for k, v in value.items() if k not in MEASURED}
+        return {k: _without_measured(v, measured) for k, v in value.items() if k not in measured}
     if isinstance(value, list):
-        return [_without_measured(v) for v in value]
+        return [_without_measured(v, measured) for v in value]
     return value
 
 
